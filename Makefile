@@ -1,0 +1,55 @@
+# specserve: `make serve` and `make test` do all set-up on a fresh machine (idempotent `make setup`).
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_CPU := torch==2.13.0
+PYVER := $(shell python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+# libpython: the Triton python-backend stub links the system one; libb64: perf_analyzer.
+APT_PACKAGES := libpython$(PYVER) libb64-0d
+STAMP := $(VENV)/.specserve-setup
+MODEL := models/SmolLM2-135M-Instruct/model.safetensors
+VARIANTS ?= base,ngram
+PYTEST_ARGS ?=
+
+.PHONY: setup prepare serve test lint bench loadtest clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "apt-get install $$missing"; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$missing; \
+	fi
+	test -x $(PY) || python3 -m venv $(VENV)
+	@# A CUDA torch already present (GPU images) is kept; otherwise the pinned CPU build.
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_CPU)
+	$(PIP) install -q -e '.[test]'
+	touch $(STAMP)
+
+prepare: $(MODEL)
+
+$(MODEL): | $(STAMP)
+	$(VENV)/bin/specserve prepare
+
+serve: setup prepare
+	$(VENV)/bin/specserve serve --variants $(VARIANTS)
+
+lint: setup
+	$(VENV)/bin/ruff check backend kernels client tests
+
+test: setup prepare lint
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: setup prepare
+	mkdir -p results
+	$(VENV)/bin/specserve bench --algorithm none --dataset mtbench --num-prompts 20 --max-new-tokens 128 --json results/bench_none.json
+	$(VENV)/bin/specserve bench --algorithm none --dataset mtbench --num-prompts 20 --max-new-tokens 128 --batch-size 8 --no-hf --json results/bench_none_bs8.json
+
+loadtest: setup prepare
+	$(PY) -m specserve_client.loadtest --variant base --concurrency 1,2,4,8 --out results/loadtest
+
+clean:
+	rm -rf $(VENV) models results .pytest_cache .ruff_cache

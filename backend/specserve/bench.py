@@ -1,0 +1,128 @@
+"""`specserve bench`: side-by-side tokens/s on the same prompts, dtype and token budget.
+
+One run measures, in this order: HF transformers `generate()` (batch 1, greedy), our engine with
+algorithm=none (the baseline every speed-up is a ratio of), and, if asked, the speculative
+algorithm — checking that its greedy output equals `none`'s token for token (`lossless`).
+It also estimates the memory-bandwidth limit for batch 1 (weight bytes per token ÷ copy bandwidth).
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from dataclasses import replace
+
+import torch
+from tqdm import tqdm
+
+from specserve.config import EngineConfig, SamplingParams, SpecConfig
+from specserve.engine import Engine
+from specserve.prompts import load_questions, render_chat
+
+log = logging.getLogger(__name__)
+
+
+def copy_bandwidth_gbs(nbytes: int = 256 * 2**20, repeats: int = 10) -> float:
+    """Measured read bandwidth: a large tensor copy moves each byte in and out once."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    seconds = (time.perf_counter() - start) / repeats
+    return 2 * nbytes / seconds / 1e9 / 2  # read+write traffic, reported as the read half
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int, desc: str) -> dict:
+    params = SamplingParams(max_tokens=max_new_tokens)
+    engine.generate([prompts[0][:16]], SamplingParams(max_tokens=4))  # warm-up
+    start = time.perf_counter()
+    outs = []
+    bar = tqdm(total=len(prompts), desc=desc, unit="prompt")
+    ids = [engine.add_request(p, params) for p in prompts]
+    merged: dict[str, list[int]] = {i: [] for i in ids}
+    finals = {}
+    while engine.has_work():
+        for out in engine.step():
+            merged[out.request_id] += out.token_ids
+            if out.finished:
+                finals[out.request_id] = out
+                bar.update()
+    seconds = time.perf_counter() - start
+    bar.close()
+    outs = [merged[i] for i in ids]
+    tokens = sum(len(o) for o in outs)
+    steps = sum(finals[i].num_verify_steps for i in ids)
+    accepted = sum(finals[i].num_accepted_tokens for i in ids)
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "accept_length": (accepted + steps) / max(steps, 1),
+        "outputs": outs,
+    }
+
+
+def run_hf(model_dir: str, dtype: torch.dtype, prompts: list[list[int]], max_new_tokens: int, eos: tuple[int, ...]) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0])
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompts[0][:16]]), **{**kwargs, "max_new_tokens": 4})  # warm-up
+        start = time.perf_counter()
+        outs = []
+        for p in tqdm(prompts, desc="hf generate", unit="prompt"):
+            ids = model.generate(torch.tensor([p]), **kwargs)[0, len(p):].tolist()
+            outs.append(ids)
+        seconds = time.perf_counter() - start
+    tokens = sum(len(o) for o in outs)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "outputs": outs}
+
+
+def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_tokens: int, batch_size: int,
+              hf_baseline: bool = True) -> dict:
+    questions = load_questions(dataset, num_prompts)
+    base_engine = Engine(replace(config, spec=SpecConfig(algorithm="none")))
+    prompts = [base_engine.tokenizer.encode(render_chat(config.model_dir, q), add_special_tokens=False).ids
+               for q in questions]
+    report: dict = {
+        "algorithm": config.spec.algorithm,
+        "dataset": dataset,
+        "num_prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "batch_size": batch_size,
+        "dtype": config.dtype,
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
+    }
+    hf = None
+    if hf_baseline:
+        hf = run_hf(config.model_dir, config.torch_dtype, prompts, max_new_tokens, base_engine.eos_ids)
+        report["hf_tokens_per_s"] = round(hf["tokens_per_s"], 2)
+    base = run_engine(base_engine, prompts, max_new_tokens, "none")
+    report["baseline_tokens_per_s"] = round(base["tokens_per_s"], 2)
+    if hf is not None:
+        report["none_vs_hf"] = round(base["tokens_per_s"] / hf["tokens_per_s"], 3)
+        report["hf_same_output"] = sum(a == b for a, b in zip(hf["outputs"], base["outputs"])) / len(prompts)
+    if batch_size == 1:
+        weight_bytes = sum(p.numel() * p.element_size() for p in base_engine.model.parameters())
+        bw = copy_bandwidth_gbs()
+        report["weight_bytes"] = weight_bytes
+        report["copy_bandwidth_gbs"] = round(bw, 2)
+        report["bandwidth_limit_tokens_per_s"] = round(bw * 1e9 / weight_bytes, 2)
+        report["fraction_of_bandwidth_limit"] = round(base["tokens_per_s"] / report["bandwidth_limit_tokens_per_s"], 3)
+    del base_engine
+    if config.spec.algorithm == "none":
+        run = base
+    else:
+        run = run_engine(Engine(config), prompts, max_new_tokens, config.spec.algorithm)
+    report.update(
+        tokens_per_s=round(run["tokens_per_s"], 2),
+        accept_length=round(run["accept_length"], 3),
+        speedup=round(run["tokens_per_s"] / base["tokens_per_s"], 3),
+        lossless=run["outputs"] == base["outputs"],
+        tokens=run["tokens"],
+    )
+    return report

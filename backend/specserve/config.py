@@ -1,0 +1,182 @@
+"""Frozen configuration, built once at the edge (CLI flags, config.pbtxt parameters, HF config.json).
+
+Nothing below the edge reads raw dicts or environment variables: it receives one of these.
+Validation errors are `ValueError`s whose message starts with the offending field's name, so a
+server can hand them back to the client unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+ALGORITHMS = ("none", "ngram", "eagle", "eagle3", "mtp", "standalone")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The target's architecture, read from an HF `config.json` (Llama family; Qwen2 adds qkv bias)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model_dir: no config.json in {model_dir}")
+        cfg = json.loads(path.read_text())
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in ("llama", "qwen2", "mistral"):
+            raise ValueError(f"model_type: {model_type!r} is not supported (llama, qwen2, mistral)")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        if rope.get("rope_type", "default") not in ("default", None):
+            raise ValueError(f"rope_parameters: rope_type {rope.get('rope_type')!r} is not supported")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        num_heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+    def default_aux_layers(self) -> tuple[int, int, int]:
+        """EAGLE-3's fused target layers: the inputs of layers 2, N/2 and N-3."""
+        n = self.num_layers
+        return (2, n // 2, n - 3)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters. temperature == 0 means greedy."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens: must be a positive integer, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k: must be >= 0 (0 disables it), got {self.top_k!r}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: must be in [0, max_tokens], got {self.min_tokens!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop: every stop string must be a non-empty string")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding knobs; one name per concept, as SGLang names them.
+
+    num_steps: draft depth; topk: branching per step; num_draft_tokens: tree size verified,
+    root included. `for_model` fills unset values with SGLang's defaults.
+    """
+
+    algorithm: str = "none"
+    num_steps: int = 0
+    topk: int = 0
+    num_draft_tokens: int = 0
+    drafter_path: str | None = None
+    # NGRAM (SGLang's names and defaults, REFERENCE.md §3)
+    ngram_min_match_window: int = 1
+    ngram_max_match_window: int = 12
+    ngram_min_bfs_breadth: int = 1
+    ngram_max_bfs_breadth: int = 10
+    ngram_match_type: str = "BFS"
+    ngram_branch_length: int = 18
+    ngram_capacity: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm: {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+        for name in ("num_steps", "topk", "num_draft_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.ngram_match_type not in ("BFS", "PROB"):
+            raise ValueError(f"ngram_match_type: must be BFS or PROB, got {self.ngram_match_type!r}")
+
+    def resolved(self) -> SpecConfig:
+        """Fill unset (0) values with SGLang's defaults: Llama (5, 4, 8); NGRAM 12 draft tokens."""
+        if self.algorithm == "none":
+            return SpecConfig(algorithm="none", num_steps=0, topk=1, num_draft_tokens=1)
+        if self.algorithm == "ngram":
+            n = self.num_draft_tokens or 12
+            return replace(self, num_draft_tokens=n, num_steps=self.num_steps or n - 1, topk=self.topk or 1)
+        steps, topk = self.num_steps or 5, self.topk or 4
+        n = self.num_draft_tokens or (steps + 1 if topk == 1 else 8)
+        if topk == 1:
+            n = steps + 1
+        return replace(self, num_steps=steps, topk=topk, num_draft_tokens=n)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine is built from.
+
+    max_batch_size: KV-cache slots, i.e. requests decoded together; more wait in a queue.
+    max_seq_len: prompt + generated tokens per request (the cache is slots × max_seq_len).
+    """
+
+    model_dir: str
+    max_batch_size: int = 8
+    max_seq_len: int = 2048
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_batch_size <= 0:
+            raise ValueError(f"max_batch_size: must be positive, got {self.max_batch_size}")
+        if self.max_seq_len <= 0:
+            raise ValueError(f"max_seq_len: must be positive, got {self.max_seq_len}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,61 @@
+"""The drafter interface the engine talks to.
+
+A drafter proposes one `DraftTree` per running request before each verify forward, and is told
+which nodes were accepted afterwards. It does not know about KV-cache slots, sampling or
+tokenization; model-based drafters (EAGLE, MTP) read the target's hidden states from the
+`ForwardOutput`s they are handed (asking for layers through `aux_layers`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from specserve.tree import DraftTree
+
+if TYPE_CHECKING:
+    from specserve.model import ForwardOutput
+
+
+class SequenceView(Protocol):
+    """What a drafter may read of a request."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt + generated tokens; the last one is the tree root (not yet in the KV cache)."""
+        ...
+
+
+class Drafter:
+    """Base class: the hooks default to doing nothing; `propose` must be written."""
+
+    aux_layers: tuple[int, ...] = ()  # target layers whose inputs the drafter needs (EAGLE-3)
+
+    def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
+        """One tree per sequence, root = seq.token_ids[-1]."""
+        raise NotImplementedError
+
+    def on_prefill(self, seqs: Sequence[SequenceView], out: ForwardOutput) -> None:
+        """After the target's prefill of these sequences (their first token is not yet appended)."""
+
+    def on_accept(self, seqs: Sequence[SequenceView], out: ForwardOutput, accepted: Sequence[torch.Tensor]) -> None:
+        """After verify, when seqs' token_ids already hold the new tokens.
+
+        out: the verify forward's output (rows in `seqs` order, columns = tree nodes).
+        accepted: per sequence, the accepted node indices of its tree (root first).
+        """
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished or aborted request."""
+
+
+class NoDrafter(Drafter):
+    """algorithm=none: every tree is the root alone, so verify is plain decoding."""
+
+    def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
+        return [DraftTree.root_only(s.token_ids[-1]) for s in seqs]

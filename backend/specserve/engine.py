@@ -1,0 +1,335 @@
+"""The speculative engine: continuous batching over a static KV cache, one verify forward per step.
+
+Each `step()`:
+  1. takes new requests and aborts from the inbox (thread-safe `add_request` / `abort`);
+  2. admits waiting requests into free slots and prefills them in one batched forward; each gets
+     its first token (which becomes its tree root);
+  3. for all other running requests: drafter.propose -> one target forward over every tree with
+     tree attention -> verify (greedy or lossless sampling) -> compact accepted KV -> drafter.on_accept;
+  4. appends tokens, checks stop conditions, and returns one `RequestOutput` delta per request.
+
+`algorithm=none` is the degenerate tree (root only), so plain decoding is the same code path.
+The engine knows nothing about Triton; `loop.py` runs it on a thread, `triton_model.py` serves it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import specserve_kernels as K
+import torch
+from tokenizers import Tokenizer
+
+from specserve.config import EngineConfig, SamplingParams
+from specserve.detokenize import IncrementalDetokenizer
+from specserve.drafters import Drafter
+from specserve.drafters.factory import build_drafter
+from specserve.kv_cache import KVCache
+from specserve.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, RequestOutput
+from specserve.sampling import draw_uniforms, suppress_eos, target_probs
+from specserve.tree import DraftTree, TreeBatch
+from specserve.weights import load_llama
+
+log = logging.getLogger(__name__)
+
+MAX_TREE_NODES = 64  # the cache keeps this many spare positions so padded tree nodes never overflow
+
+
+@dataclass(eq=False)
+class Request:
+    """One request's mutable state, owned by the engine thread."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated; last = tree root
+    slot: int = -1
+    cache_len: int = 0  # tokens whose K/V are in the slot (all of token_ids but the root)
+    finish_reason: str | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+    pending_ids: list[int] = field(default_factory=list)  # generated since the last output
+    pending_accept_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    def output(self) -> RequestOutput:
+        finished = self.finish_reason is not None
+        out = RequestOutput(
+            request_id=self.request_id,
+            token_ids=self.pending_ids,
+            text=self.detokenizer.delta(final=finished),
+            finished=finished,
+            finish_reason=self.finish_reason,
+            num_prompt_tokens=len(self.prompt_ids),
+            num_output_tokens=self.num_output_tokens,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+            num_verify_steps=self.num_verify_steps,
+            accept_lengths=self.pending_accept_lengths,
+        )
+        self.pending_ids, self.pending_accept_lengths = [], []
+        return out
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.spec = config.spec.resolved()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model = load_llama(config.model_dir, config.torch_dtype, config.device)
+        self.model_config = self.model.cfg
+        self.cache = KVCache(
+            self.model_config, config.max_batch_size, config.max_seq_len + MAX_TREE_NODES,
+            config.torch_dtype, config.device,
+        )
+        self.model.init_rope(self.cache.max_len)
+        self.tokenizer = Tokenizer.from_file(f"{config.model_dir}/tokenizer.json")
+        self.eos_ids = self._eos_ids()
+        self.drafter: Drafter = build_drafter(self.spec, self)
+        self._default_generator = torch.Generator().manual_seed(0)
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._inbox: deque[Request] = deque()
+        self._aborts: set[str] = set()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        gen = Path(self.config.model_dir) / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return tuple(sorted(ids))
+
+    # ---- called from any thread -------------------------------------------------------------
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request; raises ValueError naming the field if it can never run."""
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt: is empty")
+        if len(prompt_ids) >= self.config.max_seq_len:
+            raise ValueError(
+                f"prompt: {len(prompt_ids)} tokens do not fit the context of {self.config.max_seq_len} tokens"
+            )
+        if any(not 0 <= t < self.model_config.vocab_size for t in prompt_ids):
+            raise ValueError("prompt: token id outside the vocabulary")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        req = Request(
+            request_id=rid,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
+            generator=gen,
+            token_ids=list(prompt_ids),
+        )
+        with self._lock:
+            self._inbox.append(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.add(request_id)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._inbox or self._aborts or self.waiting or self.running)
+
+    # ---- the engine thread ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        outputs = self._take_inbox()
+        admitted = self._admit()
+        decoding = [r for r in self.running if r not in admitted]
+        if admitted:
+            self._prefill(admitted)
+        if decoding:
+            self._verify_step(decoding)
+        for req in admitted + decoding:
+            if req.finish_reason is not None or req.pending_ids:
+                outputs.append(req.output())
+            if req.finish_reason is not None:
+                self._release(req)
+        return outputs
+
+    def fail_running(self, error: str) -> list[RequestOutput]:
+        """After an exception inside a step: end every running request with an error output."""
+        outputs = []
+        for req in list(self.running):
+            req.finish_reason = FINISH_ERROR
+            out = req.output()
+            out.error = error
+            outputs.append(out)
+            self._release(req)
+        return outputs
+
+    def _take_inbox(self) -> list[RequestOutput]:
+        with self._lock:
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+            aborts, self._aborts = self._aborts, set()
+        outputs = []
+        for req in [r for r in (*self.waiting, *self.running) if r.request_id in aborts]:
+            req.finish_reason = FINISH_ABORT
+            outputs.append(req.output())
+            if req in self.waiting:
+                self.waiting.remove(req)
+            else:
+                self._release(req)
+        return outputs
+
+    def _admit(self) -> list[Request]:
+        admitted = []
+        while self.waiting and self.cache.num_free:
+            req = self.waiting.popleft()
+            req.slot = self.cache.allocate()
+            admitted.append(req)
+            self.running.append(req)
+        self.running.sort(key=lambda r: r.slot)  # consecutive slots -> the model reads a cache view
+        return admitted
+
+    def _release(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+            self.cache.free(req.slot)
+            self.drafter.release(req.request_id)
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        """One padded causal forward over the prompts; samples each request's first token."""
+        lens = [len(r.prompt_ids) for r in reqs]
+        t = max(lens)
+        tokens = torch.zeros(len(reqs), t, dtype=torch.int64)
+        for i, r in enumerate(reqs):
+            tokens[i, : lens[i]] = torch.tensor(r.prompt_ids)
+        positions = torch.arange(t).expand(len(reqs), t)
+        slots = [r.slot for r in reqs]
+        attn = self.model.attention_inputs(
+            positions, torch.tensor(slots), torch.zeros(len(reqs), dtype=torch.int64), None,
+            self.cache, [0] * len(reqs), slots,
+        )
+        last = torch.tensor(lens)[:, None] - 1  # (B, 1)
+        out = self.model(tokens, attn, self.cache, logit_index=last, aux_layers=self.drafter.aux_layers)
+        for r, n in zip(reqs, lens):
+            r.cache_len = n
+        self.drafter.on_prefill(reqs, out)
+        roots = TreeBatch.from_trees([DraftTree.root_only(r.token_ids[-1]) for r in reqs])
+        result, lengths = self._verify(reqs, roots, out.logits)
+        for i, r in enumerate(reqs):
+            self._append_tokens(r, self._emitted(roots, result, i, lengths[i]))
+
+    def _fit_tree(self, req: Request, tree: DraftTree) -> DraftTree:
+        """Trim a tree to the context left (nodes are parent-ordered, so a prefix is a tree)."""
+        room = min(self.config.max_seq_len - req.cache_len, MAX_TREE_NODES)
+        if tree.num_nodes <= room:
+            return tree
+        return DraftTree.from_parents(tree.tokens[:room].tolist(), tree.parents[:room].tolist())
+
+    def _verify_step(self, reqs: list[Request]) -> None:
+        trees = [self._fit_tree(r, t) for r, t in zip(reqs, self.drafter.propose(reqs))]
+        batch = TreeBatch.from_trees(trees)
+        host_lens = [r.cache_len for r in reqs]
+        cache_lens = torch.tensor(host_lens)
+        slots = torch.tensor([r.slot for r in reqs])
+        positions = cache_lens[:, None] + batch.depth  # (B, N)
+        attn = self.model.attention_inputs(
+            positions, slots, cache_lens, None if batch.is_root_only else batch.mask,
+            self.cache, host_lens, [r.slot for r in reqs],
+        )
+        out = self.model(batch.tokens, attn, self.cache, aux_layers=self.drafter.aux_layers)
+        result, lengths = self._verify(reqs, batch, out.logits)
+        if not batch.is_root_only:
+            K.compact_kv(self.cache.data, slots, cache_lens, result.accepted_nodes, result.accept_length)
+        accepted = [result.accepted_nodes[i, :n] for i, n in enumerate(lengths)]
+        for r, tree, n in zip(reqs, trees, lengths):
+            r.cache_len += n  # root + accepted drafts; the bonus is the next root
+            r.num_verify_steps += 1
+            r.num_draft_tokens += tree.num_nodes - 1
+            r.num_accepted_tokens += n - 1
+            r.pending_accept_lengths.append(n)
+        for i, r in enumerate(reqs):
+            self._append_tokens(r, self._emitted(batch, result, i, lengths[i]))
+        self.drafter.on_accept(reqs, out, accepted)
+
+    def _verify(self, reqs: list[Request], batch: TreeBatch, logits: torch.Tensor) -> tuple[K.VerifyResult, list[int]]:
+        """logits (B, N, V) at the tree nodes -> the verify result and each row's accept_length.
+
+        Greedy rows and sampled rows go to their own kernel call; results are merged by row.
+        """
+        b, n = batch.tokens.shape
+        for i, r in enumerate(reqs):
+            suppress_eos(logits[i], batch.depth[i], self.eos_ids, r.params.min_tokens - r.num_output_tokens)
+        accepted = torch.full((b, n), -1, dtype=torch.int64)
+        accept_length = torch.zeros(b, dtype=torch.int64)
+        bonus = torch.zeros(b, dtype=torch.int64)
+        greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        links = (batch.tokens, batch.first_child, batch.next_sibling)
+        if greedy:
+            g = torch.tensor(greedy)
+            res = K.verify_greedy(*(x[g] for x in links), logits[g].argmax(-1))
+            accepted[g], accept_length[g], bonus[g] = res.accepted_nodes, res.accept_length, res.bonus_tokens
+        if sampled:
+            s = torch.tensor(sampled)
+            probs = torch.stack([target_probs(logits[i], reqs[i].params) for i in sampled])  # (Bs, N, V)
+            coins = torch.stack([draw_uniforms(n + 1, reqs[i].generator or self._default_generator) for i in sampled])
+            res = K.verify_sample(*(x[s] for x in links), probs, coins[:, :-1].contiguous(), coins[:, -1].contiguous())
+            accepted[s], accept_length[s], bonus[s] = res.accepted_nodes, res.accept_length, res.bonus_tokens
+        result = K.VerifyResult(accepted_nodes=accepted, accept_length=accept_length, bonus_tokens=bonus)
+        return result, accept_length.tolist()  # host sync: the outcome decides what comes next
+
+    @staticmethod
+    def _emitted(batch: TreeBatch, result: K.VerifyResult, row: int, length: int) -> list[int]:
+        """The tokens a row emits this step: its accepted drafts, then the bonus token."""
+        nodes = result.accepted_nodes[row, 1:length]
+        return batch.tokens[row, nodes].tolist() + [int(result.bonus_tokens[row])]
+
+    def _append_tokens(self, req: Request, tokens: list[int]) -> None:
+        p = req.params
+        for tok in tokens:
+            req.token_ids.append(tok)
+            req.pending_ids.append(tok)
+            hit_stop = req.detokenizer.add(tok)
+            if hit_stop or (tok in self.eos_ids and not p.ignore_eos):  # EOS is masked before min_tokens
+                req.finish_reason = FINISH_STOP
+            elif req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.config.max_seq_len:
+                req.finish_reason = FINISH_LENGTH
+            if req.finish_reason is not None:
+                return
+
+    # ---- convenience for the CLI, benchmarks and tests --------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
+        """Run prompts to completion (continuous batching); one merged output per prompt, in order."""
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        merged: dict[str, RequestOutput] = {}
+        while self.has_work():
+            for out in self.step():
+                merged[out.request_id] = merge_outputs(merged.get(out.request_id), out)
+        return [merged[i] for i in ids]
+
+
+def merge_outputs(acc: RequestOutput | None, out: RequestOutput) -> RequestOutput:
+    """Fold a delta into the running total (counters are cumulative already)."""
+    if acc is None:
+        return out
+    out.token_ids = acc.token_ids + out.token_ids
+    out.text = acc.text + out.text
+    out.accept_lengths = acc.accept_lengths + out.accept_lengths
+    return out

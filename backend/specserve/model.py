@@ -1,0 +1,244 @@
+"""The target LLM (Llama family) in plain torch, with a static KV cache and tree-shaped inputs.
+
+One forward takes, per request b, T new tokens with explicit rope positions, writes their K/V at
+cache positions `cache_lens[b] + j` of the request's slot, and lets token t attend to the slot's
+prefix `[0, cache_lens[b])` plus the new tokens j with `new_mask[b, t, j]` (causal when None).
+That single call covers prefill, decode and tree verification.
+
+This module knows nothing about requests, sampling or drafting; it loads HF safetensors by their
+key names (`weights.py`) and returns logits and the hidden states asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.config import ModelConfig
+from specserve.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As HF Llama: normalise in fp32, scale in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_table(cfg: ModelConfig, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: (length, head_dim), computed in fp32 and cast, as HF does."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # (L, D/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (L, D)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, H, T, D); cos/sin: (B, 1, T, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """Everything attention needs that is the same for every layer of one forward.
+
+    Shape:
+        slots, cache_lens: (B,) int64
+        write_slots, write_pos: (B, T) int64, where each new token's K/V goes
+        mask: (B, 1, T, S) bool or None (None = causal over fresh, slot-contiguous sequences)
+        cos, sin: (B, 1, T, D)
+    """
+
+    slots: torch.Tensor
+    cache_lens: torch.Tensor
+    write_slots: torch.Tensor
+    write_pos: torch.Tensor
+    key_len: int  # S: keys read per request, max(cache_lens + T)
+    mask: torch.Tensor | None
+    is_causal: bool
+    slot_range: tuple[int, int] | None  # (first, count) when slots are consecutive: read a view
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        # q, k, v fused in one matmul: rows [q | k | v].
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=False)
+        self.split = (q_out, kv_out, kv_out)
+
+    def forward(self, x: torch.Tensor, layer_cache: tuple[torch.Tensor, torch.Tensor], a: AttentionInputs) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, a.cos, a.sin), apply_rope(k, a.cos, a.sin)
+
+        k_cache, v_cache = layer_cache  # (slots, Hkv, max_len, D)
+        k_cache[a.write_slots, :, a.write_pos] = k.transpose(1, 2)  # (B, T, Hkv, D) scattered
+        v_cache[a.write_slots, :, a.write_pos] = v.transpose(1, 2)
+        if a.slot_range is not None:
+            first, count = a.slot_range
+            keys = k_cache[first : first + count, :, : a.key_len]  # view: (B, Hkv, S, D)
+            values = v_cache[first : first + count, :, : a.key_len]
+        else:
+            keys = k_cache[a.slots, :, : a.key_len]  # gather copy: (B, Hkv, S, D)
+            values = v_cache[a.slots, :, : a.key_len]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=a.mask, is_causal=a.is_causal, enable_gqa=True
+        )  # (B, Hq, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # rows [gate | up]
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, layer_cache: tuple[torch.Tensor, torch.Tensor], a: AttentionInputs) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), layer_cache, a)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """Shape:
+    logits: (B, K, V) float32, K = positions asked for (all T by default)
+    hidden: (B, T, H) the final-norm output (EAGLE-1/2's feature)
+    aux_hidden: (B, T, len(aux_layers) * H), the inputs of the asked-for layers, concatenated (EAGLE-3)
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    aux_hidden: torch.Tensor | None
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def init_rope(self, max_len: int) -> None:
+        self._rope = rope_table(self.cfg, max_len, self.embed_tokens.weight.dtype)
+        self._rope = (self._rope[0].to(self.embed_tokens.weight.device), self._rope[1].to(self.embed_tokens.weight.device))
+
+    def attention_inputs(
+        self,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        cache_lens: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        cache: KVCache,
+        host_cache_lens: list[int],
+        host_slots: list[int],
+    ) -> AttentionInputs:
+        """positions (B, T); slots, cache_lens (B,); new_mask (B, T, T) bool or None (causal)."""
+        assert self._rope is not None, "call init_rope first"
+        b, t = positions.shape
+        key_len = max(host_cache_lens) + t
+        if key_len > cache.max_len:
+            raise ValueError(f"context: {key_len} tokens exceed the KV cache's {cache.max_len}")
+        offsets = torch.arange(t, device=positions.device)
+        write_pos = cache_lens[:, None] + offsets  # (B, T)
+        write_slots = slots[:, None].expand(b, t)
+        cos = self._rope[0][positions].unsqueeze(1)  # (B, 1, T, D)
+        sin = self._rope[1][positions].unsqueeze(1)
+
+        fresh_causal = new_mask is None and max(host_cache_lens) == 0
+        if fresh_causal:
+            mask, is_causal = None, True
+        elif new_mask is None and t == 1 and len(set(host_cache_lens)) == 1:
+            mask, is_causal = None, False  # one new token, equal lengths: every key is visible
+        else:
+            mask, is_causal = self._build_mask(cache_lens, new_mask, b, t, key_len), False
+        first = host_slots[0]
+        consecutive = host_slots == list(range(first, first + b))
+        return AttentionInputs(
+            slots=slots,
+            cache_lens=cache_lens,
+            write_slots=write_slots,
+            write_pos=write_pos,
+            key_len=key_len,
+            mask=mask,
+            is_causal=is_causal,
+            slot_range=(first, b) if consecutive else None,
+            cos=cos,
+            sin=sin,
+        )
+
+    @staticmethod
+    def _build_mask(
+        cache_lens: torch.Tensor, new_mask: torch.Tensor | None, b: int, t: int, key_len: int
+    ) -> torch.Tensor:
+        """(B, 1, T, S): key s is visible to new token i if s is in the prefix, or s is new token j
+        with new_mask[i, j] (causal when new_mask is None)."""
+        device = cache_lens.device
+        if new_mask is None:
+            new_mask = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t)
+        rel = torch.arange(key_len, device=device)[None, :] - cache_lens[:, None]  # (B, S)
+        in_prefix = rel < 0
+        in_new = (rel >= 0) & (rel < t)
+        gathered = torch.gather(new_mask, 2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, key_len))  # (B, T, S)
+        return (in_prefix[:, None, :] | (in_new[:, None, :] & gathered)).unsqueeze(1)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        a: AttentionInputs,
+        cache: KVCache,
+        logit_index: torch.Tensor | None = None,
+        aux_layers: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        """tokens (B, T); logit_index (B, K) picks the positions that get logits (all when None)."""
+        x = self.embed_tokens(tokens)  # (B, T, H)
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                aux.append(x)
+            x = layer(x, cache.layer(i), a)
+        hidden = self.norm(x)  # (B, T, H)
+        picked = hidden if logit_index is None else torch.gather(
+            hidden, 1, logit_index[:, :, None].expand(-1, -1, hidden.shape[-1])
+        )  # (B, K, H)
+        logits = self.lm_head(picked).float()  # (B, K, V)
+        return ForwardOutput(logits=logits, hidden=hidden, aux_hidden=torch.cat(aux, dim=-1) if aux else None)

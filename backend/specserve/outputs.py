@@ -1,0 +1,38 @@
+"""What the engine hands back to its callers after each step: one delta per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FINISH_STOP = "stop"  # EOS or a stop string
+FINISH_LENGTH = "length"  # max_tokens reached (or the context is full)
+FINISH_ABORT = "abort"  # cancelled by the client
+FINISH_ERROR = "error"  # the engine failed on this request; `error` says why
+
+
+@dataclass
+class RequestOutput:
+    """A streamed delta of one request.
+
+    token_ids / text: new since the previous output of this request (text is UTF-8 safe; it may
+    lag token_ids by a few tokens while a multi-byte character or a possible stop string is held back).
+    The counters are cumulative over the request.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_draft_tokens: int = 0  # draft tokens proposed (root excluded)
+    num_accepted_tokens: int = 0  # draft tokens accepted
+    num_verify_steps: int = 0
+    accept_lengths: list[int] = field(default_factory=list)  # accepted drafts + 1, per step in this delta
+
+    @property
+    def accept_length(self) -> float:
+        """Mean tokens per verify step so far (1.0 = no speed-up)."""
+        return (self.num_accepted_tokens + self.num_verify_steps) / max(self.num_verify_steps, 1)

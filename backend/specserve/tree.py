@@ -1,0 +1,135 @@
+"""Draft trees: one request's proposal, and a batch of them padded for one verify forward.
+
+A tree is stored flat, root first, every parent before its children:
+
+    node:     0     1     2     3     4
+    token:   r     a     b     c     d        r = root = the last verified token (not yet in the KV cache)
+    parent:  -1    0     0     1     1        a, b are children of r; c, d children of a
+    depth:   0     1     1     2     2        position of node i = seq_len + depth[i]
+
+`mask[i, j]` is True iff j is i or an ancestor of i: row 3 (c) sees r, a, c.
+`first_child` / `next_sibling` are the links verification walks (-1 = none).
+
+This module knows nothing about models or drafting methods; drafters build trees with
+`DraftTree.from_parents`, the engine pads them with `TreeBatch.from_trees`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """One request's draft tree (N = num nodes, root included).
+
+    Shape:
+        tokens: (N,) int64
+        parents: (N,) int64, parents[0] == -1
+        depth: (N,) int64, depth[0] == 0
+        mask: (N, N) bool
+        first_child: (N,) int64
+        next_sibling: (N,) int64
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    mask: torch.Tensor
+    first_child: torch.Tensor
+    next_sibling: torch.Tensor
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[0]
+
+    @classmethod
+    def from_parents(cls, tokens: Sequence[int], parents: Sequence[int]) -> DraftTree:
+        """Build depth, mask and links from a flat (token, parent) list, root first.
+
+        Siblings keep the order they have in the list (verification tries them in that order).
+        """
+        n = len(tokens)
+        if n == 0 or len(parents) != n or parents[0] != -1:
+            raise ValueError("tree: need >= 1 node, one parent per token, and parents[0] == -1")
+        depth = [0] * n
+        ancestors: list[list[int]] = [[0]]  # per node: itself and its ancestors
+        first_child = [-1] * n
+        next_sibling = [-1] * n
+        last_child = [-1] * n
+        for i in range(1, n):
+            p = parents[i]
+            if not 0 <= p < i:
+                raise ValueError(f"tree: parent of node {i} is {p}; parents must come before children")
+            depth[i] = depth[p] + 1
+            ancestors.append([*ancestors[p], i])
+            if last_child[p] < 0:
+                first_child[p] = i
+            else:
+                next_sibling[last_child[p]] = i
+            last_child[p] = i
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        rows = [i for i, anc in enumerate(ancestors) for _ in anc]
+        cols = [j for anc in ancestors for j in anc]
+        mask[rows, cols] = True
+        links = torch.tensor([list(tokens), list(parents), depth, first_child, next_sibling], dtype=torch.int64)
+        return cls(
+            tokens=links[0], parents=links[1], depth=links[2], mask=mask, first_child=links[3], next_sibling=links[4]
+        )
+
+    @classmethod
+    def root_only(cls, token: int) -> DraftTree:
+        """The degenerate tree of plain decoding: just the last verified token."""
+        return cls.from_parents([token], [-1])
+
+    @classmethod
+    def chain(cls, root: int, drafts: Sequence[int]) -> DraftTree:
+        """A linear draft (topk = 1): root -> d0 -> d1 -> ..."""
+        return cls.from_parents([root, *drafts], list(range(-1, len(drafts))))
+
+
+@dataclass(frozen=True)
+class TreeBatch:
+    """B trees padded to N = max nodes. Padding nodes have token 0, depth 0, parent -1 and
+    see only themselves, so they never influence a real node.
+
+    Shape:
+        tokens, parents, depth, first_child, next_sibling: (B, N) int64
+        mask: (B, N, N) bool
+        num_nodes: (B,) int64
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    mask: torch.Tensor
+    first_child: torch.Tensor
+    next_sibling: torch.Tensor
+    num_nodes: torch.Tensor
+
+    @property
+    def is_root_only(self) -> bool:
+        return self.tokens.shape[1] == 1
+
+    @classmethod
+    def from_trees(cls, trees: Sequence[DraftTree]) -> TreeBatch:
+        b, n = len(trees), max(t.num_nodes for t in trees)
+        tokens = torch.zeros(b, n, dtype=torch.int64)
+        parents = torch.full((b, n), -1, dtype=torch.int64)
+        depth = torch.zeros(b, n, dtype=torch.int64)
+        first_child = torch.full((b, n), -1, dtype=torch.int64)
+        next_sibling = torch.full((b, n), -1, dtype=torch.int64)
+        mask = torch.eye(n, dtype=torch.bool).repeat(b, 1, 1)
+        for i, t in enumerate(trees):
+            k = t.num_nodes
+            tokens[i, :k] = t.tokens
+            parents[i, :k] = t.parents
+            depth[i, :k] = t.depth
+            first_child[i, :k] = t.first_child
+            next_sibling[i, :k] = t.next_sibling
+            mask[i, :k, :k] = t.mask
+        num_nodes = torch.tensor([t.num_nodes for t in trees], dtype=torch.int64)
+        return cls(tokens, parents, depth, mask, first_child, next_sibling, num_nodes)

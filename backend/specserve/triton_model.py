@@ -1,0 +1,216 @@
+"""The decoupled Triton Python model behind every `specdec_<variant>` (vLLM-backend style).
+
+initialize builds the engine from config.pbtxt parameters and starts its loop thread; execute only
+parses and submits; the engine thread hands each `RequestOutput` delta to a response thread that
+sends it through the request's response sender (so the engine never waits on Triton's IPC);
+finalize aborts what is left and joins both threads.
+
+Every request ends with exactly one FINAL: after its last delta (stream=true), after its single
+data response (stream=false: one response with the whole text, then a flag-only FINAL, which is
+what HTTP /generate needs), or with an error (INVALID_ARG for bad input, CANCELLED when the client
+cancelled, UNAVAILABLE at shutdown, INTERNAL for engine errors). Parsing lives in
+`triton_request`, metrics in `triton_metrics`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import traceback
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from specserve.config import SamplingParams
+from specserve.engine import Engine
+from specserve.loop import EngineLoop
+from specserve.outputs import FINISH_ABORT, FINISH_ERROR, RequestOutput
+from specserve.triton_metrics import RequestStats, ServingMetrics
+from specserve.triton_request import (
+    GenerateRequest,
+    PromptTokenizer,
+    RequestError,
+    ResponseDelta,
+    engine_config_from_parameters,
+    model_parameters,
+    output_arrays,
+    parse_decoupled_inputs,
+    request_limits_from_parameters,
+)
+
+log = logging.getLogger(__name__)
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _response(delta: ResponseDelta) -> Any:
+    return pb_utils.InferenceResponse(
+        output_tensors=[pb_utils.Tensor(name, arr) for name, arr in output_arrays(delta).items()]
+    )
+
+
+def _error(message: str, code: int) -> Any:
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
+
+
+class _ResponseStream:
+    """One request's responses; `handle` runs on the response thread, in delta order."""
+
+    def __init__(self, sender: Any, request: GenerateRequest, metrics: ServingMetrics, closing: threading.Event) -> None:
+        self.sender = sender
+        self.request = request
+        self.metrics = metrics
+        self.closing = closing
+        self.arrival = time.perf_counter()
+        self.first_token: float | None = None
+        self.text: list[str] = []  # stream=false: accumulated deltas
+        self.token_ids: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    def handle(self, out: RequestOutput) -> None:
+        if out.token_ids and self.first_token is None:
+            self.first_token = time.perf_counter()
+        self.metrics.on_delta(
+            len(out.token_ids),
+            out.num_draft_tokens - self.num_draft_tokens,
+            out.num_accepted_tokens - self.num_accepted_tokens,
+            out.accept_lengths,
+        )
+        self.num_draft_tokens, self.num_accepted_tokens = out.num_draft_tokens, out.num_accepted_tokens
+        if not out.finished:
+            if self.request.stream:
+                self.sender.send(_response(self._delta(out, out.text, out.token_ids)))
+            else:
+                self.text.append(out.text)
+                self.token_ids.extend(out.token_ids)
+            return
+        try:
+            self._finish(out)
+        finally:
+            self.metrics.on_finish(
+                RequestStats(
+                    arrival=self.arrival,
+                    first_token=self.first_token,
+                    finished=time.perf_counter(),
+                    finish_reason=out.finish_reason or FINISH_ERROR,
+                    num_prompt_tokens=out.num_prompt_tokens,
+                    num_output_tokens=out.num_output_tokens,
+                )
+            )
+
+    def _finish(self, out: RequestOutput) -> None:
+        if out.finish_reason == FINISH_ABORT:
+            if self.closing.is_set():
+                self.sender.send(_error("server shutting down", pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+            else:
+                self.sender.send(_error("request cancelled", pb_utils.TritonError.CANCELLED), flags=FINAL)
+        elif out.finish_reason == FINISH_ERROR:
+            self.sender.send(_error(out.error or "engine error", pb_utils.TritonError.INTERNAL), flags=FINAL)
+        elif self.request.stream:
+            self.sender.send(_response(self._delta(out, out.text, out.token_ids)), flags=FINAL)
+        else:
+            text = (self.request.echo_text or "") + "".join(self.text) + out.text
+            try:
+                self.sender.send(_response(self._delta(out, text, self.token_ids + out.token_ids)))
+            finally:
+                self.sender.send(flags=FINAL)
+
+    @staticmethod
+    def _delta(out: RequestOutput, text: str, token_ids: list[int]) -> ResponseDelta:
+        return ResponseDelta(
+            text=text,
+            token_ids=token_ids,
+            finish_reason=out.finish_reason,
+            num_input_tokens=out.num_prompt_tokens,
+            num_output_tokens=out.num_output_tokens,
+            num_draft_tokens=out.num_draft_tokens,
+            num_accepted_tokens=out.num_accepted_tokens,
+            num_verify_steps=out.num_verify_steps,
+        )
+
+    def abandon(self, message: str) -> None:
+        """Last resort after a failure inside `handle`: end the request with an error."""
+        try:
+            self.sender.send(_error(message, pb_utils.TritonError.INTERNAL), flags=FINAL)
+        except Exception:  # noqa: BLE001 - the sender may already be closed
+            log.error("could not end a request after an error:\n%s", traceback.format_exc())
+
+
+class _ResponseThread:
+    """Sends responses in arrival order so the engine thread never blocks on Triton's IPC."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[_ResponseStream, RequestOutput] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="specserve-responses", daemon=True)
+        self._thread.start()
+
+    def put(self, stream: _ResponseStream, out: RequestOutput) -> None:
+        self._queue.put((stream, out))
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            stream, out = item
+            try:
+                stream.handle(out)
+            except Exception:  # noqa: BLE001 - one broken response must not stop the others
+                log.error("sending a response failed:\n%s", traceback.format_exc())
+                if out.finished:
+                    stream.abandon("internal error while sending the response")
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException(
+                f"{args['model_name']}: set `model_transaction_policy {{ decoupled: true }}` in config.pbtxt"
+            )
+        params = model_parameters(config)
+        engine_config = engine_config_from_parameters(params)
+        self.limits = request_limits_from_parameters(params)
+        self.metrics = ServingMetrics(args["model_name"], args["model_version"])
+        self.tokenizer = PromptTokenizer(engine_config.model_dir)
+        engine = Engine(engine_config)
+        engine.generate([self.tokenizer.encode("Hello", False)], SamplingParams(max_tokens=2))  # warm-up
+        self.closing = threading.Event()
+        self.responses = _ResponseThread()
+        self.loop = EngineLoop(engine)
+        pb_utils.Logger.log_info(
+            f"{args['model_name']}: {engine_config.spec.algorithm} on {engine_config.device}, "
+            f"{engine_config.max_batch_size} slots x {engine_config.max_seq_len} tokens"
+        )
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            self._submit(request)
+        return None
+
+    def _submit(self, request: Any) -> None:
+        sender = request.get_response_sender()
+        try:
+            inputs = {t.name(): t.as_numpy() for t in request.inputs()}
+            prompt_ids, generate = parse_decoupled_inputs(inputs, self.limits, self.tokenizer)
+            stream = _ResponseStream(sender, generate, self.metrics, self.closing)
+            self.loop.submit(
+                prompt_ids,
+                generate.params,
+                lambda out: self.responses.put(stream, out),
+                is_cancelled=sender.is_cancelled,
+            )
+        except (RequestError, ValueError) as e:  # the engine raises ValueError naming the field too
+            sender.send(_error(str(e), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
+        except Exception as e:  # noqa: BLE001 - FINAL on every path
+            log.error("submit failed:\n%s", traceback.format_exc())
+            sender.send(_error(f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL), flags=FINAL)
+
+    def finalize(self) -> None:
+        self.closing.set()
+        self.loop.shutdown()  # aborts what is left; their FINALs go through the response thread
+        self.responses.close()

@@ -1,0 +1,53 @@
+"""The `preprocessing` Triton Python model: contract inputs -> `input_ids` + `request_config`.
+
+It validates the request (`triton_request.parse_request`), applies the chat template when asked,
+tokenizes with the model's AutoTokenizer and checks the prompt fits the context. A bad request
+gets an INVALID_ARG error naming the field; the ensemble then ends the client's stream with it.
+Not decoupled: one response per request.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from specserve.triton_request import (
+    PromptTokenizer,
+    RequestError,
+    check_prompt_length,
+    encode_request_config,
+    model_dir_from_parameters,
+    model_parameters,
+    parse_request,
+    request_limits_from_parameters,
+)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        params = model_parameters(json.loads(args["model_config"]))
+        self.limits = request_limits_from_parameters(params)
+        self.tokenizer = PromptTokenizer(model_dir_from_parameters(params))
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        return [self._preprocess(request) for request in requests]
+
+    def _preprocess(self, request: Any) -> Any:
+        try:
+            inputs = {t.name(): t.as_numpy() for t in request.inputs()}
+            parsed = parse_request(inputs, self.limits)
+            prompt_ids = self.tokenizer.encode(parsed.text, parsed.apply_chat_template)
+            check_prompt_length(prompt_ids, self.limits)
+        except RequestError as e:
+            return pb_utils.InferenceResponse(
+                output_tensors=[], error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)
+            )
+        return pb_utils.InferenceResponse(
+            output_tensors=[
+                pb_utils.Tensor("input_ids", np.asarray(prompt_ids, dtype=np.int32)),
+                pb_utils.Tensor("request_config", encode_request_config(parsed.request)),
+            ]
+        )

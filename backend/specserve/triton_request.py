@@ -1,0 +1,587 @@
+"""Request parsing and response encoding for the Triton models, on plain dicts of numpy arrays.
+
+Nothing here imports Triton, so every rule is unit-testable. The Python models hand in
+`{name: np.ndarray}` (what `request.inputs()` holds) and get back a `ParsedRequest` or a
+`RequestError` whose message starts with the offending field, e.g. ``max_tokens: must be ...``.
+
+The tensor contract is the one of Triton's vLLM and TensorRT-LLM backends (genai-perf and the
+OpenAI frontend send it): `text_input` plus optional `stream`, `exclude_input_in_output`,
+`sampling_parameters` (vLLM-style JSON, values may be strings as genai-perf sends them) and
+TRT-LLM-style scalar tensors (`max_tokens`, `min_length`, `temperature`, ...). A scalar tensor
+overrides the same key in `sampling_parameters`.
+
+Between `preprocessing` and `specdec_<variant>` a request travels as `input_ids` (INT32 [-1]) and
+`request_config` (BYTES [1]): the validated `GenerateRequest` as JSON (`encode_request_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from specserve.config import EngineConfig, SamplingParams, SpecConfig
+
+
+class RequestError(ValueError):
+    """A client error; the message starts with the field it is about."""
+
+
+# ---- the contract ---------------------------------------------------------------------------
+
+# name -> Triton datatype; every one is optional in config.pbtxt (missing text_input is our error).
+CONTRACT_INPUTS: dict[str, str] = {
+    "text_input": "BYTES",
+    "stream": "BOOL",
+    "exclude_input_in_output": "BOOL",
+    "apply_chat_template": "BOOL",
+    "sampling_parameters": "BYTES",
+    "max_tokens": "INT32",
+    "min_tokens": "INT32",
+    "min_length": "INT32",  # TRT-LLM's name for min_tokens
+    "temperature": "FP32",
+    "top_p": "FP32",
+    "top_k": "INT32",
+    "seed": "UINT64",
+    "random_seed": "UINT64",  # TRT-LLM's name for seed
+    "ignore_eos": "BOOL",
+    "stop_words": "BYTES",
+    "bad_words": "BYTES",
+    "beam_width": "INT32",
+    "end_id": "INT32",  # accepted for TRT-LLM payloads; the model's EOS ids are always used
+    "pad_id": "INT32",  # accepted for TRT-LLM payloads; nothing is padded in a stream
+    "return_num_input_tokens": "BOOL",  # vLLM-backend flags; these outputs are always returned
+    "return_num_output_tokens": "BOOL",
+}
+# preprocessing -> specdec
+INTERNAL_INPUTS: dict[str, str] = {"input_ids": "INT32", "request_config": "BYTES"}
+
+OUTPUTS: dict[str, str] = {
+    "text_output": "BYTES",
+    "output_ids": "INT32",
+    "finish_reason": "BYTES",
+    "num_input_tokens": "UINT32",
+    "num_output_tokens": "UINT32",
+    "total_draft_tokens": "INT32",
+    "total_accepted_draft_tokens": "INT32",
+    "acceptance_rate": "FP32",
+    "accept_length": "FP32",
+}
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Server-side bounds and defaults (config.pbtxt parameters)."""
+
+    max_seq_len: int = 2048
+    default_max_tokens: int = 128
+    apply_chat_template: bool = False
+
+    @property
+    def max_tokens_limit(self) -> int:
+        return self.max_seq_len - 1  # at least one prompt token must fit
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What the decoupled model needs besides the prompt ids.
+
+    echo_text: prepended to the (non-streamed) output when `exclude_input_in_output` is False,
+    as vLLM's backend does; None otherwise.
+    """
+
+    params: SamplingParams
+    stream: bool = False
+    echo_text: str | None = None
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    text: str
+    apply_chat_template: bool
+    request: GenerateRequest
+
+
+# ---- scalar readers -------------------------------------------------------------------------
+
+
+def _one(inputs: Mapping[str, np.ndarray], name: str) -> Any | None:
+    """The single element of an optional [1] tensor, or None when absent."""
+    if name not in inputs:
+        return None
+    arr = np.asarray(inputs[name])
+    if arr.size != 1:
+        raise RequestError(f"{name}: expected exactly one value, got shape {list(arr.shape)}")
+    return arr.reshape(-1)[0]
+
+
+def _bool(inputs: Mapping[str, np.ndarray], name: str) -> bool | None:
+    v = _one(inputs, name)
+    if v is None:
+        return None
+    if not isinstance(v, (bool, np.bool_)):
+        raise RequestError(f"{name}: expected BOOL, got {np.asarray(inputs[name]).dtype}")
+    return bool(v)
+
+
+def _int(inputs: Mapping[str, np.ndarray], name: str) -> int | None:
+    v = _one(inputs, name)
+    if v is None:
+        return None
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise RequestError(f"{name}: expected an integer tensor, got {np.asarray(inputs[name]).dtype}")
+    return int(v)
+
+
+def _float(inputs: Mapping[str, np.ndarray], name: str) -> float | None:
+    v = _one(inputs, name)
+    if v is None:
+        return None
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise RequestError(f"{name}: expected a float tensor, got {np.asarray(inputs[name]).dtype}")
+    return float(v)
+
+
+def _text(value: Any, name: str) -> str:
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RequestError(f"{name}: not valid UTF-8 ({e.reason})") from None
+    if isinstance(value, str):
+        return value
+    raise RequestError(f"{name}: expected BYTES (a string), got {type(value).__name__}")
+
+
+def _strings(inputs: Mapping[str, np.ndarray], name: str) -> list[str]:
+    """A BYTES [-1] tensor as a list of non-empty strings (empty entries are padding)."""
+    if name not in inputs:
+        return []
+    return [s for s in (_text(v, name) for v in np.asarray(inputs[name]).reshape(-1)) if s]
+
+
+# ---- sampling_parameters (vLLM style JSON; genai-perf sends numbers as strings) --------------
+
+
+def _json_int(key: str, v: Any) -> int:
+    if isinstance(v, bool):
+        raise RequestError(f"sampling_parameters.{key}: expected an integer, got {v!r}")
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, str):
+        try:
+            return int(v.strip())
+        except ValueError:
+            try:
+                f = float(v)
+            except ValueError:
+                f = math.nan
+            if f.is_integer():
+                return int(f)
+    raise RequestError(f"sampling_parameters.{key}: expected an integer, got {v!r}")
+
+
+def _json_float(key: str, v: Any) -> float:
+    if isinstance(v, bool):
+        raise RequestError(f"sampling_parameters.{key}: expected a number, got {v!r}")
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            return float(v.strip())
+        except ValueError:
+            pass
+    raise RequestError(f"sampling_parameters.{key}: expected a number, got {v!r}")
+
+
+def _json_bool(key: str, v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0"):
+        return v.strip().lower() in ("true", "1")
+    raise RequestError(f"sampling_parameters.{key}: expected a boolean, got {v!r}")
+
+
+def _json_stop(key: str, v: Any) -> tuple[str, ...]:
+    if isinstance(v, str):
+        return (v,) if v else ()
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return tuple(s for s in v if s)
+    raise RequestError(f"sampling_parameters.{key}: expected a string or a list of strings, got {v!r}")
+
+
+_JSON_FIELDS: dict[str, Callable[[str, Any], Any]] = {
+    "max_tokens": _json_int,
+    "min_tokens": _json_int,
+    "temperature": _json_float,
+    "top_p": _json_float,
+    "top_k": _json_int,
+    "seed": _json_int,
+    "ignore_eos": _json_bool,
+    "stop": _json_stop,
+}
+# vLLM keys we accept only at their default (the engine has no such feature).
+_JSON_DEFAULT_ONLY: dict[str, Any] = {
+    "n": 1,
+    "best_of": 1,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "use_beam_search": False,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+}
+
+
+def parse_sampling_parameters(raw: Any) -> dict[str, Any]:
+    """vLLM's `sampling_parameters` JSON -> SamplingParams keyword arguments (validated later)."""
+    text = _text(raw, "sampling_parameters")
+    if not text.strip():
+        return {}
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"sampling_parameters: not valid JSON ({e.msg} at position {e.pos})") from None
+    if not isinstance(obj, dict):
+        raise RequestError(f"sampling_parameters: expected a JSON object, got {type(obj).__name__}")
+    kwargs: dict[str, Any] = {}
+    for key, value in obj.items():
+        if value is None:
+            continue
+        if key in _JSON_FIELDS:
+            kwargs[key] = _JSON_FIELDS[key](key, value)
+        elif key in _JSON_DEFAULT_ONLY:
+            default = _JSON_DEFAULT_ONLY[key]
+            convert = _json_bool if isinstance(default, bool) else _json_float
+            if convert(key, value) != default:
+                raise RequestError(f"sampling_parameters.{key}: only {json.dumps(default)} is supported")
+        else:
+            raise RequestError(f"sampling_parameters.{key}: unknown parameter")
+    if kwargs.get("top_k") == -1:  # vLLM's "disabled"
+        kwargs["top_k"] = 0
+    return kwargs
+
+
+# ---- the whole request ----------------------------------------------------------------------
+
+
+def _tensor_overrides(inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """TRT-LLM-style scalar tensors -> SamplingParams keyword arguments."""
+    kw: dict[str, Any] = {}
+    for name in ("max_tokens", "top_k"):
+        if (v := _int(inputs, name)) is not None:
+            kw[name] = v
+    min_tokens, min_length = _int(inputs, "min_tokens"), _int(inputs, "min_length")
+    if min_tokens is not None and min_length is not None and min_tokens != min_length:
+        raise RequestError(f"min_length: {min_length} conflicts with min_tokens {min_tokens}")
+    if (v := min_tokens if min_tokens is not None else min_length) is not None:
+        kw["min_tokens"] = v
+    for name in ("temperature", "top_p"):
+        if (v := _float(inputs, name)) is not None:
+            kw[name] = v
+    seed, random_seed = _int(inputs, "seed"), _int(inputs, "random_seed")
+    if seed is not None and random_seed is not None and seed != random_seed:
+        raise RequestError(f"random_seed: {random_seed} conflicts with seed {seed}")
+    if (v := seed if seed is not None else random_seed) is not None:
+        kw["seed"] = v
+    if (v := _bool(inputs, "ignore_eos")) is not None:
+        kw["ignore_eos"] = v
+    if stop := _strings(inputs, "stop_words"):
+        kw["stop"] = tuple(stop)
+    return kw
+
+
+def _check_unsupported(inputs: Mapping[str, np.ndarray]) -> None:
+    if _strings(inputs, "bad_words"):
+        raise RequestError("bad_words: not supported")
+    if (beam := _int(inputs, "beam_width")) is not None and beam != 1:
+        raise RequestError(f"beam_width: only 1 is supported, got {beam}")
+    for name in ("end_id", "pad_id"):
+        _int(inputs, name)  # type-checked, otherwise ignored
+    for name in ("return_num_input_tokens", "return_num_output_tokens"):
+        _bool(inputs, name)
+
+
+def build_sampling_params(kwargs: Mapping[str, Any], limits: RequestLimits) -> SamplingParams:
+    kw = {"max_tokens": limits.default_max_tokens, **kwargs}
+    if isinstance(kw["max_tokens"], int) and kw["max_tokens"] > limits.max_tokens_limit:
+        raise RequestError(
+            f"max_tokens: must be <= {limits.max_tokens_limit} (the context is {limits.max_seq_len} tokens), "
+            f"got {kw['max_tokens']}"
+        )
+    if "seed" in kw and not 0 <= kw["seed"] < 2**64:
+        raise RequestError(f"seed: must be in [0, 2**64), got {kw['seed']}")
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:  # SamplingParams names the field first
+        raise RequestError(str(e)) from None
+
+
+def parse_request(inputs: Mapping[str, np.ndarray], limits: RequestLimits) -> ParsedRequest:
+    """Validate the contract inputs of one request (everything but the prompt's token count)."""
+    unknown = sorted(set(inputs) - set(CONTRACT_INPUTS))
+    if unknown:
+        raise RequestError(f"{unknown[0]}: unknown input")
+    raw_text = _one(inputs, "text_input")
+    if raw_text is None:
+        raise RequestError("text_input: missing")
+    text = _text(raw_text, "text_input")
+    if not text:
+        raise RequestError("text_input: is empty")
+    _check_unsupported(inputs)
+
+    kwargs: dict[str, Any] = {}
+    if "sampling_parameters" in inputs:
+        kwargs.update(parse_sampling_parameters(_one(inputs, "sampling_parameters")))
+    kwargs.update(_tensor_overrides(inputs))
+    params = build_sampling_params(kwargs, limits)
+
+    stream = bool(_bool(inputs, "stream"))
+    exclude = _bool(inputs, "exclude_input_in_output")  # absent = do not echo (as vLLM's backend)
+    if stream and exclude is False:
+        raise RequestError("exclude_input_in_output: must be true when streaming (stream=true)")
+    chat = _bool(inputs, "apply_chat_template")
+    return ParsedRequest(
+        text=text,
+        apply_chat_template=limits.apply_chat_template if chat is None else chat,
+        request=GenerateRequest(params=params, stream=stream, echo_text=text if exclude is False else None),
+    )
+
+
+def check_prompt_length(prompt_ids: list[int], limits: RequestLimits) -> None:
+    if not prompt_ids:
+        raise RequestError("text_input: tokenizes to no tokens")
+    if len(prompt_ids) >= limits.max_seq_len:
+        raise RequestError(
+            f"text_input: the prompt is {len(prompt_ids)} tokens; it must be shorter than the "
+            f"context of {limits.max_seq_len} tokens"
+        )
+
+
+# ---- preprocessing -> specdec ---------------------------------------------------------------
+
+
+def encode_request_config(request: GenerateRequest) -> np.ndarray:
+    """The BYTES [1] tensor `request_config` preprocessing hands to the decoupled model."""
+    payload = {
+        "params": dataclasses.asdict(request.params),
+        "stream": request.stream,
+        "echo_text": request.echo_text,
+    }
+    return np.array([json.dumps(payload).encode("utf-8")], dtype=np.object_)
+
+
+def decode_request_config(raw: Any) -> GenerateRequest:
+    try:
+        payload = json.loads(_text(raw, "request_config"))
+        params = dict(payload["params"])
+        params["stop"] = tuple(params.get("stop", ()))
+        return GenerateRequest(
+            params=SamplingParams(**params),
+            stream=bool(payload["stream"]),
+            echo_text=payload.get("echo_text"),
+        )
+    except RequestError:
+        raise
+    except (ValueError, KeyError, TypeError) as e:
+        raise RequestError(f"request_config: malformed ({type(e).__name__}: {e})") from None
+
+
+def parse_prompt_ids(inputs: Mapping[str, np.ndarray]) -> list[int]:
+    ids = np.asarray(inputs["input_ids"])
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise RequestError(f"input_ids: expected INT32, got {ids.dtype}")
+    if ids.size == 0:
+        raise RequestError("input_ids: is empty")
+    return ids.reshape(-1).astype(np.int64).tolist()
+
+
+# ---- prompt -> token ids --------------------------------------------------------------------
+
+
+class PromptTokenizer:
+    """transformers' AutoTokenizer: raw prompts tokenized as-is (like vLLM's backend), or wrapped
+    in the model's chat template as one user turn."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from transformers import AutoTokenizer  # slow import; only the Triton models need it
+
+        self._tok = AutoTokenizer.from_pretrained(str(model_dir))
+
+    def encode(self, text: str, apply_chat_template: bool) -> list[int]:
+        if not apply_chat_template:
+            return list(self._tok(text)["input_ids"])
+        if not getattr(self._tok, "chat_template", None):
+            raise RequestError("apply_chat_template: the model has no chat template")
+        prompt = self._tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        return list(self._tok(prompt, add_special_tokens=False)["input_ids"])
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResponseDelta:
+    """One response's content: the text / ids delta and the request's cumulative counters."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_input_tokens: int
+    num_output_tokens: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_verify_steps: int
+
+
+def output_arrays(delta: ResponseDelta) -> dict[str, np.ndarray]:
+    """The output tensors of one response (names and dtypes as OUTPUTS)."""
+    steps = max(delta.num_verify_steps, 1)
+    rate = delta.num_accepted_tokens / delta.num_draft_tokens if delta.num_draft_tokens else 0.0
+    return {
+        "text_output": np.array([delta.text.encode("utf-8")], dtype=np.object_),
+        "output_ids": np.array(delta.token_ids, dtype=np.int32),
+        "finish_reason": np.array([(delta.finish_reason or "").encode("utf-8")], dtype=np.object_),
+        "num_input_tokens": np.array([delta.num_input_tokens], dtype=np.uint32),
+        "num_output_tokens": np.array([delta.num_output_tokens], dtype=np.uint32),
+        "total_draft_tokens": np.array([delta.num_draft_tokens], dtype=np.int32),
+        "total_accepted_draft_tokens": np.array([delta.num_accepted_tokens], dtype=np.int32),
+        "acceptance_rate": np.array([rate], dtype=np.float32),
+        "accept_length": np.array([(delta.num_accepted_tokens + delta.num_verify_steps) / steps], dtype=np.float32),
+    }
+
+
+# ---- config.pbtxt parameters ----------------------------------------------------------------
+
+
+def model_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
+    """`parameters` of a Triton model config (as in `args["model_config"]`) as a plain dict."""
+    return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+
+
+def _parse_bool(name: str, value: str) -> bool:
+    v = value.strip().lower()
+    if v not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(f"{name}: expected true or false, got {value!r}")
+    return v in ("true", "1", "yes")
+
+
+def resolve_path(value: str) -> str:
+    """Absolute paths as they are; relative ones against the project root (where models/ is)."""
+    from specserve.prepare import repo_root
+
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() else repo_root() / path)
+
+
+def model_dir_from_parameters(params: Mapping[str, str]) -> str:
+    """`model_dir`: empty or missing = the embedded default (`specserve prepare`)."""
+    if value := params.get("model_dir", "").strip():
+        return resolve_path(value)
+    from specserve.prepare import default_model_dir
+
+    return str(default_model_dir())
+
+
+def request_limits_from_parameters(params: Mapping[str, str]) -> RequestLimits:
+    """`max_seq_len`, `default_max_tokens`, `apply_chat_template` (missing or empty = default)."""
+    d = RequestLimits()
+    try:
+        return RequestLimits(
+            max_seq_len=int(params.get("max_seq_len") or d.max_seq_len),
+            default_max_tokens=int(params.get("default_max_tokens") or d.default_max_tokens),
+            apply_chat_template=_parse_bool("apply_chat_template", params.get("apply_chat_template") or "false"),
+        )
+    except ValueError as e:
+        raise ValueError(f"parameters: {e}") from None
+
+
+_ENGINE_KEYS = ("model_dir", "max_batch_size", "max_seq_len", "dtype", "device", "num_threads")
+_SERVING_KEYS = ("default_max_tokens", "apply_chat_template")
+
+
+def engine_config_from_parameters(params: Mapping[str, str]) -> EngineConfig:
+    """The decoupled model's config.pbtxt parameters -> EngineConfig.
+
+    model_dir / drafter_path: empty = the embedded default / none; relative paths are resolved
+    against the project root. device: empty or "auto" = cuda when available. Every SpecConfig
+    field (algorithm, num_steps, topk, num_draft_tokens, ngram_*) may be set by its name;
+    empty values keep the default. Unknown keys are an error (typos should not pass silently).
+    """
+    spec_fields = {f.name: f for f in dataclasses.fields(SpecConfig)}
+    unknown = sorted(set(params) - set(spec_fields) - set(_ENGINE_KEYS) - set(_SERVING_KEYS))
+    if unknown:
+        raise ValueError(f"{unknown[0]}: unknown parameter")
+    given = {k: v.strip() for k, v in params.items() if v.strip()}
+
+    spec_kw: dict[str, Any] = {}
+    for name, value in given.items():
+        if name not in spec_fields:
+            continue
+        if name == "drafter_path":
+            spec_kw[name] = resolve_path(value)
+        elif spec_fields[name].default is None or isinstance(spec_fields[name].default, str):
+            spec_kw[name] = value
+        else:
+            try:
+                spec_kw[name] = type(spec_fields[name].default)(value)
+            except ValueError:
+                raise ValueError(f"{name}: expected a number, got {value!r}") from None
+
+    model_dir = model_dir_from_parameters(params)
+    device = given.get("device", "auto")
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    kw: dict[str, Any] = {"model_dir": model_dir, "device": device, "spec": SpecConfig(**spec_kw)}
+    for name in ("max_batch_size", "max_seq_len", "num_threads"):
+        if name in given:
+            try:
+                kw[name] = int(given[name])
+            except ValueError:
+                raise ValueError(f"{name}: expected an integer, got {given[name]!r}") from None
+    if "dtype" in given:
+        kw["dtype"] = given["dtype"]
+    return EngineConfig(**kw)
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, apply_chat_template: bool) -> list[int]: ...
+
+
+def parse_decoupled_inputs(
+    inputs: Mapping[str, np.ndarray], limits: RequestLimits, tokenizer: Tokenizer
+) -> tuple[list[int], GenerateRequest]:
+    """The decoupled model's inputs: `input_ids` + `request_config` from preprocessing (the
+    ensemble), or the client contract itself when a client calls `specdec_<variant>` directly."""
+    internal = set(INTERNAL_INPUTS) & set(inputs)
+    if internal:
+        if internal != set(INTERNAL_INPUTS) or len(inputs) != len(INTERNAL_INPUTS):
+            raise RequestError(
+                "input_ids: send either input_ids with request_config (as preprocessing does) "
+                "or the text_input contract, not a mix"
+            )
+        prompt_ids = parse_prompt_ids(inputs)
+        request = decode_request_config(_one(inputs, "request_config"))
+        if request.params.max_tokens > limits.max_tokens_limit:
+            raise RequestError(f"max_tokens: must be <= {limits.max_tokens_limit}, got {request.params.max_tokens}")
+    else:
+        parsed = parse_request(inputs, limits)
+        prompt_ids = tokenizer.encode(parsed.text, parsed.apply_chat_template)
+        request = parsed.request
+    check_prompt_length(prompt_ids, limits)
+    return prompt_ids, request

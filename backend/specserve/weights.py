@@ -1,0 +1,91 @@
+"""Load HF safetensors checkpoints (single file or sharded index) by their published key names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from specserve.config import ModelConfig
+
+
+def read_safetensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of `model.safetensors` or of the shards listed in `model.safetensors.index.json`."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (model_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"model_dir: no model.safetensors or model.safetensors.index.json in {model_dir}")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(model_dir / name, framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def take(tensors: dict[str, torch.Tensor], key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """tensors[key], checked: a missing or misshapen key is an error naming it."""
+    if key not in tensors:
+        raise KeyError(f"checkpoint: missing tensor {key!r}")
+    t = tensors[key]
+    if tuple(t.shape) != shape:
+        raise ValueError(f"checkpoint: tensor {key!r} has shape {tuple(t.shape)}, expected {shape}")
+    return t
+
+
+def llama_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """Map HF Llama/Qwen2 keys onto `LlamaModel`'s (fused qkv and gate_up)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
+    out = {
+        "embed_tokens.weight": take(tensors, f"{prefix}embed_tokens.weight", (cfg.vocab_size, h)),
+        "norm.weight": take(tensors, f"{prefix}norm.weight", (h,)),
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = take(tensors, "lm_head.weight", (cfg.vocab_size, h))
+    for i in range(cfg.num_layers):
+        src, dst = f"{prefix}layers.{i}.", f"layers.{i}."
+        attn = src + "self_attn."
+        out[dst + "self_attn.qkv_proj.weight"] = torch.cat([
+            take(tensors, attn + "q_proj.weight", (q_out, h)),
+            take(tensors, attn + "k_proj.weight", (kv_out, h)),
+            take(tensors, attn + "v_proj.weight", (kv_out, h)),
+        ])
+        if cfg.attention_bias:
+            out[dst + "self_attn.qkv_proj.bias"] = torch.cat([
+                take(tensors, attn + "q_proj.bias", (q_out,)),
+                take(tensors, attn + "k_proj.bias", (kv_out,)),
+                take(tensors, attn + "v_proj.bias", (kv_out,)),
+            ])
+        out[dst + "self_attn.o_proj.weight"] = take(tensors, attn + "o_proj.weight", (h, q_out))
+        mlp = src + "mlp."
+        out[dst + "mlp.gate_up_proj.weight"] = torch.cat([
+            take(tensors, mlp + "gate_proj.weight", (cfg.intermediate_size, h)),
+            take(tensors, mlp + "up_proj.weight", (cfg.intermediate_size, h)),
+        ])
+        out[dst + "mlp.down_proj.weight"] = take(tensors, mlp + "down_proj.weight", (h, cfg.intermediate_size))
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[dst + norm + ".weight"] = take(tensors, src + norm + ".weight", (h,))
+    return out
+
+
+def load_llama(model_dir: str | Path, dtype: torch.dtype, device: str = "cpu") -> LlamaModel:  # noqa: F821
+    from specserve.model import LlamaModel
+
+    cfg = ModelConfig.from_dir(model_dir)
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    state = {k: v.to(dtype) for k, v in llama_state_dict(read_safetensors(model_dir), cfg).items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise KeyError(f"checkpoint: no weights for {missing[:5]}")
+    return model.to(device).eval()
