@@ -1,0 +1,53 @@
+import json
+
+import pytest
+
+from specserve.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_tokens": 500, "max_tokens": 10}, "min_tokens"),
+        ({"stop": ("",)}, "stop"),
+    ],
+)
+def test_sampling_params_name_the_bad_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        SamplingParams(**kwargs)
+
+
+def test_spec_defaults_follow_sglang():
+    assert SpecConfig(algorithm="eagle").resolved() == SpecConfig(algorithm="eagle", num_steps=5, topk=4, num_draft_tokens=8)
+    chain = SpecConfig(algorithm="eagle3", num_steps=3, topk=1, num_draft_tokens=9).resolved()
+    assert chain.num_draft_tokens == 4  # topk=1 forces num_steps + 1
+    assert SpecConfig(algorithm="ngram").resolved().num_draft_tokens == 12
+    with pytest.raises(ValueError, match="^algorithm"):
+        SpecConfig(algorithm="medusa")
+
+
+def test_engine_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="^dtype"):
+        EngineConfig(model_dir="x", dtype="int8")
+    with pytest.raises(ValueError, match="^max_batch_size"):
+        EngineConfig(model_dir="x", max_batch_size=0)
+
+
+def test_model_config_reads_hf_fields(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rope_theta": 1e6, "eos_token_id": [1, 2], "tie_word_embeddings": False,
+    }))
+    cfg = ModelConfig.from_dir(tmp_path)
+    assert cfg.head_dim == 8 and cfg.attention_bias and cfg.eos_token_ids == (1, 2)
+    assert cfg.default_aux_layers() == (2, 2, 1)
+    with pytest.raises(FileNotFoundError, match="^model_dir"):
+        ModelConfig.from_dir(tmp_path / "nope")
