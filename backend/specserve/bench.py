@@ -39,7 +39,6 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int, de
     params = SamplingParams(max_tokens=max_new_tokens)
     engine.generate([prompts[0][:16]], SamplingParams(max_tokens=4))  # warm-up
     start = time.perf_counter()
-    outs = []
     bar = tqdm(total=len(prompts), desc=desc, unit="prompt")
     ids = [engine.add_request(p, params) for p in prompts]
     merged: dict[str, list[int]] = {i: [] for i in ids}
@@ -65,16 +64,16 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int, de
     }
 
 
-def run_hf(model_dir: str, dtype: torch.dtype, prompts: list[list[int]], max_new_tokens: int, eos: tuple[int, ...]) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0])
+def run_hf(model, prompts: list[list[int]], max_new_tokens: int, eos: tuple[int, ...], desc: str,
+           **generate_kwargs: object) -> dict:
+    """HF `generate()` at batch 1, greedy; extra kwargs e.g. prompt_lookup_num_tokens."""
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0],
+                  **generate_kwargs)
     with torch.inference_mode():
         model.generate(torch.tensor([prompts[0][:16]]), **{**kwargs, "max_new_tokens": 4})  # warm-up
         start = time.perf_counter()
         outs = []
-        for p in tqdm(prompts, desc="hf generate", unit="prompt"):
+        for p in tqdm(prompts, desc=desc, unit="prompt"):
             ids = model.generate(torch.tensor([p]), **kwargs)[0, len(p):].tolist()
             outs.append(ids)
         seconds = time.perf_counter() - start
@@ -97,10 +96,18 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         "dtype": config.dtype,
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
     }
-    hf = None
+    hf = lookup = None
     if hf_baseline:
-        hf = run_hf(config.model_dir, config.torch_dtype, prompts, max_new_tokens, base_engine.eos_ids)
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(config.model_dir, dtype=config.torch_dtype).eval()
+        hf = run_hf(hf_model, prompts, max_new_tokens, base_engine.eos_ids, "hf generate")
         report["hf_tokens_per_s"] = round(hf["tokens_per_s"], 2)
+        if config.spec.algorithm == "ngram":  # HF's own n-gram drafting, the like-for-like baseline
+            lookup = run_hf(hf_model, prompts, max_new_tokens, base_engine.eos_ids, "hf prompt lookup",
+                            prompt_lookup_num_tokens=10)
+            report["hf_prompt_lookup_tokens_per_s"] = round(lookup["tokens_per_s"], 2)
+        del hf_model
     base = run_engine(base_engine, prompts, max_new_tokens, "none")
     report["baseline_tokens_per_s"] = round(base["tokens_per_s"], 2)
     if hf is not None:
@@ -123,6 +130,9 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         accept_length=round(run["accept_length"], 3),
         speedup=round(run["tokens_per_s"] / base["tokens_per_s"], 3),
         lossless=run["outputs"] == base["outputs"],
+        same_output_fraction=sum(a == b for a, b in zip(run["outputs"], base["outputs"])) / len(prompts),
         tokens=run["tokens"],
     )
+    if lookup is not None:
+        report["vs_hf_prompt_lookup"] = round(run["tokens_per_s"] / lookup["tokens_per_s"], 3)
     return report

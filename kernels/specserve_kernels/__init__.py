@@ -1,0 +1,30 @@
+"""Triton kernels for tree speculative decoding, each with a plain-PyTorch reference.
+
+Every launcher checks its inputs, runs the Triton kernel on CUDA tensors and the reference on CPU
+tensors (`SPECSERVE_FORCE_TRITON=1` forces the kernel, for testing under `TRITON_INTERPRET=1`).
+
+    build_tree      parents -> depth, ancestor mask, first_child / next_sibling links
+    verify_greedy   accept the draft path matching the target's argmax, plus a bonus token
+    verify_sample   lossless tree speculative sampling (target-only), plus a bonus token
+    compact_kv      move the accepted nodes' K/V to consecutive positions, in place
+"""
+
+from specserve_kernels._launch import MAX_NODES
+from specserve_kernels.kv_compact import compact_kv, compact_kv_reference
+from specserve_kernels.tree_build import TreeTensors, build_tree, build_tree_reference
+from specserve_kernels.verify_greedy import VerifyResult, verify_greedy, verify_greedy_reference
+from specserve_kernels.verify_sample import verify_sample, verify_sample_reference
+
+__all__ = [
+    "MAX_NODES",
+    "TreeTensors",
+    "VerifyResult",
+    "build_tree",
+    "build_tree_reference",
+    "compact_kv",
+    "compact_kv_reference",
+    "verify_greedy",
+    "verify_greedy_reference",
+    "verify_sample",
+    "verify_sample_reference",
+]

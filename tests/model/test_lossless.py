@@ -1,0 +1,36 @@
+"""Lossless: greedy speculative output equals greedy `none` output, token for token.
+
+Run in fp32 on the real SmolLM2 over 20 MT-bench prompts, at batch 1 and batch 8. (bf16 is not
+batch-invariant on CPU: a different matmul shape can flip a near-tie; `specserve bench` reports the
+bf16 match rate as `lossless`.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.config import SamplingParams
+
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def reference(engine, mtbench_prompts) -> list[list[int]]:
+    return [o.token_ids for o in engine.generate(mtbench_prompts, SamplingParams(max_tokens=MAX_TOKENS))]
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dict(num_draft_tokens=12),
+        dict(num_draft_tokens=4, ngram_match_type="PROB"),
+        dict(num_draft_tokens=8, ngram_min_match_window=2, ngram_max_bfs_breadth=3),
+    ],
+    ids=["bfs-12", "prob-4", "bfs-8-narrow"],
+)
+def test_ngram_greedy_is_lossless(engine_factory, mtbench_prompts, reference, batch_size, spec):
+    engine = engine_factory(algorithm="ngram", max_batch_size=batch_size, **spec)
+    outs = engine.generate(mtbench_prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.num_accepted_tokens for o in outs) > 0  # drafts were really proposed and accepted
