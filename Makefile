@@ -43,10 +43,14 @@ lint: setup
 test: setup prepare lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+BENCH := $(VENV)/bin/specserve bench --num-prompts 20 --max-new-tokens 128
 bench: setup prepare
 	mkdir -p results
-	$(VENV)/bin/specserve bench --algorithm none --dataset mtbench --num-prompts 20 --max-new-tokens 128 --json results/bench_none.json
-	$(VENV)/bin/specserve bench --algorithm none --dataset mtbench --num-prompts 20 --max-new-tokens 128 --batch-size 8 --no-hf --json results/bench_none_bs8.json
+	$(BENCH) --algorithm none --dataset mtbench --json results/bench_none.json
+	$(BENCH) --algorithm none --dataset mtbench --batch-size 8 --no-hf --json results/bench_none_bs8.json
+	$(BENCH) --algorithm ngram --dataset mtbench --json results/bench_ngram_mtbench.json
+	$(BENCH) --algorithm ngram --dataset bench/grounded.jsonl --json results/bench_ngram_grounded.json
+	$(BENCH) --algorithm ngram --dataset mtbench --batch-size 8 --no-hf --json results/bench_ngram_bs8.json
 
 loadtest: setup prepare
 	$(PY) -m specserve_client.loadtest --variant base --concurrency 1,2,4,8 --out results/loadtest

@@ -22,6 +22,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=0, help="branching per draft step (0 = default)")
     p.add_argument("--num-draft-tokens", type=int, default=0, help="tree size incl. root (0 = default)")
     p.add_argument("--drafter-path", default=None)
+    p.add_argument("--ngram-min-match-window", type=int, default=SpecConfig.ngram_min_match_window)
+    p.add_argument("--ngram-max-match-window", type=int, default=SpecConfig.ngram_max_match_window)
+    p.add_argument("--ngram-max-bfs-breadth", type=int, default=SpecConfig.ngram_max_bfs_breadth)
+    p.add_argument("--ngram-match-type", default=SpecConfig.ngram_match_type, choices=["BFS", "PROB"])
 
 
 def _engine_config(args: argparse.Namespace, algorithm: str, max_batch_size: int) -> EngineConfig:
@@ -32,7 +36,10 @@ def _engine_config(args: argparse.Namespace, algorithm: str, max_batch_size: int
         hint = " (run `specserve prepare` first)" if args.model_dir is None else ""
         raise SystemExit(f"error: model_dir: no HF model at {model_dir}{hint}")
     spec = SpecConfig(algorithm=algorithm, num_steps=args.num_steps, topk=args.topk,
-                      num_draft_tokens=args.num_draft_tokens, drafter_path=args.drafter_path)
+                      num_draft_tokens=args.num_draft_tokens, drafter_path=args.drafter_path,
+                      ngram_min_match_window=args.ngram_min_match_window,
+                      ngram_max_match_window=args.ngram_max_match_window,
+                      ngram_max_bfs_breadth=args.ngram_max_bfs_breadth, ngram_match_type=args.ngram_match_type)
     return EngineConfig(model_dir=model_dir, max_batch_size=max_batch_size, max_seq_len=args.max_seq_len,
                         dtype=args.dtype, spec=spec)
 

@@ -52,6 +52,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention for a few queries per sequence, GQA without repeating K/V, softmax in fp32.
+
+    q: (B, Hq, T, D); k, v: (B, Hkv, S, D); mask: (B, 1, T, S) bool or None -> (B, Hq, T, D).
+    On CPU this is ~10-50x faster than SDPA's flash kernel for T <= 64 (measured: 83 us vs
+    several ms per layer at T=1, S=300, bf16).
+    """
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    g = hq // hkv  # query heads per K/V head: head h reads K/V head h // g
+    scores = (q.reshape(b, hkv, g * t, d) @ k.transpose(-1, -2)).float() * d**-0.5  # (B, Hkv, G*T, S)
+    if mask is not None:
+        scores = scores.view(b, hkv, g, t, s).masked_fill(~mask[:, :, None], float("-inf")).view(b, hkv, g * t, s)
+    probs = scores.softmax(-1)
+    return (probs @ v.float()).to(q.dtype).view(b, hq, t, d)
+
+
 @dataclass(frozen=True)
 class AttentionInputs:
     """Everything attention needs that is the same for every layer of one forward.
@@ -103,9 +120,10 @@ class Attention(nn.Module):
         else:
             keys = k_cache[a.slots, :, : a.key_len]  # gather copy: (B, Hkv, S, D)
             values = v_cache[a.slots, :, : a.key_len]
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=a.mask, is_causal=a.is_causal, enable_gqa=True
-        )  # (B, Hq, T, D)
+        if a.is_causal:  # prefill of fresh sequences
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+        else:  # decode / tree verify: few queries against a long prefix
+            out = grouped_attention(q, keys, values, a.mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 

@@ -133,3 +133,48 @@ class TreeBatch:
             mask[i, :k, :k] = t.mask
         num_nodes = torch.tensor([t.num_nodes for t in trees], dtype=torch.int64)
         return cls(tokens, parents, depth, mask, first_child, next_sibling, num_nodes)
+
+
+class DynamicTreeBuilder:
+    """EAGLE-2's dynamic draft tree, grown step by step by a model-based drafter.
+
+    Step 0 takes the drafter's topk tokens after the root. Each later step expands every beam node
+    by its topk children, scores them by cumulative probability (parent score x child prob) and
+    keeps the best topk of the topk^2 as the next beam. `build` reranks all scored nodes, keeps the
+    best num_draft_tokens - 1, sorts them so parents precede children and prepends the root.
+    The drafter owns the forwards; this class only does the bookkeeping.
+    """
+
+    def __init__(self, root: int) -> None:
+        self.tokens: list[int] = [root]
+        self.parents: list[int] = [-1]
+        self.scores: list[float] = [1.0]
+        self.beam: list[int] = [0]  # node indices to expand next
+
+    def expand(self, child_tokens: torch.Tensor, child_probs: torch.Tensor, topk: int) -> list[int]:
+        """Add children for every beam node; returns the new beam (node indices).
+
+        child_tokens, child_probs: (len(beam), topk), the drafter's topk after each beam node,
+        in beam order. Returns the best `topk` of the new nodes by cumulative probability.
+        """
+        new_nodes = []
+        probs = child_probs.tolist()  # host sync: the tree's shape is decided on the host
+        for row, parent in enumerate(self.beam):
+            for tok, p in zip(child_tokens[row].tolist(), probs[row]):
+                self.tokens.append(tok)
+                self.parents.append(parent)
+                self.scores.append(self.scores[parent] * p)
+                new_nodes.append(len(self.tokens) - 1)
+        new_nodes.sort(key=lambda i: (-self.scores[i], i))
+        self.beam = new_nodes[:topk]
+        return self.beam
+
+    def build(self, num_draft_tokens: int) -> DraftTree:
+        """Top (num_draft_tokens - 1) nodes by score (ties: older first, so parents win), root first."""
+        ranked = sorted(range(1, len(self.tokens)), key=lambda i: (-self.scores[i], i))
+        kept = sorted(ranked[: num_draft_tokens - 1])
+        index = {0: 0, **{old: new + 1 for new, old in enumerate(kept)}}
+        return DraftTree.from_parents(
+            [self.tokens[0], *(self.tokens[i] for i in kept)],
+            [-1, *(index[self.parents[i]] for i in kept)],
+        )

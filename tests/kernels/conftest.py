@@ -15,8 +15,9 @@ if not torch.cuda.is_available():
 import importlib  # noqa: E402
 
 import pytest  # noqa: E402
-from specserve.tree import DraftTree  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from specserve.tree import DraftTree  # noqa: E402
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from specserve_kernels import compact_kv, compact_kv_reference
 
 

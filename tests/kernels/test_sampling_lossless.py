@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+
 from specserve.tree import DraftTree
 from specserve_kernels import VerifyResult, verify_sample_reference
 

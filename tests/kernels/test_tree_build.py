@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from specserve.tree import DraftTree, TreeBatch
 from specserve_kernels import build_tree, build_tree_reference
 

@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+
 from specserve.tree import DraftTree, TreeBatch
 from specserve_kernels import verify_greedy, verify_greedy_reference, verify_sample, verify_sample_reference
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from specserve.tree import DraftTree, TreeBatch
+from specserve.tree import DraftTree, DynamicTreeBuilder, TreeBatch
 
 
 def test_hand_drawn_tree():
@@ -51,3 +51,36 @@ def test_batch_padding_sees_only_itself():
     assert batch.num_nodes.tolist() == [3, 1]
     assert torch.equal(batch.mask[1], torch.eye(3, dtype=torch.bool))
     assert batch.first_child[1].tolist() == [-1, -1, -1]
+
+
+def _toy_drafter(prefix_token: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic 'drafter': after token t it proposes t+1.. with decaying probabilities."""
+    probs = torch.tensor([0.6, 0.25, 0.1, 0.05])[:topk]
+    return torch.arange(1, topk + 1) + prefix_token * 10, probs
+
+
+def test_dynamic_tree_matches_a_hand_computed_eagle2_tree():
+    builder = DynamicTreeBuilder(root=0)
+    tokens, probs = _toy_drafter(0, 2)
+    beam = builder.expand(tokens[None], probs[None], topk=2)  # nodes 1 (0.6), 2 (0.25)
+    assert beam == [1, 2]
+    rows = [_toy_drafter(builder.tokens[n], 2) for n in beam]
+    beam = builder.expand(torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]), topk=2)
+    # children scores: 0.36, 0.15 (under node 1), 0.15, 0.0625 (under node 2); best two: 3, then 4 (tie -> older)
+    assert beam == [3, 4]
+    tree = builder.build(num_draft_tokens=5)
+    # kept: 1 (0.6), 3 (0.36), 2 (0.25), 4 (0.15); node 5 (0.15) loses the tie to 4
+    assert tree.tokens.tolist() == [0, 1, 2, 11, 12]
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 1]
+
+
+def test_dynamic_tree_keeps_parents_of_kept_nodes():
+    torch.manual_seed(0)
+    builder = DynamicTreeBuilder(root=7)
+    beam = builder.expand(torch.randperm(50)[:4][None], torch.rand(1, 4), topk=4)
+    for _ in range(4):
+        beam = builder.expand(torch.stack([torch.randperm(50)[:4] for _ in beam]), torch.rand(len(beam), 4), topk=4)
+    for n in (2, 5, 8, 16):
+        tree = builder.build(num_draft_tokens=n)
+        assert tree.num_nodes == n
+        assert all(0 <= p < i for i, p in enumerate(tree.parents.tolist()) if i > 0)
