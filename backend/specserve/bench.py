@@ -37,7 +37,7 @@ def copy_bandwidth_gbs(nbytes: int = 256 * 2**20, repeats: int = 10) -> float:
 
 def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int, desc: str) -> dict:
     params = SamplingParams(max_tokens=max_new_tokens)
-    engine.generate([prompts[0][:16]], SamplingParams(max_tokens=4))  # warm-up
+    engine.generate([prompts[0]], params)  # warm-up on a real prompt and budget, untimed
     start = time.perf_counter()
     bar = tqdm(total=len(prompts), desc=desc, unit="prompt")
     ids = [engine.add_request(p, params) for p in prompts]
@@ -70,7 +70,7 @@ def run_hf(model, prompts: list[list[int]], max_new_tokens: int, eos: tuple[int,
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0],
                   **generate_kwargs)
     with torch.inference_mode():
-        model.generate(torch.tensor([prompts[0][:16]]), **{**kwargs, "max_new_tokens": 4})  # warm-up
+        model.generate(torch.tensor([prompts[0]]), **kwargs)  # warm-up on a real prompt and budget, untimed
         start = time.perf_counter()
         outs = []
         for p in tqdm(prompts, desc=desc, unit="prompt"):

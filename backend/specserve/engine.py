@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import specserve_kernels as K
 import torch
 from tokenizers import Tokenizer
 
+import specserve_kernels as K
 from specserve.config import EngineConfig, SamplingParams
 from specserve.detokenize import IncrementalDetokenizer
 from specserve.drafters import Drafter

@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -99,9 +100,13 @@ def find_tritonserver(cache_root: Path | None = None) -> TritonInstall:
         return TritonInstall(Path(on_path), None, {})
     server_dir = _pytriton_dir() / "tritonserver"
     cache_root = cache_root or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specserve" / "tritonserver"
-    libs = server_dir.parent.parent / "nvidia_pytriton.libs"
+    libs = [str(server_dir.parent.parent / "nvidia_pytriton.libs")]
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        # the stub links libpython3.X.so dynamically: give it this interpreter's (e.g. pyenv's),
+        # not the system one, or compiled stdlib modules such as _ssl fail on missing symbols
+        libs.insert(0, str(sysconfig.get_config_var("LIBDIR")))
     venv_bin = str(Path(sys.executable).parent)
-    ld = os.pathsep.join(p for p in (str(libs), os.environ.get("LD_LIBRARY_PATH", "")) if p)
+    ld = os.pathsep.join(p for p in (*libs, os.environ.get("LD_LIBRARY_PATH", "")) if p)
     return TritonInstall(
         binary=server_dir / "bin" / "tritonserver",
         backend_dir=_wheel_backend_dir(server_dir, cache_root),
@@ -143,6 +148,7 @@ class TritonProcess:
         self.log = log
         self.extra_args = list(extra_args)
         self.startup_timeout_s = startup_timeout_s
+        self.shm_prefix = f"specserve{os.getpid()}_{http_port}_"
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
 
@@ -169,7 +175,7 @@ class TritonProcess:
             f"--metrics-port={self.metrics_port}",
             f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
             # two servers on one host must not share the Python backend's shared-memory regions
-            f"--backend-config=python,shm-region-prefix-name=specserve{os.getpid()}_{self.http_port}_",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
         if install.backend_dir is not None:
             cmd.append(f"--backend-directory={install.backend_dir}")
@@ -229,6 +235,8 @@ class TritonProcess:
         except ProcessLookupError:
             pass
         proc.wait()
+        for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):  # left behind after a kill
+            region.unlink(missing_ok=True)
         if self._log_file is not None:
             self._log_file.close()
         return proc.returncode
@@ -249,6 +257,12 @@ class TritonProcess:
 # ---- a repository copy with other parameters ------------------------------------------------
 
 _PARAM = r'(parameters:\s*\{{\s*key:\s*"{key}"\s*value:\s*\{{\s*string_value:\s*")([^"]*)(")'
+
+
+def read_parameters(config_pbtxt: Path) -> dict[str, str]:
+    """The `parameters` of a config.pbtxt written in this repository's one-line style."""
+    pattern = re.compile(r'parameters:\s*\{\s*key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"')
+    return dict(pattern.findall(Path(config_pbtxt).read_text()))
 
 
 def copy_repository(src: Path, dst: Path, overrides: Mapping[str, Mapping[str, str]] | None = None) -> Path:

@@ -27,7 +27,11 @@ TPOT_BUCKETS = [0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0
 E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0]
 ACCEPT_LENGTH_BUCKETS = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0, 24.0, 32.0, 64.0]
 
-HAS_HISTOGRAM = hasattr(pb_utils.MetricFamily, "HISTOGRAM")
+
+
+def has_histogram() -> bool:
+    """Asked at run time: the stub fills in pb_utils.MetricFamily only after importing model.py."""
+    return hasattr(pb_utils.MetricFamily, "HISTOGRAM")
 
 
 class _SummaryCounters:
@@ -67,6 +71,7 @@ class ServingMetrics:
 
     def __init__(self, model: str, version: str) -> None:
         labels = {"model": model, "version": version}
+        self.histograms = has_histogram()
         self._families: list[Any] = []  # keep them alive as long as their metrics
 
         def counter(name: str, description: str, **extra: str) -> Any:
@@ -75,7 +80,7 @@ class ServingMetrics:
             return family.Metric(labels={**labels, **extra})
 
         def histogram(name: str, description: str, buckets: Sequence[float]) -> Any:
-            if not HAS_HISTOGRAM:
+            if not self.histograms:
                 return _SummaryCounters(PREFIX + name, description, labels)
             family = pb_utils.MetricFamily(PREFIX + name, description, pb_utils.MetricFamily.HISTOGRAM)
             self._families.append(family)

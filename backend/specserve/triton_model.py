@@ -22,6 +22,7 @@ import time
 import traceback
 from typing import Any
 
+import torch
 import triton_python_backend_utils as pb_utils
 
 from specserve.config import SamplingParams
@@ -69,6 +70,7 @@ class _ResponseStream:
         self.token_ids: list[int] = []
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.final_sent = False
 
     def handle(self, out: RequestOutput) -> None:
         if out.token_ids and self.first_token is None:
@@ -104,19 +106,21 @@ class _ResponseStream:
     def _finish(self, out: RequestOutput) -> None:
         if out.finish_reason == FINISH_ABORT:
             if self.closing.is_set():
-                self.sender.send(_error("server shutting down", pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+                self._send_final(_error("server shutting down", pb_utils.TritonError.UNAVAILABLE))
             else:
-                self.sender.send(_error("request cancelled", pb_utils.TritonError.CANCELLED), flags=FINAL)
+                self._send_final(_error("request cancelled", pb_utils.TritonError.CANCELLED))
         elif out.finish_reason == FINISH_ERROR:
-            self.sender.send(_error(out.error or "engine error", pb_utils.TritonError.INTERNAL), flags=FINAL)
+            self._send_final(_error(out.error or "engine error", pb_utils.TritonError.INTERNAL))
         elif self.request.stream:
-            self.sender.send(_response(self._delta(out, out.text, out.token_ids)), flags=FINAL)
-        else:
+            self._send_final(_response(self._delta(out, out.text, out.token_ids)))
+        else:  # the one data response /generate needs, then a flag-only FINAL
             text = (self.request.echo_text or "") + "".join(self.text) + out.text
-            try:
-                self.sender.send(_response(self._delta(out, text, self.token_ids + out.token_ids)))
-            finally:
-                self.sender.send(flags=FINAL)
+            self.sender.send(_response(self._delta(out, text, self.token_ids + out.token_ids)))
+            self._send_final(None)
+
+    def _send_final(self, response: Any | None) -> None:
+        self.sender.send(response, flags=FINAL)
+        self.final_sent = True
 
     @staticmethod
     def _delta(out: RequestOutput, text: str, token_ids: list[int]) -> ResponseDelta:
@@ -132,7 +136,9 @@ class _ResponseStream:
         )
 
     def abandon(self, message: str) -> None:
-        """Last resort after a failure inside `handle`: end the request with an error."""
+        """Last resort after a failure inside `handle`: end the request with an error, unless it ended."""
+        if self.final_sent:
+            return
         try:
             self.sender.send(_error(message, pb_utils.TritonError.INTERNAL), flags=FINAL)
         except Exception:  # noqa: BLE001 - the sender may already be closed
@@ -184,7 +190,8 @@ class TritonPythonModel:
         self.loop = EngineLoop(engine)
         pb_utils.Logger.log_info(
             f"{args['model_name']}: {engine_config.spec.algorithm} on {engine_config.device}, "
-            f"{engine_config.max_batch_size} slots x {engine_config.max_seq_len} tokens"
+            f"{engine_config.max_batch_size} slots x {engine_config.max_seq_len} tokens, "
+            f"{engine_config.dtype}, {torch.get_num_threads()} torch threads"
         )
 
     def execute(self, requests: list[Any]) -> None:

@@ -145,7 +145,7 @@ def _float(inputs: Mapping[str, np.ndarray], name: str) -> float | None:
         return None
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
         raise RequestError(f"{name}: expected a float tensor, got {np.asarray(inputs[name]).dtype}")
-    return float(v)
+    return float(str(v)) if isinstance(v, np.float32) else float(v)  # FP32 0.9 -> 0.9, not 0.8999999761
 
 
 def _text(value: Any, name: str) -> str:
@@ -314,7 +314,7 @@ def _check_unsupported(inputs: Mapping[str, np.ndarray]) -> None:
 
 
 def build_sampling_params(kwargs: Mapping[str, Any], limits: RequestLimits) -> SamplingParams:
-    kw = {"max_tokens": limits.default_max_tokens, **kwargs}
+    kw = {"max_tokens": min(limits.default_max_tokens, limits.max_tokens_limit), **kwargs}  # a default never fails
     if isinstance(kw["max_tokens"], int) and kw["max_tokens"] > limits.max_tokens_limit:
         raise RequestError(
             f"max_tokens: must be <= {limits.max_tokens_limit} (the context is {limits.max_seq_len} tokens), "

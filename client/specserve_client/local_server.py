@@ -1,0 +1,34 @@
+"""A tritonserver for one variant, started here unless the caller already has one (benchmarks)."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def server_for(
+    variant: str,
+    url: str | None = None,
+    repository: Path | None = None,
+    overrides: Mapping[str, str] | None = None,
+    log: Path | None = None,
+) -> Iterator[str]:
+    """Yield the gRPC url: `url` as given, or a fresh server's (free ports, own process group).
+
+    overrides: config.pbtxt parameters of specdec_<variant> for this run (on a temporary copy).
+    """
+    if url is not None:
+        yield url
+        return
+    from specserve.server import TritonProcess, copy_repository, default_repository, free_port, models_for
+
+    repository = Path(repository or default_repository())
+    with tempfile.TemporaryDirectory(prefix="specserve-bench-") as tmp:
+        if overrides:
+            repository = copy_repository(repository, Path(tmp) / "repo", {f"specdec_{variant}": dict(overrides)})
+        ports = [free_port() for _ in range(3)]
+        with TritonProcess(repository, models_for([variant]), *ports, log=log or Path(tmp) / "tritonserver.log") as server:
+            yield server.grpc_url

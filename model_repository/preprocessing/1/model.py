@@ -1,0 +1,3 @@
+"""Triton entry point of `preprocessing`: see specserve.triton_preprocess."""
+
+from specserve.triton_preprocess import TritonPythonModel  # noqa: F401

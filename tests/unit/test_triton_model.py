@@ -1,0 +1,272 @@
+"""The decoupled model's response logic with a fake `triton_python_backend_utils`: exactly one
+FINAL on every path (stream, stream=false, abort, engine error, shutdown, bad input)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+FINAL = 1
+
+
+@dataclass
+class FakeError:
+    message: str
+    code: int
+
+    INTERNAL, INVALID_ARG, UNAVAILABLE, CANCELLED = 13, 3, 14, 1
+
+
+@dataclass
+class FakeResponse:
+    output_tensors: list[Any] = field(default_factory=list)
+    error: FakeError | None = None
+
+    def outputs(self) -> dict[str, np.ndarray]:
+        return {t.name: t.array for t in self.output_tensors}
+
+
+@dataclass
+class FakeTensor:
+    name: str
+    array: np.ndarray
+
+    def as_numpy(self) -> np.ndarray:
+        return self.array
+
+
+class FakeMetric:
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def increment(self, v: float) -> None:
+        self.values.append(v)
+
+    def observe(self, v: float) -> None:
+        self.values.append(v)
+
+
+class FakeFamily:
+    COUNTER, GAUGE, HISTOGRAM = 0, 1, 2
+    created: dict[str, FakeFamily] = {}
+
+    def __init__(self, name: str, description: str, kind: int) -> None:
+        self.name, self.kind, self.metrics = name, kind, []
+        FakeFamily.created[name] = self
+
+    def Metric(self, labels: dict[str, str], buckets: list[float] | None = None) -> FakeMetric:  # noqa: N802
+        assert (buckets is not None) == (self.kind == self.HISTOGRAM)
+        m = FakeMetric()
+        self.metrics.append((labels, m))
+        return m
+
+
+@pytest.fixture(scope="module")
+def triton_model():
+    fake = types.ModuleType("triton_python_backend_utils")
+    fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
+    fake.InferenceResponse = FakeResponse
+    fake.Tensor = FakeTensor
+    fake.TritonError = FakeError
+    fake.MetricFamily = FakeFamily
+    saved = sys.modules.get("triton_python_backend_utils")
+    sys.modules["triton_python_backend_utils"] = fake
+    for name in ("specserve.triton_model", "specserve.triton_metrics"):
+        sys.modules.pop(name, None)
+    import specserve.triton_model as module
+
+    yield module
+    for name in ("specserve.triton_model", "specserve.triton_metrics"):
+        sys.modules.pop(name, None)
+    if saved is not None:
+        sys.modules["triton_python_backend_utils"] = saved
+    else:
+        del sys.modules["triton_python_backend_utils"]
+
+
+class FakeSender:
+    def __init__(self) -> None:
+        self.sent: list[tuple[FakeResponse | None, int]] = []
+
+    def send(self, response: FakeResponse | None = None, flags: int = 0) -> None:
+        assert not any(f & FINAL for _, f in self.sent), "nothing may follow FINAL"
+        self.sent.append((response, flags))
+
+    def is_cancelled(self) -> bool:
+        return False
+
+    @property
+    def finals(self) -> int:
+        return sum(1 for _, f in self.sent if f & FINAL)
+
+    @property
+    def data(self) -> list[FakeResponse]:
+        return [r for r, _ in self.sent if r is not None and r.error is None]
+
+
+def out(text: str, ids: list[int], finished: bool = False, reason: str | None = None, **kw: Any):
+    from specserve.outputs import RequestOutput
+
+    return RequestOutput("r", ids, text, finished=finished, finish_reason=reason, num_prompt_tokens=5, **kw)
+
+
+def stream_for(triton_model, stream: bool, echo: str | None = None, closing: bool = False):
+    from specserve.config import SamplingParams
+    from specserve.triton_metrics import ServingMetrics
+    from specserve.triton_request import GenerateRequest
+
+    event = threading.Event()
+    if closing:
+        event.set()
+    sender = FakeSender()
+    s = triton_model._ResponseStream(sender, GenerateRequest(SamplingParams(), stream, echo), ServingMetrics("m", "1"), event)
+    return s, sender
+
+
+def test_streaming_sends_each_delta_and_final_on_the_last(triton_model):
+    s, sender = stream_for(triton_model, stream=True)
+    s.handle(out("Hel", [1], num_output_tokens=1))
+    s.handle(out("lo", [2], num_output_tokens=2, num_verify_steps=1, accept_lengths=[1]))
+    s.handle(out("!", [3], True, "stop", num_output_tokens=3, num_verify_steps=2, accept_lengths=[1]))
+    assert [f for _, f in sender.sent] == [0, 0, FINAL]
+    texts = [r.outputs()["text_output"][0].decode() for r in sender.data]
+    assert texts == ["Hel", "lo", "!"]
+    last = sender.data[-1].outputs()
+    assert last["finish_reason"][0] == b"stop" and last["num_output_tokens"][0] == 3
+    assert sender.data[0].outputs()["finish_reason"][0] == b""
+
+
+def test_non_streaming_sends_one_response_then_a_flag_only_final(triton_model):
+    s, sender = stream_for(triton_model, stream=False, echo="Q: ")
+    s.handle(out("Hel", [1]))
+    s.handle(out("lo", [2]))
+    s.handle(out("", [], True, "length", num_output_tokens=2))
+    assert len(sender.data) == 1 and sender.sent[-1] == (None, FINAL) and sender.finals == 1
+    outputs = sender.data[0].outputs()
+    assert outputs["text_output"][0].decode() == "Q: Hello"
+    assert outputs["output_ids"].tolist() == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("reason", "closing", "code"),
+    [("abort", False, FakeError.CANCELLED), ("abort", True, FakeError.UNAVAILABLE), ("error", False, FakeError.INTERNAL)],
+)
+@pytest.mark.parametrize("stream", [True, False])
+def test_abort_and_error_end_with_an_error_and_final(triton_model, reason, closing, code, stream):
+    s, sender = stream_for(triton_model, stream=stream, closing=closing)
+    s.handle(out("a", [1]))
+    s.handle(out("", [], True, reason, error="boom" if reason == "error" else None))
+    response, flags = sender.sent[-1]
+    assert flags == FINAL and sender.finals == 1
+    assert response.error is not None and response.error.code == code
+
+
+def test_metrics_follow_the_deltas(triton_model):
+    FakeFamily.created.clear()
+    s, _ = stream_for(triton_model, stream=True)
+    s.handle(out("a", [1, 2], num_draft_tokens=4, num_accepted_tokens=1, num_verify_steps=1, accept_lengths=[2]))
+    s.handle(out("b", [3], True, "stop", num_output_tokens=3, num_draft_tokens=8, num_accepted_tokens=1,
+                 num_verify_steps=2, accept_lengths=[1]))
+
+    def values(name: str) -> list[float]:
+        return FakeFamily.created["specserve:" + name].metrics[0][1].values
+
+    assert values("generation_tokens_total") == [2.0, 1.0]
+    assert values("spec_decode_num_draft_tokens_total") == [4.0, 4.0]
+    assert values("spec_decode_num_accepted_tokens_total") == [1.0]
+    assert values("spec_decode_accept_length") == [2.0, 1.0]
+    assert values("prompt_tokens_total") == [5.0]
+    assert len(values("time_to_first_token_seconds")) == 1
+    stop = [m for labels, m in FakeFamily.created["specserve:request_finished_total"].metrics if labels["finish_reason"] == "stop"]
+    assert stop[0].values == [1.0]
+
+
+class FakeRequest:
+    def __init__(self, inputs: dict[str, np.ndarray]) -> None:
+        self._inputs = inputs
+        self.sender = FakeSender()
+
+    def inputs(self) -> list[Any]:
+        return [types.SimpleNamespace(name=lambda n=n: n, as_numpy=lambda a=a: a) for n, a in self._inputs.items()]
+
+    def get_response_sender(self) -> FakeSender:
+        return self.sender
+
+
+class FakeLoop:
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error, self.submitted = error, []
+
+    def submit(self, prompt_ids, params, on_output, is_cancelled=None, request_id=None):
+        if self.error:
+            raise self.error
+        self.submitted.append((prompt_ids, params, is_cancelled))
+        return "r"
+
+
+def model_with(triton_model, loop: FakeLoop):
+    from specserve.triton_request import RequestLimits
+
+    m = triton_model.TritonPythonModel()
+    m.limits = RequestLimits(max_seq_len=64)
+    m.tokenizer = types.SimpleNamespace(encode=lambda text, chat: [ord(c) for c in text])
+    m.metrics = None
+    m.closing = threading.Event()
+    m.responses = None
+    m.loop = loop
+    return m
+
+
+def text(s: str) -> np.ndarray:
+    return np.array([s.encode()], dtype=np.object_)
+
+
+def test_execute_submits_and_sends_nothing_yet(triton_model):
+    loop = FakeLoop()
+    m = model_with(triton_model, loop)
+    request = FakeRequest({"text_input": text("hi"), "max_tokens": np.array([3], dtype=np.int32)})
+    assert m.execute([request]) is None
+    (ids, params, is_cancelled), = loop.submitted
+    assert ids == [ord("h"), ord("i")] and params.max_tokens == 3
+    assert is_cancelled == request.sender.is_cancelled
+    assert request.sender.sent == []
+
+
+@pytest.mark.parametrize(
+    ("inputs", "loop_error", "code", "field"),
+    [
+        ({"text_input": text("hi"), "max_tokens": np.array([0], dtype=np.int32)}, None, FakeError.INVALID_ARG, "max_tokens"),
+        ({"text_input": text("x" * 100)}, None, FakeError.INVALID_ARG, "text_input"),
+        ({"text_input": text("hi")}, ValueError("prompt: token id outside the vocabulary"), FakeError.INVALID_ARG, "prompt"),
+        ({"text_input": text("hi")}, RuntimeError("kaput"), FakeError.INTERNAL, "internal error"),
+    ],
+)
+def test_execute_errors_end_with_final(triton_model, inputs, loop_error, code, field):
+    m = model_with(triton_model, FakeLoop(loop_error))
+    request = FakeRequest(inputs)
+    m.execute([request])
+    (response, flags), = request.sender.sent
+    assert flags == FINAL and response.error.code == code and response.error.message.startswith(field)
+
+
+def test_a_failed_final_send_still_ends_the_request(triton_model):
+    s, sender = stream_for(triton_model, stream=False)
+    real_send = sender.send
+
+    def failing_send(response=None, flags=0):
+        if response is not None and response.error is None:
+            raise RuntimeError("tensor too large")
+        real_send(response, flags)
+
+    sender.send = failing_send
+    thread = triton_model._ResponseThread()
+    thread.put(s, out("a", [1], True, "stop"))
+    thread.close()
+    (response, flags), = sender.sent
+    assert flags == FINAL and response.error.code == FakeError.INTERNAL

@@ -1,0 +1,352 @@
+"""Request parsing and validation of the Triton models, on numpy dicts (no Triton, no model)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specserve.config import SamplingParams
+from specserve.triton_request import (
+    CONTRACT_INPUTS,
+    INTERNAL_INPUTS,
+    OUTPUTS,
+    GenerateRequest,
+    RequestError,
+    RequestLimits,
+    ResponseDelta,
+    check_prompt_length,
+    decode_request_config,
+    encode_request_config,
+    engine_config_from_parameters,
+    model_parameters,
+    output_arrays,
+    parse_decoupled_inputs,
+    parse_request,
+    request_limits_from_parameters,
+)
+
+LIMITS = RequestLimits(max_seq_len=256, default_max_tokens=32)
+REPO = Path(__file__).resolve().parents[2] / "model_repository"
+
+
+def b(s: str) -> np.ndarray:
+    return np.array([s.encode()], dtype=np.object_)
+
+
+def req(text: str = "Hello", **inputs: np.ndarray) -> dict[str, np.ndarray]:
+    return {"text_input": b(text), **inputs}
+
+
+def i32(v: int) -> np.ndarray:
+    return np.array([v], dtype=np.int32)
+
+
+def f32(v: float) -> np.ndarray:
+    return np.array([v], dtype=np.float32)
+
+
+def flag(v: bool) -> np.ndarray:
+    return np.array([v], dtype=np.bool_)
+
+
+def sp(obj: object) -> np.ndarray:
+    return b(json.dumps(obj))
+
+
+def error_field(inputs: dict[str, np.ndarray], limits: RequestLimits = LIMITS) -> str:
+    with pytest.raises(RequestError) as e:
+        parse_request(inputs, limits)
+    return str(e.value).split(":")[0]
+
+
+# ---- good requests --------------------------------------------------------------------------
+
+
+def test_defaults():
+    p = parse_request(req(), LIMITS)
+    assert p.text == "Hello"
+    assert p.apply_chat_template is False
+    assert p.request == GenerateRequest(params=SamplingParams(max_tokens=32), stream=False, echo_text=None)
+
+
+def test_trtllm_style_tensors():
+    p = parse_request(
+        req(
+            max_tokens=i32(20), min_length=i32(5), temperature=f32(0.5), top_p=f32(0.9), top_k=i32(40),
+            random_seed=np.array([7], dtype=np.uint64), stream=flag(True), exclude_input_in_output=flag(True),
+            end_id=i32(2), pad_id=i32(2), beam_width=i32(1),
+            stop_words=np.array([b"\n\n", b""], dtype=np.object_), bad_words=np.array([b""], dtype=np.object_),
+        ),
+        LIMITS,
+    )
+    assert p.request.params == SamplingParams(
+        max_tokens=20, min_tokens=5, temperature=0.5, top_p=0.9, top_k=40, seed=7, stop=("\n\n",)
+    )
+    assert p.request.stream is True
+
+
+def test_vllm_style_sampling_parameters():
+    params = {"max_tokens": 10, "temperature": 0.7, "top_p": 0.95, "top_k": -1, "seed": 3, "stop": ["END"],
+              "ignore_eos": True, "n": 1, "presence_penalty": 0.0, "skip_special_tokens": True, "logprobs": None}
+    p = parse_request(req(sampling_parameters=sp(params), stream=flag(True), exclude_input_in_output=flag(True)), LIMITS)
+    assert p.request.params == SamplingParams(
+        max_tokens=10, temperature=0.7, top_p=0.95, top_k=0, seed=3, stop=("END",), ignore_eos=True
+    )
+
+
+def test_genai_perf_string_values():
+    # genai-perf --streaming with deterministic output lengths sends numbers as strings
+    p = parse_request(req(sampling_parameters=sp({"max_tokens": "24", "min_tokens": "24", "ignore_eos": "true"})), LIMITS)
+    assert (p.request.params.max_tokens, p.request.params.min_tokens, p.request.params.ignore_eos) == (24, 24, True)
+    p = parse_request(req(sampling_parameters=sp({"temperature": "0.25", "top_p": "1", "max_tokens": "16.0"})), LIMITS)
+    assert (p.request.params.temperature, p.request.params.top_p, p.request.params.max_tokens) == (0.25, 1.0, 16)
+
+
+def test_min_tokens_and_min_length():
+    assert parse_request(req(min_tokens=i32(4)), LIMITS).request.params.min_tokens == 4
+    assert parse_request(req(min_length=i32(4)), LIMITS).request.params.min_tokens == 4
+    assert parse_request(req(min_tokens=i32(4), min_length=i32(4)), LIMITS).request.params.min_tokens == 4
+    assert error_field(req(min_tokens=i32(4), min_length=i32(5))) == "min_length"
+    assert error_field(req(max_tokens=i32(4), min_tokens=i32(5))) == "min_tokens"
+    assert error_field(req(min_tokens=i32(-1))) == "min_tokens"
+
+
+def test_tensor_overrides_sampling_parameters():
+    p = parse_request(req(sampling_parameters=sp({"max_tokens": "8", "temperature": 0.5}), max_tokens=i32(12)), LIMITS)
+    assert (p.request.params.max_tokens, p.request.params.temperature) == (12, 0.5)
+
+
+def test_exclude_input_in_output():
+    assert parse_request(req(exclude_input_in_output=flag(False)), LIMITS).request.echo_text == "Hello"
+    assert parse_request(req(exclude_input_in_output=flag(True)), LIMITS).request.echo_text is None
+    assert parse_request(req(stream=flag(True)), LIMITS).request.echo_text is None  # absent = no echo
+
+
+def test_apply_chat_template_default_and_override():
+    chat = RequestLimits(apply_chat_template=True)
+    assert parse_request(req(), chat).apply_chat_template is True
+    assert parse_request(req(apply_chat_template=flag(False)), chat).apply_chat_template is False
+    assert parse_request(req(apply_chat_template=flag(True)), LIMITS).apply_chat_template is True
+
+
+def test_unicode_prompt_and_shape_1x1():
+    p = parse_request({"text_input": np.array([["héllo ☃".encode()]], dtype=np.object_)}, LIMITS)
+    assert p.text == "héllo ☃"
+
+
+# ---- bad requests: each names its field -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("inputs", "field"),
+    [
+        ({}, "text_input"),
+        ({"max_tokens": i32(4)}, "text_input"),
+        (req(""), "text_input"),
+        ({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, "text_input"),
+        ({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}, "text_input"),
+        ({"text_input": np.array([3], dtype=np.int32)}, "text_input"),
+        (req(max_tokens=i32(0)), "max_tokens"),
+        (req(max_tokens=i32(-3)), "max_tokens"),
+        (req(max_tokens=i32(256)), "max_tokens"),  # above the limit (context 256)
+        (req(max_tokens=f32(4.0)), "max_tokens"),  # wrong type
+        (req(max_tokens=flag(True)), "max_tokens"),
+        (req(temperature=f32(-0.1)), "temperature"),
+        (req(temperature=f32(float("nan"))), "temperature"),
+        (req(temperature=b("hot")), "temperature"),
+        (req(top_p=f32(0.0)), "top_p"),
+        (req(top_p=f32(1.5)), "top_p"),
+        (req(top_k=i32(-2)), "top_k"),
+        (req(stream=i32(1)), "stream"),
+        (req(stream=flag(True), exclude_input_in_output=flag(False)), "exclude_input_in_output"),
+        (req(bad_words=np.array([b"x"], dtype=np.object_)), "bad_words"),
+        (req(beam_width=i32(2)), "beam_width"),
+        (req(seed=np.array([1], dtype=np.uint64), random_seed=np.array([2], dtype=np.uint64)), "random_seed"),
+        (req(nonsense=i32(1)), "nonsense"),
+        (req(sampling_parameters=b("{not json")), "sampling_parameters"),
+        (req(sampling_parameters=b("[1, 2]")), "sampling_parameters"),
+        (req(sampling_parameters=np.array([1], dtype=np.int32)), "sampling_parameters"),
+        (req(sampling_parameters=sp({"max_tokens": "many"})), "sampling_parameters.max_tokens"),
+        (req(sampling_parameters=sp({"max_tokens": "2.5"})), "sampling_parameters.max_tokens"),
+        (req(sampling_parameters=sp({"max_tokens": True})), "sampling_parameters.max_tokens"),
+        (req(sampling_parameters=sp({"max_tokens": "0"})), "max_tokens"),
+        (req(sampling_parameters=sp({"max_tokens": 100000})), "max_tokens"),
+        (req(sampling_parameters=sp({"temperature": "-1"})), "temperature"),
+        (req(sampling_parameters=sp({"temperature": "warm"})), "sampling_parameters.temperature"),
+        (req(sampling_parameters=sp({"top_p": "0"})), "top_p"),
+        (req(sampling_parameters=sp({"top_p": 2})), "top_p"),
+        (req(sampling_parameters=sp({"ignore_eos": "maybe"})), "sampling_parameters.ignore_eos"),
+        (req(sampling_parameters=sp({"stop": 5})), "sampling_parameters.stop"),
+        (req(sampling_parameters=sp({"n": 2})), "sampling_parameters.n"),
+        (req(sampling_parameters=sp({"presence_penalty": "0.5"})), "sampling_parameters.presence_penalty"),
+        (req(sampling_parameters=sp({"wat": 1})), "sampling_parameters.wat"),
+        (req(sampling_parameters=sp({"seed": -1})), "seed"),
+    ],
+)
+def test_bad_input_names_the_field(inputs, field):
+    assert error_field(inputs) == field
+
+
+def test_default_max_tokens_is_capped_by_the_context():
+    p = parse_request(req(), RequestLimits(max_seq_len=64, default_max_tokens=128))
+    assert p.request.params.max_tokens == 63
+
+
+def test_empty_sampling_parameters_is_fine():
+    assert parse_request(req(sampling_parameters=b("")), LIMITS).request.params.max_tokens == 32
+    assert parse_request(req(sampling_parameters=sp({})), LIMITS).request.params.max_tokens == 32
+
+
+def test_prompt_length():
+    check_prompt_length(list(range(255)), LIMITS)
+    with pytest.raises(RequestError, match=r"^text_input: the prompt is 256 tokens"):
+        check_prompt_length(list(range(256)), LIMITS)
+    with pytest.raises(RequestError, match=r"^text_input"):
+        check_prompt_length([], LIMITS)
+
+
+# ---- preprocessing -> specdec ---------------------------------------------------------------
+
+
+class FakeTokenizer:
+    def encode(self, text: str, apply_chat_template: bool) -> list[int]:
+        ids = [ord(c) % 100 for c in text]
+        return ([1] + ids + [2]) if apply_chat_template else ids
+
+
+def test_request_config_round_trip():
+    gen = GenerateRequest(SamplingParams(max_tokens=9, temperature=0.3, stop=("x", "yz"), seed=5), True, None)
+    arr = encode_request_config(gen)
+    assert arr.dtype == np.object_ and arr.shape == (1,)
+    assert decode_request_config(arr[0]) == gen
+
+
+def test_request_config_malformed():
+    for raw in (b"{}", b"nope", json.dumps({"params": {"max_tokens": 0}, "stream": False}).encode()):
+        with pytest.raises(RequestError, match=r"^request_config|^max_tokens"):
+            decode_request_config(raw)
+
+
+def test_decoupled_inputs_from_preprocessing():
+    gen = GenerateRequest(SamplingParams(max_tokens=9), True, None)
+    ids, out = parse_decoupled_inputs(
+        {"input_ids": np.array([5, 6, 7], dtype=np.int32), "request_config": encode_request_config(gen)},
+        LIMITS, FakeTokenizer(),
+    )
+    assert ids == [5, 6, 7] and out == gen
+
+
+def test_decoupled_inputs_direct_contract():
+    ids, out = parse_decoupled_inputs(req("ab", apply_chat_template=flag(True), stream=flag(True)), LIMITS, FakeTokenizer())
+    assert ids == [1, 97, 98, 2] and out.stream is True
+
+
+@pytest.mark.parametrize(
+    ("inputs", "field"),
+    [
+        ({"input_ids": np.array([1], dtype=np.int32)}, "input_ids"),  # without request_config
+        ({"input_ids": np.array([1], dtype=np.int32), "request_config": b("{}"), "text_input": b("x")}, "input_ids"),
+        ({"input_ids": np.array([], dtype=np.int32), "request_config": encode_request_config(GenerateRequest(SamplingParams()))}, "input_ids"),
+        ({"input_ids": np.array([1.0], dtype=np.float32), "request_config": encode_request_config(GenerateRequest(SamplingParams()))}, "input_ids"),
+        ({"input_ids": np.zeros(300, dtype=np.int32), "request_config": encode_request_config(GenerateRequest(SamplingParams()))}, "text_input"),
+        ({"input_ids": np.array([1], dtype=np.int32), "request_config": encode_request_config(GenerateRequest(SamplingParams(max_tokens=999)))}, "max_tokens"),
+        (req("x" * 300), "text_input"),  # too long for the context once tokenized
+        (req(max_tokens=i32(0)), "max_tokens"),
+    ],
+)
+def test_decoupled_inputs_errors(inputs, field):
+    with pytest.raises(RequestError) as e:
+        parse_decoupled_inputs(inputs, LIMITS, FakeTokenizer())
+    assert str(e.value).split(":")[0] == field
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+
+def test_output_arrays():
+    arrays = output_arrays(ResponseDelta("é!", [5, 6], "stop", 10, 7, 12, 6, 4))
+    assert set(arrays) == set(OUTPUTS)
+    assert arrays["text_output"][0].decode() == "é!"
+    assert arrays["output_ids"].dtype == np.int32 and arrays["output_ids"].tolist() == [5, 6]
+    assert arrays["finish_reason"][0] == b"stop"
+    assert arrays["num_input_tokens"].dtype == np.uint32 and arrays["num_output_tokens"][0] == 7
+    assert arrays["total_draft_tokens"].dtype == np.int32 and arrays["total_accepted_draft_tokens"][0] == 6
+    assert arrays["acceptance_rate"].dtype == np.float32 and arrays["acceptance_rate"][0] == pytest.approx(0.5)
+    assert arrays["accept_length"][0] == pytest.approx((6 + 4) / 4)
+    empty = output_arrays(ResponseDelta("", [], None, 3, 0, 0, 0, 0))
+    assert empty["output_ids"].shape == (0,) and empty["finish_reason"][0] == b""
+    assert empty["accept_length"][0] == 0.0 and empty["acceptance_rate"][0] == 0.0
+
+
+# ---- config.pbtxt parameters ----------------------------------------------------------------
+
+
+def test_engine_config_from_parameters():
+    cfg = engine_config_from_parameters(
+        {"model_dir": "", "algorithm": "ngram", "drafter_path": "", "num_steps": "0", "topk": "0",
+         "num_draft_tokens": "8", "max_batch_size": "4", "max_seq_len": "512", "dtype": "float32",
+         "device": "cpu", "num_threads": "", "default_max_tokens": "64", "apply_chat_template": "true",
+         "ngram_max_bfs_breadth": "5"}
+    )
+    assert (cfg.max_batch_size, cfg.max_seq_len, cfg.dtype, cfg.device) == (4, 512, "float32", "cpu")
+    assert cfg.spec.algorithm == "ngram" and cfg.spec.num_draft_tokens == 8 and cfg.spec.ngram_max_bfs_breadth == 5
+    assert cfg.spec.drafter_path is None and cfg.num_threads is None
+    assert cfg.model_dir.endswith("models/SmolLM2-135M-Instruct")
+    assert engine_config_from_parameters({"model_dir": "/abs/m", "drafter_path": "models/d"}).spec.drafter_path.endswith("/models/d")
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [({"max_batch_size": "x"}, "max_batch_size"), ({"algorithm": "magic"}, "algorithm"),
+     ({"num_steps": "two"}, "num_steps"), ({"dtype": "int8"}, "dtype"), ({"typo_key": "1"}, "typo_key")],
+)
+def test_engine_config_errors(params, field):
+    with pytest.raises(ValueError, match=rf"^{field}:"):
+        engine_config_from_parameters(params)
+
+
+def test_request_limits_from_parameters():
+    assert request_limits_from_parameters({"max_seq_len": "512", "default_max_tokens": "", "apply_chat_template": "1"}) == (
+        RequestLimits(max_seq_len=512, default_max_tokens=128, apply_chat_template=True)
+    )
+    with pytest.raises(ValueError, match="apply_chat_template"):
+        request_limits_from_parameters({"apply_chat_template": "sometimes"})
+
+
+def test_model_parameters():
+    assert model_parameters({"parameters": {"a": {"string_value": "1"}}}) == {"a": "1"}
+    assert model_parameters({}) == {}
+
+
+# ---- the repository's configs agree with the contract ---------------------------------------
+
+
+def _pbtxt_tensors(text: str, section: str) -> dict[str, str]:
+    block = re.search(rf"^{section} \[(.*?)^\]", text, re.S | re.M).group(1)
+    return {m.group(1): m.group(2) for m in re.finditer(r'name: "(\w+)"\s*data_type: TYPE_(\w+)', block)}
+
+
+def _triton(dtype: str) -> str:
+    return "STRING" if dtype == "BYTES" else dtype
+
+
+@pytest.mark.parametrize("variant", sorted(p.name[4:] for p in REPO.glob("llm_*")))
+def test_configs_match_the_contract(variant):
+    contract = {k: _triton(v) for k, v in CONTRACT_INPUTS.items()}
+    outputs = {k: _triton(v) for k, v in OUTPUTS.items()}
+    pre = (REPO / "preprocessing" / "config.pbtxt").read_text()
+    specdec = (REPO / f"specdec_{variant}" / "config.pbtxt").read_text()
+    ensemble = (REPO / f"llm_{variant}" / "config.pbtxt").read_text()
+    assert _pbtxt_tensors(pre, "input") == contract
+    assert _pbtxt_tensors(ensemble, "input") == contract
+    assert _pbtxt_tensors(specdec, "input") == {**contract, **{k: _triton(v) for k, v in INTERNAL_INPUTS.items()}}
+    assert _pbtxt_tensors(specdec, "output") == outputs
+    assert _pbtxt_tensors(ensemble, "output") == outputs
+    assert "decoupled: true" in specdec
+    assert f'model_name: "specdec_{variant}"' in ensemble
+    params = dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', specdec))
+    engine_config_from_parameters(params)  # every parameter is known and valid
