@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_CPU := torch==2.13.0
 PYVER := $(shell python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-# libpython: the Triton python-backend stub links the system one; libb64: perf_analyzer.
+# libpython: the Triton python-backend stub links libpython3.X.so (server.py puts the venv interpreter's own
+# LIBDIR first on LD_LIBRARY_PATH, so a pyenv/conda Python works too); libb64: perf_analyzer.
 APT_PACKAGES := libpython$(PYVER) libb64-0d
 STAMP := $(VENV)/.specserve-setup
 MODEL := models/SmolLM2-135M-Instruct/model.safetensors
@@ -26,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	@# A CUDA torch already present (GPU images) is kept; otherwise the pinned CPU build.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_CPU)
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,bench]'
 	touch $(STAMP)
 
 prepare: $(MODEL)
