@@ -62,7 +62,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
         engine = Engine(_engine_config(args, VARIANT_ALGORITHM.get(args.variant, args.variant), 1))
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     prompt = args.prompt if args.raw else render_chat(engine.config.model_dir, args.prompt)
@@ -87,14 +87,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from specserve.bench import run_bench
 
-    report = run_bench(
-        config=_engine_config(args, args.algorithm, args.batch_size),
-        dataset=args.dataset,
-        num_prompts=args.num_prompts,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-        hf_baseline=not args.no_hf,
-    )
+    try:
+        report = run_bench(
+            config=_engine_config(args, args.algorithm, args.batch_size),
+            dataset=args.dataset,
+            num_prompts=args.num_prompts,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            hf_baseline=not args.no_hf,
+        )
+    except (ValueError, NotImplementedError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:
