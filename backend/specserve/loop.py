@@ -1,7 +1,10 @@
 """Run an `Engine` on its own thread and route each request's deltas to its callback.
 
 Servers call `submit` from any thread; the loop thread steps the engine while there is work and
-sleeps otherwise. Before each step it polls the submitters' `is_cancelled` hooks and aborts those
+sleeps otherwise. The loop thread also *builds* the engine (`EngineLoop(factory)`), so all torch
+work of a server runs on one thread: on a small CPU, torch ops issued from a second thread after
+the first one had used OpenMP ran ~1.5x slower (two OpenMP teams oversubscribe the cores and
+libgomp falls back to throttled spinning; measured decode 61-70 ms vs 40-48 ms). Before each step it polls the submitters' `is_cancelled` hooks and aborts those
 requests. An exception inside a step fails the requests of that step (each gets an error output)
 and the loop keeps serving. This module knows nothing about Triton.
 """
@@ -30,14 +33,33 @@ class _Subscriber:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engine_factory: Callable[[], Engine]) -> None:
+        """Start the loop thread, build the engine on it, and return once it is ready.
+
+        engine_factory: builds (and may warm up) the engine; its exceptions are re-raised here.
+        """
         self._subs: dict[str, _Subscriber] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._start, args=(engine_factory,), name="specserve-engine",
+                                        daemon=True)
         self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    def _start(self, engine_factory: Callable[[], Engine]) -> None:
+        try:
+            self.engine = engine_factory()
+        except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
+            self._startup_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        self._run()
 
     def submit(
         self,

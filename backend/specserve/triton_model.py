@@ -183,11 +183,16 @@ class TritonPythonModel:
         self.limits = request_limits_from_parameters(params)
         self.metrics = ServingMetrics(args["model_name"], args["model_version"])
         self.tokenizer = PromptTokenizer(engine_config.model_dir)
-        engine = Engine(engine_config)
-        engine.generate([self.tokenizer.encode("Hello", False)], SamplingParams(max_tokens=2))  # warm-up
+        warmup_ids = self.tokenizer.encode("Hello", False)
+
+        def build_engine() -> Engine:  # runs on the engine thread (see specserve.loop)
+            engine = Engine(engine_config)
+            engine.generate([warmup_ids], SamplingParams(max_tokens=2))  # warm-up
+            return engine
+
         self.closing = threading.Event()
         self.responses = _ResponseThread()
-        self.loop = EngineLoop(engine)
+        self.loop = EngineLoop(build_engine)
         pb_utils.Logger.log_info(
             f"{args['model_name']}: {engine_config.spec.algorithm} on {engine_config.device}, "
             f"{engine_config.max_batch_size} slots x {engine_config.max_seq_len} tokens, "

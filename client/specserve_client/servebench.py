@@ -29,17 +29,13 @@ from specserve_client.stream import collect, grpc_stream
 
 
 def in_process(variant_params: dict[str, str], prompt_ids: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """The engine on its own `EngineLoop` thread, as the Triton model runs it, minus Triton.
-
-    (Not `Engine.generate` on the main thread: on a busy 2-core CPU, torch ops issued from the main
-    thread ran several times slower than from a worker thread, which would flatter the server.)
-    """
+    """The engine on its own `EngineLoop` thread (built there too), as the Triton model runs it, minus Triton."""
     from specserve.config import SamplingParams
     from specserve.engine import Engine, merge_outputs
     from specserve.loop import EngineLoop
     from specserve.triton_request import engine_config_from_parameters
 
-    loop = EngineLoop(Engine(engine_config_from_parameters(variant_params)))
+    loop = EngineLoop(lambda: Engine(engine_config_from_parameters(variant_params)))
 
     def run(ids: list[int], params: SamplingParams) -> Any:
         done, merged = threading.Event(), [None]
