@@ -32,6 +32,7 @@ from specserve.detokenize import IncrementalDetokenizer
 from specserve.drafters import Drafter
 from specserve.drafters.factory import build_drafter
 from specserve.kv_cache import KVCache
+from specserve.model import ForwardOutput
 from specserve.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, RequestOutput
 from specserve.sampling import draw_uniforms, suppress_eos, target_probs
 from specserve.tree import DraftTree, TreeBatch
@@ -227,11 +228,11 @@ class Engine:
         out = self.model(tokens, attn, self.cache, logit_index=last, aux_layers=self.drafter.aux_layers)
         for r, n in zip(reqs, lens):
             r.cache_len = n
-        self.drafter.on_prefill(reqs, out)
         roots = TreeBatch.from_trees([DraftTree.root_only(r.token_ids[-1]) for r in reqs])
         _, emitted = self._verify(reqs, roots, out.logits)
         for r, tokens in zip(reqs, emitted):
             self._append_tokens(r, tokens)
+        self.drafter.on_prefill(reqs, out)
 
     def _fit_tree(self, req: Request, tree: DraftTree) -> DraftTree:
         """Trim a tree to the context left (nodes are parent-ordered, so a prefix is a tree)."""
@@ -263,8 +264,15 @@ class Engine:
             r.num_accepted_tokens += n - 1
             r.pending_accept_lengths.append(n)
             self._append_tokens(r, tokens)
-        accepted = [result.accepted_nodes[i, : len(tokens)] for i, tokens in enumerate(emitted)]
-        self.drafter.on_accept(reqs, out, accepted)
+        live = [i for i, r in enumerate(reqs) if r.finish_reason is None]
+        if not live:
+            return
+        if len(live) < len(reqs):
+            rows = torch.tensor(live)
+            aux = out.aux_hidden[rows] if out.aux_hidden is not None else None
+            out = ForwardOutput(logits=out.logits[rows], hidden=out.hidden[rows], aux_hidden=aux)
+        accepted = [result.accepted_nodes[i, : len(emitted[i])] for i in live]
+        self.drafter.on_accept([reqs[i] for i in live], out, accepted)
 
     def _verify(
         self, reqs: list[Request], batch: TreeBatch, logits: torch.Tensor

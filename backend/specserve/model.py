@@ -70,6 +70,21 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return (probs @ v.float()).to(q.dtype).view(b, hq, t, d)
 
 
+def prefix_mask(cache_lens: torch.Tensor, new_mask: torch.Tensor, key_len: int) -> torch.Tensor:
+    """(B, 1, T, S) bool: key s is visible to new token i if s is in the request's prefix
+    (s < cache_lens[b]), or s = cache_lens[b] + j with new_mask[b, i, j].
+
+    new_mask: (B, T, N), N >= T new-key entries after the prefix (a drafter's scratch area may hold
+    more entries than the tokens of this forward).
+    """
+    b, t, n = new_mask.shape
+    rel = torch.arange(key_len, device=cache_lens.device)[None, :] - cache_lens[:, None]  # (B, S)
+    in_prefix = rel < 0
+    in_new = (rel >= 0) & (rel < n)
+    gathered = torch.gather(new_mask, 2, rel.clamp(0, n - 1)[:, None, :].expand(b, t, key_len))  # (B, T, S)
+    return (in_prefix[:, None, :] | (in_new[:, None, :] & gathered)).unsqueeze(1)
+
+
 @dataclass(frozen=True)
 class AttentionInputs:
     """Everything attention needs that is the same for every layer of one forward.
@@ -94,24 +109,32 @@ class AttentionInputs:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, in_features: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        # q, k, v fused in one matmul: rows [q | k | v].
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
+        # q, k, v fused in one matmul: rows [q | k | v]. EAGLE-3's draft layer reads 2H inputs.
+        self.qkv_proj = nn.Linear(in_features or cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=False)
         self.split = (q_out, kv_out, kv_out)
 
-    def forward(self, x: torch.Tensor, layer_cache: tuple[torch.Tensor, torch.Tensor], a: AttentionInputs) -> torch.Tensor:
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, in) -> q (B, Hq, T, D), k and v (B, T, Hkv, D); rope applied to q and k."""
         b, t, _ = x.shape
         qkv = self.qkv_proj(x)  # (B, T, (Hq + 2 Hkv) D)
         q_out, kv_out, _ = self.split
         qk = qkv[..., : q_out + kv_out].view(b, t, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rope(qk, a.cos, a.sin)  # q and k heads together: (B, T, Hq + Hkv, D)
-        q = qk[:, :, : self.num_heads].transpose(1, 2)  # (B, Hq, T, D)
-        k = qk[:, :, self.num_heads :]  # (B, T, Hkv, D)
-        v = qkv[..., q_out + kv_out :].view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        qk = apply_rope(qk, cos, sin)  # q and k heads together: (B, T, Hq + Hkv, D)
+        q = qk[:, :, : self.num_heads].transpose(1, 2)
+        k = qk[:, :, self.num_heads :]
+        v = qkv[..., q_out + kv_out :].view(b, t, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, layer_cache: tuple[torch.Tensor, torch.Tensor], a: AttentionInputs) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.project(x, a.cos, a.sin)
 
         k_cache, v_cache = layer_cache  # (slots, Hkv, max_len, D)
         k_cache[a.write_slots, :, a.write_pos] = k  # scattered per (slot, position)
@@ -211,7 +234,9 @@ class LlamaModel(nn.Module):
         elif new_mask is None and t == 1 and len(set(host_cache_lens)) == 1:
             mask, is_causal = None, False  # one new token, equal lengths: every key is visible
         else:
-            mask, is_causal = self._build_mask(cache_lens, new_mask, b, t, key_len), False
+            if new_mask is None:
+                new_mask = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril().expand(b, t, t)
+            mask, is_causal = prefix_mask(cache_lens, new_mask, key_len), False
         first = host_slots[0]
         consecutive = host_slots == list(range(first, first + b))
         return AttentionInputs(
@@ -226,21 +251,6 @@ class LlamaModel(nn.Module):
             cos=cos,
             sin=sin,
         )
-
-    @staticmethod
-    def _build_mask(
-        cache_lens: torch.Tensor, new_mask: torch.Tensor | None, b: int, t: int, key_len: int
-    ) -> torch.Tensor:
-        """(B, 1, T, S): key s is visible to new token i if s is in the prefix, or s is new token j
-        with new_mask[i, j] (causal when new_mask is None)."""
-        device = cache_lens.device
-        if new_mask is None:
-            new_mask = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t)
-        rel = torch.arange(key_len, device=device)[None, :] - cache_lens[:, None]  # (B, S)
-        in_prefix = rel < 0
-        in_new = (rel >= 0) & (rel < t)
-        gathered = torch.gather(new_mask, 2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, key_len))  # (B, T, S)
-        return (in_prefix[:, None, :] | (in_new[:, None, :] & gathered)).unsqueeze(1)
 
     def forward(
         self,

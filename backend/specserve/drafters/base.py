@@ -30,6 +30,16 @@ class SequenceView(Protocol):
         """Prompt + generated tokens; the last one is the tree root (not yet in the KV cache)."""
         ...
 
+    @property
+    def slot(self) -> int:
+        """The request's KV-cache slot (a drafter with its own cache may use the same index)."""
+        ...
+
+    @property
+    def cache_len(self) -> int:
+        """Tokens whose K/V are in the target's cache: all of token_ids but the root."""
+        ...
+
 
 class Drafter:
     """Base class: the hooks default to doing nothing; `propose` must be written."""
@@ -41,10 +51,13 @@ class Drafter:
         raise NotImplementedError
 
     def on_prefill(self, seqs: Sequence[SequenceView], out: ForwardOutput) -> None:
-        """After the target's prefill of these sequences (their first token is not yet appended)."""
+        """After the target's prefill of these sequences, once their first token is appended.
+
+        out: the prefill forward's output (rows in `seqs` order, columns = prompt positions).
+        """
 
     def on_accept(self, seqs: Sequence[SequenceView], out: ForwardOutput, accepted: Sequence[torch.Tensor]) -> None:
-        """After verify, when seqs' token_ids already hold the new tokens.
+        """After verify, when seqs' token_ids already hold the new tokens (finished requests are left out).
 
         out: the verify forward's output (rows in `seqs` order, columns = tree nodes).
         accepted: per sequence, the accepted node indices of its tree (root first).

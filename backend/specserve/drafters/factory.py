@@ -18,4 +18,8 @@ def build_drafter(spec: SpecConfig, engine: Engine) -> Drafter:
         from specserve.drafters.ngram import NgramDrafter
 
         return NgramDrafter(spec)
+    if spec.algorithm in ("eagle", "eagle3"):
+        from specserve.drafters.eagle import EagleDrafter
+
+        return EagleDrafter(spec, engine)
     raise NotImplementedError(f"algorithm: {spec.algorithm!r} is not implemented yet (see README, Status)")

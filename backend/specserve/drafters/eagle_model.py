@@ -1,0 +1,292 @@
+"""EAGLE-1/2 and EAGLE-3 draft heads: the network, and loading / saving their published formats.
+
+EAGLE-1/2 (SafeAILab `cnets1.py`, SGLang `LlamaForCausalLMEagle`), feature f = the target's
+final-norm hidden state (H):
+    x = fc(cat(embed(token), f));  h = x + attn(x);  h = h + mlp(post_ln(h))
+    logits = target.lm_head(h)            (no input_layernorm, no final norm; FR-Spec hot ids optional)
+EAGLE-3 (SafeAILab `cnets.py`, SGLang `LlamaForCausalLMEagle3`), f = the inputs of 3 target layers
+(3 * H_target), fused by fc on the first draft step only:
+    g = fc(f) or the previous step's h;  x = cat(input_ln(embed(token)), hidden_norm(g))   (2H)
+    h = g + attn(x);  h = h + mlp(post_ln(h))          h (pre-norm) is carried to the next step
+    logits = lm_head(norm(h)) over the draft vocabulary;  target id = d + d2t[d]
+
+Both read the target's embedding (EAGLE-3 may ship its own) and EAGLE-1/2 its lm_head.
+This module knows nothing about KV caches, trees or requests: `forward` takes an `attend` callable
+that runs the attention (cached in `eagle.py`, dense with the training-time-test mask in training).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from specserve.config import ModelConfig
+from specserve.model import MLP, Attention, LlamaModel, RMSNorm
+from specserve.weights import read_safetensors, take
+
+KINDS = ("eagle", "eagle3")
+Attend = Callable[[Attention, torch.Tensor], torch.Tensor]  # (attention module, x (B, T, in)) -> (B, T, H)
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """A draft head's shape, read from its HF-style config.json (REFERENCE.md §4)."""
+
+    kind: str  # "eagle" (EAGLE-1/2) or "eagle3"
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int  # the target's
+    draft_vocab_size: int  # EAGLE-3's lm_head rows; = vocab_size for EAGLE-1/2
+    target_hidden_size: int
+    fc_bias: bool = False  # EAGLE-1/2 only (config `bias`)
+    aux_layer_ids: tuple[int, ...] = field(default=())  # EAGLE-3: target layers whose inputs are fused
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind: must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "eagle3" and len(self.aux_layer_ids) != 3:
+            raise ValueError(f"eagle_aux_hidden_state_layer_ids: EAGLE-3 fuses 3 layers, got {self.aux_layer_ids}")
+
+    @property
+    def fc_in(self) -> int:
+        return self.hidden_size + self.target_hidden_size if self.kind == "eagle" else 3 * self.target_hidden_size
+
+    def layer_config(self) -> ModelConfig:
+        """The draft decoder layer as a one-layer ModelConfig (for rope and the KV cache)."""
+        return ModelConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_layers=1, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, max_position_embeddings=8192,
+            tie_word_embeddings=False,
+        )
+
+    @classmethod
+    def from_hf(cls, cfg: dict, target: ModelConfig, has_fc_bias: bool = False) -> EagleConfig:
+        arch = " ".join(cfg.get("architectures") or [])
+        kind = "eagle3" if "Eagle3" in arch or "draft_vocab_size" in cfg else "eagle"
+        hidden = cfg.get("hidden_size", target.hidden_size)
+        heads = cfg.get("num_attention_heads", target.num_heads)
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        eagle_cfg = cfg.get("eagle_config") or {}
+        aux = eagle_cfg.get("eagle_aux_hidden_state_layer_ids") or target.default_aux_layers()
+        return cls(
+            kind=kind,
+            hidden_size=hidden,
+            intermediate_size=cfg.get("intermediate_size", target.intermediate_size),
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", target.rms_norm_eps),
+            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", target.rope_theta))),
+            vocab_size=cfg.get("vocab_size", target.vocab_size),
+            draft_vocab_size=cfg.get("draft_vocab_size", cfg.get("vocab_size", target.vocab_size)),
+            target_hidden_size=cfg.get("target_hidden_size") or target.hidden_size,
+            fc_bias=bool(cfg.get("bias", has_fc_bias)) if kind == "eagle" else False,
+            aux_layer_ids=tuple(aux) if kind == "eagle3" else (),
+        )
+
+    def to_hf(self) -> dict:
+        """The config.json SGLang / SafeAILab read (plus our `specserve` block for provenance)."""
+        out = {
+            "architectures": ["LlamaForCausalLMEagle3" if self.kind == "eagle3" else "LlamaForCausalLMEagle"],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "vocab_size": self.vocab_size,
+            "hidden_act": "silu",
+            "torch_dtype": "bfloat16",
+        }
+        if self.kind == "eagle3":
+            out |= {"draft_vocab_size": self.draft_vocab_size, "target_hidden_size": self.target_hidden_size,
+                    "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}}
+        else:
+            out["bias"] = self.fc_bias
+        return out
+
+
+class EagleHead(nn.Module):
+    """One draft decoder layer plus its input fusion and output head (see the module docstring).
+
+    Shapes: tokens (B, T); hidden (B, T, fc_in) target features or (B, T, H) carried draft states;
+    returns h (B, T, H). `logits(h)` -> (..., V') over the draft vocabulary (or the hot ids).
+    """
+
+    def __init__(self, cfg: EagleConfig, target: LlamaModel) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        layer_cfg = cfg.layer_config()
+        self.fc = nn.Linear(cfg.fc_in, h, bias=cfg.fc_bias)
+        self.attn = Attention(layer_cfg, in_features=2 * h if cfg.kind == "eagle3" else h)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MLP(layer_cfg)
+        if cfg.kind == "eagle3":
+            self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+            self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+            self.norm = RMSNorm(h, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.own_embed: nn.Embedding | None = None  # EAGLE-3 checkpoints may ship `embed_tokens`
+        # Shared with the target, not parameters of this module (never saved, never trained).
+        self._target_embed = target.embed_tokens.weight.detach()
+        self._target_lm_head = target.lm_head.weight.detach()
+        self.hot_ids: torch.Tensor | None = None  # FR-Spec (EAGLE-1/2): draft only over these target ids
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.own_embed(tokens) if self.own_embed is not None else F.embedding(tokens, self._target_embed)
+
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, attend: Attend) -> torch.Tensor:
+        e = self.embed(tokens).to(hidden.dtype)  # (B, T, H)
+        if self.cfg.kind == "eagle":
+            x = residual = self.fc(torch.cat([e, hidden], dim=-1))
+        else:
+            residual = self.fc(hidden) if hidden.shape[-1] != self.cfg.hidden_size else hidden
+            x = torch.cat([self.input_layernorm(e), self.hidden_norm(residual)], dim=-1)  # (B, T, 2H)
+        h = residual + attend(self.attn, x)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (..., V') float32; V' = draft vocab (EAGLE-3), hot ids, or the target vocab."""
+        if self.cfg.kind == "eagle3":
+            return self.lm_head(self.norm(h)).float()
+        weight = self._target_lm_head if self.hot_ids is None else self._hot_lm_head
+        return F.linear(h, weight).float()
+
+    def set_hot_ids(self, hot_ids: torch.Tensor) -> None:
+        """FR-Spec: restrict EAGLE-1/2's lm_head to these target token ids (a 1-D int tensor)."""
+        if self.cfg.kind != "eagle":
+            raise ValueError("token_map: FR-Spec applies to EAGLE-1/2; EAGLE-3 has its own draft vocabulary")
+        if hot_ids.ndim != 1 or not 0 < hot_ids.numel() <= self.cfg.vocab_size:
+            raise ValueError(f"token_map: expected a 1-D list of token ids, got shape {tuple(hot_ids.shape)}")
+        if int(hot_ids.min()) < 0 or int(hot_ids.max()) >= self.cfg.vocab_size:
+            raise ValueError("token_map: token id outside the target vocabulary")
+        self.hot_ids = hot_ids.to(torch.int64).to(self._target_lm_head.device)
+        self._hot_lm_head = self._target_lm_head[self.hot_ids].contiguous()  # (V_hot, H)
+
+    def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
+        """Indices into `logits`' last dim -> target token ids."""
+        if self.cfg.kind == "eagle3":
+            return idx + self.d2t[idx]
+        return idx if self.hot_ids is None else self.hot_ids[idx]
+
+
+# ---- published key names ------------------------------------------------------------------------
+
+def _layer_prefix(kind: str) -> str:
+    return "midlayer." if kind == "eagle3" else "layers.0."
+
+
+def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
+        tensors = read_safetensors(path)
+    elif (path / "pytorch_model.bin").is_file():  # most EAGLE-1/2 releases
+        tensors = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(f"drafter_path: no model.safetensors or pytorch_model.bin in {path}")
+    return {k.removeprefix("model."): v for k, v in tensors.items()}
+
+
+def eagle_state_dict(tensors: dict[str, torch.Tensor], cfg: EagleConfig) -> dict[str, torch.Tensor]:
+    """Published keys -> EagleHead's (fused qkv and gate_up); missing or misshapen keys are named."""
+    h, d, hi = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    attn_in = 2 * h if cfg.kind == "eagle3" else h
+    q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
+    src = _layer_prefix(cfg.kind)
+    out = {
+        "fc.weight": take(tensors, "fc.weight", (h, cfg.fc_in)),
+        "attn.qkv_proj.weight": torch.cat([
+            take(tensors, f"{src}self_attn.q_proj.weight", (q_out, attn_in)),
+            take(tensors, f"{src}self_attn.k_proj.weight", (kv_out, attn_in)),
+            take(tensors, f"{src}self_attn.v_proj.weight", (kv_out, attn_in)),
+        ]),
+        "attn.o_proj.weight": take(tensors, f"{src}self_attn.o_proj.weight", (h, q_out)),
+        "mlp.gate_up_proj.weight": torch.cat([
+            take(tensors, f"{src}mlp.gate_proj.weight", (hi, h)),
+            take(tensors, f"{src}mlp.up_proj.weight", (hi, h)),
+        ]),
+        "mlp.down_proj.weight": take(tensors, f"{src}mlp.down_proj.weight", (h, hi)),
+        "post_attention_layernorm.weight": take(tensors, f"{src}post_attention_layernorm.weight", (h,)),
+    }
+    if cfg.fc_bias:
+        out["fc.bias"] = take(tensors, "fc.bias", (h,))
+    if cfg.kind == "eagle3":
+        out["input_layernorm.weight"] = take(tensors, f"{src}input_layernorm.weight", (h,))
+        out["hidden_norm.weight"] = take(tensors, f"{src}hidden_norm.weight", (h,))
+        out["norm.weight"] = take(tensors, "norm.weight", (h,))
+        out["lm_head.weight"] = take(tensors, "lm_head.weight", (cfg.draft_vocab_size, h))
+        out["d2t"] = take(tensors, "d2t", (cfg.draft_vocab_size,)).to(torch.int64)
+    return out
+
+
+def load_eagle(path: str | Path, target: LlamaModel, dtype: torch.dtype, device: str = "cpu") -> EagleHead:
+    """A draft head from a local directory (config.json + safetensors or pytorch_model.bin)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"drafter_path: no config.json in {path}")
+    tensors = _read_checkpoint(path)
+    cfg = EagleConfig.from_hf(json.loads((path / "config.json").read_text()), target.cfg, "fc.bias" in tensors)
+    if cfg.target_hidden_size != target.cfg.hidden_size or cfg.vocab_size != target.cfg.vocab_size:
+        raise ValueError(
+            f"drafter_path: drafter expects target hidden {cfg.target_hidden_size} / vocab {cfg.vocab_size}, "
+            f"target has {target.cfg.hidden_size} / {target.cfg.vocab_size}"
+        )
+    if cfg.kind == "eagle3" and max(cfg.aux_layer_ids) >= target.cfg.num_layers:
+        raise ValueError(f"eagle_aux_hidden_state_layer_ids: {cfg.aux_layer_ids} outside the target's layers")
+    state = eagle_state_dict(tensors, cfg)
+    with torch.device("meta"):
+        head = EagleHead(cfg, target)
+    head.load_state_dict({k: v if k == "d2t" else v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    if cfg.kind == "eagle3" and "embed_tokens.weight" in tensors:
+        head.own_embed = nn.Embedding.from_pretrained(
+            take(tensors, "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)).to(dtype))
+    return head.to(device).eval()
+
+
+def save_eagle(head: EagleHead, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
+               extra_tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write config.json + model.safetensors under the published key names (unfused q/k/v, gate/up)."""
+    cfg, out_dir = head.cfg, Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    src = _layer_prefix(cfg.kind)
+    q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    sd = {k: v.detach() for k, v in head.state_dict().items()}
+    q, k, v = sd.pop("attn.qkv_proj.weight").split([q_out, kv_out, kv_out])
+    gate, up = sd.pop("mlp.gate_up_proj.weight").chunk(2)
+    tensors = {
+        f"{src}self_attn.q_proj.weight": q, f"{src}self_attn.k_proj.weight": k, f"{src}self_attn.v_proj.weight": v,
+        f"{src}self_attn.o_proj.weight": sd.pop("attn.o_proj.weight"),
+        f"{src}mlp.gate_proj.weight": gate, f"{src}mlp.up_proj.weight": up,
+        f"{src}mlp.down_proj.weight": sd.pop("mlp.down_proj.weight"),
+        f"{src}post_attention_layernorm.weight": sd.pop("post_attention_layernorm.weight"),
+    }
+    for name in ("input_layernorm", "hidden_norm"):
+        if f"{name}.weight" in sd:
+            tensors[f"{src}{name}.weight"] = sd.pop(f"{name}.weight")
+    tensors |= sd  # fc.*, norm, lm_head, d2t: already under their published names
+    if cfg.kind == "eagle3":
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(cfg.draft_vocab_size) + tensors["d2t"].cpu()] = True
+        tensors["t2d"] = t2d
+    tensors |= extra_tensors or {}
+    tensors = {k: (t.to(dtype) if t.is_floating_point() else t).contiguous().cpu() for k, t in tensors.items()}
+    save_file(tensors, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+    return out_dir
