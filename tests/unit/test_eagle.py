@@ -1,0 +1,218 @@
+"""EAGLE-1/2 and EAGLE-3 heads on tiny random checkpoints written with the published key names;
+EagleDrafter in the engine (lossless, cache refresh) and its agreement with the training unroll."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from specserve.config import EngineConfig, SamplingParams, SpecConfig
+from specserve.drafters.eagle_model import load_eagle, save_eagle
+from specserve.engine import Engine
+from specserve.kv_cache import KVCache
+from specserve.model import rope_table
+from specserve.train_drafter import target_features, ttt_losses
+from specserve.weights import load_llama
+
+H, HEADS, KV, INTER, LAYERS, VOCAB, DRAFT_VOCAB = 64, 4, 2, 128, 8, 49152, 512
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory, smollm2_dir):
+    """A tiny random Llama with SmolLM2's vocabulary and tokenizer (so the engine can run it)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_target")
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=INTER,
+                                      num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV,
+                                      max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=2))
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, path / "model.safetensors")
+    hf.config.save_pretrained(path)
+    shutil.copy(smollm2_dir / "tokenizer.json", path / "tokenizer.json")
+    return path
+
+
+def write_checkpoint(path, kind, aux=None, drop=None, bad_shape=None, fc_bias=False):
+    """A random draft head under exactly the published key names (REFERENCE.md §4)."""
+    g = torch.Generator().manual_seed(1)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g) * 0.05
+
+    src = "midlayer." if kind == "eagle3" else "layers.0."
+    attn_in = 2 * H if kind == "eagle3" else H
+    d = H // HEADS
+    t = {
+        f"{src}self_attn.q_proj.weight": rnd(HEADS * d, attn_in),
+        f"{src}self_attn.k_proj.weight": rnd(KV * d, attn_in),
+        f"{src}self_attn.v_proj.weight": rnd(KV * d, attn_in),
+        f"{src}self_attn.o_proj.weight": rnd(H, HEADS * d),
+        f"{src}mlp.gate_proj.weight": rnd(INTER, H),
+        f"{src}mlp.up_proj.weight": rnd(INTER, H),
+        f"{src}mlp.down_proj.weight": rnd(H, INTER),
+        f"{src}post_attention_layernorm.weight": 1 + rnd(H),
+    }
+    cfg = {"hidden_size": H, "intermediate_size": INTER, "num_attention_heads": HEADS, "num_key_value_heads": KV,
+           "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "rope_theta": 10000.0}
+    if kind == "eagle3":
+        ids = torch.sort(torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB]).values
+        t |= {"fc.weight": rnd(H, 3 * H), f"{src}input_layernorm.weight": 1 + rnd(H),
+              f"{src}hidden_norm.weight": 1 + rnd(H), "norm.weight": 1 + rnd(H),
+              "lm_head.weight": rnd(DRAFT_VOCAB, H), "d2t": ids - torch.arange(DRAFT_VOCAB),
+              "t2d": torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, ids, True)}
+        cfg |= {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": DRAFT_VOCAB}
+        if aux is not None:
+            cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
+    else:
+        t["fc.weight"] = rnd(H, 2 * H)
+        if fc_bias:
+            t["fc.bias"] = rnd(H)
+            cfg["bias"] = True
+        cfg["architectures"] = ["LlamaForCausalLMEagle"]
+    if drop:
+        t.pop(drop)
+    if bad_shape:
+        t[bad_shape] = torch.zeros(3, 3)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(t, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return load_llama(target_dir, torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_loads_published_keys(tmp_path, target, kind):
+    head = load_eagle(write_checkpoint(tmp_path / kind, kind), target, torch.float32)
+    assert head.cfg.kind == kind
+    if kind == "eagle3":
+        assert head.cfg.aux_layer_ids == (2, LAYERS // 2, LAYERS - 3)  # the default: inputs of 2, N/2, N-3
+        assert head.logits(torch.randn(3, H)).shape == (3, DRAFT_VOCAB)
+    else:
+        assert head.logits(torch.randn(3, H)).shape == (3, VOCAB)  # the target's lm_head
+
+
+def test_eagle3_aux_layers_from_config_and_d2t(tmp_path, target):
+    path = write_checkpoint(tmp_path / "e3", "eagle3", aux=[1, 3, 6])
+    head = load_eagle(path, target, torch.float32)
+    assert head.cfg.aux_layer_ids == (1, 3, 6)
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", "pt") as f:
+        hot = torch.nonzero(f.get_tensor("t2d")).flatten()
+    assert torch.equal(head.to_target_ids(torch.arange(DRAFT_VOCAB)), hot)
+
+
+def test_eagle_fc_bias(tmp_path, target):
+    head = load_eagle(write_checkpoint(tmp_path / "b", "eagle", fc_bias=True), target, torch.float32)
+    assert head.fc.bias is not None
+
+
+@pytest.mark.parametrize(("kind", "key"), [("eagle", "layers.0.mlp.up_proj.weight"), ("eagle3", "midlayer.hidden_norm.weight"),
+                                           ("eagle3", "d2t")])
+def test_missing_key_is_named(tmp_path, target, kind, key):
+    with pytest.raises(KeyError, match=key.replace(".", r"\.")):
+        load_eagle(write_checkpoint(tmp_path / kind, kind, drop=key), target, torch.float32)
+
+
+def test_misshapen_key_is_named(tmp_path, target):
+    with pytest.raises(ValueError, match=r"fc\.weight.*shape"):
+        load_eagle(write_checkpoint(tmp_path / "e", "eagle", bad_shape="fc.weight"), target, torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_save_load_round_trip(tmp_path, target, kind):
+    head = load_eagle(write_checkpoint(tmp_path / "a", kind), target, torch.float32)
+    again = load_eagle(save_eagle(head, tmp_path / "b", dtype=torch.float32), target, torch.float32)
+    tokens, feats = torch.randint(0, VOCAB, (1, 5)), torch.randn(1, 5, head.cfg.feature_size)
+
+    def dense(attn, x):
+        q, k, v = attn.project(x, *(r[:5][None, :, None] for r in rope_table(head.cfg.layer_config(), 5, torch.float32)))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                                             enable_gqa=True)
+        return attn.o_proj(o.transpose(1, 2).reshape(1, 5, -1))
+
+    assert torch.equal(head(tokens, feats, dense), again(tokens, feats, dense))
+
+
+def test_fr_spec_token_map(tmp_path, target):
+    head = load_eagle(write_checkpoint(tmp_path / "e", "eagle"), target, torch.float32)
+    hot = torch.tensor([5, 17, 400, 9000])
+    head.set_hot_ids(hot)
+    h = torch.randn(2, H)
+    assert torch.allclose(head.logits(h), (h @ target.lm_head.weight.T)[:, hot])
+    assert head.to_target_ids(torch.tensor([0, 3])).tolist() == [5, 9000]
+    with pytest.raises(ValueError, match="token_map"):
+        head.set_hot_ids(torch.tensor([VOCAB]))
+
+
+def _engine(target_dir, algorithm="none", batch=4, **spec):
+    return Engine(EngineConfig(model_dir=str(target_dir), dtype="float32", max_batch_size=batch, max_seq_len=256,
+                               spec=SpecConfig(algorithm=algorithm, **spec)))
+
+
+def test_algorithm_must_match_checkpoint(tmp_path, target_dir):
+    path = write_checkpoint(tmp_path / "e3", "eagle3")
+    with pytest.raises(ValueError, match="drafter_path.*eagle3"):
+        _engine(target_dir, "eagle", drafter_path=str(path))
+    with pytest.raises(ValueError, match="drafter_path"):
+        _engine(target_dir, "eagle3")
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize(("steps", "topk", "ndt"), [(3, 1, 4), (4, 3, 8)])
+def test_greedy_lossless_with_continuous_batching(tmp_path, target_dir, kind, steps, topk, ndt):
+    path = write_checkpoint(tmp_path / kind, kind)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ref = _engine(target_dir).generate(_prompts(), params)
+    # batch 2 for 4 prompts: requests join and leave mid-run
+    eng = _engine(target_dir, kind, batch=2, drafter_path=str(path), num_steps=steps, topk=topk, num_draft_tokens=ndt)
+    outs = eng.generate(_prompts(), params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert all(o.num_draft_tokens > 0 for o in outs)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_draft_cache_matches_recompute_and_training_unroll(tmp_path, target_dir, target, kind):
+    """After prefill and several verify steps, (1) the drafter's last hidden state equals a dense
+    recompute over the whole sequence with fresh target features, and (2) a chain draft (topk=1)
+    equals the training-time-test unroll of `train_drafter` at the last position."""
+    steps = 4
+    eng = _engine(target_dir, kind, batch=1, drafter_path=str(write_checkpoint(tmp_path / kind, kind)),
+                  num_steps=steps, topk=1)
+    rid = eng.add_request(_prompts()[3], SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    req = next(r for r in eng.running if r.request_id == rid)
+    drafter = eng.drafter
+    chain = drafter.propose([req])[0].tokens.tolist()  # [root, d1, ..., d_steps]
+
+    seq = req.token_ids[: req.cache_len]  # target positions 0..L-1 (their K/V and features exist)
+    ext = torch.tensor([seq + chain[:-1]])  # + root, d1 .. d_{steps-1}: the unroll's ground-truth inputs
+    cache = KVCache(target.cfg, 1, ext.shape[1], torch.float32, "cpu")
+    target.init_rope(ext.shape[1])
+    hidden, aux = target_features(target, cache, ext, drafter.head.cfg.aux_layer_ids)
+    feats = aux if kind == "eagle3" else hidden
+    t = ext.shape[1]
+    rope = rope_table(drafter.head.cfg.layer_config(), t + steps, torch.float32)
+    unroll = ttt_losses(drafter.head, ext, feats, torch.zeros(1, t, 1), torch.zeros(1, t, dtype=torch.bool), steps,
+                        rope)
+    j = len(seq) - 1  # position L-1 pairs the root with the last accepted feature
+    assert torch.allclose(unroll[0][0][0, j], drafter.last_hidden[req.slot], atol=1e-4)
+    for i, (h, _, _) in enumerate(unroll):
+        token = drafter.head.to_target_ids(drafter.head.logits(h[0, j]).argmax())
+        assert int(token) == chain[i + 1], f"draft step {i}"
