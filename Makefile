@@ -48,13 +48,13 @@ test: setup prepare lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 BENCH := $(VENV)/bin/specserve bench --num-prompts 20 --max-new-tokens 128
+ALL_SPEC := ngram,eagle,eagle3
 bench: setup prepare
 	mkdir -p results
-	$(BENCH) --algorithm none --dataset mtbench --json results/bench_none.json
-	$(BENCH) --algorithm none --dataset mtbench --batch-size 8 --no-hf --json results/bench_none_bs8.json
-	$(BENCH) --algorithm ngram --dataset mtbench --json results/bench_ngram_mtbench.json
+	$(BENCH) --algorithm $(ALL_SPEC) --dataset mtbench --json results/bench_mtbench.json
+	$(BENCH) --algorithm $(ALL_SPEC) --dataset mtbench --batch-size 8 --no-hf --json results/bench_mtbench_bs8.json
 	$(BENCH) --algorithm ngram --dataset bench/grounded.jsonl --json results/bench_ngram_grounded.json
-	$(BENCH) --algorithm ngram --dataset mtbench --batch-size 8 --no-hf --json results/bench_ngram_bs8.json
+	$(PY) bench/eagle_sweep.py --out results/eagle_sweep
 
 loadtest: setup prepare
 	$(PY) -m specserve_client.loadtest --variant base --concurrency 1,2,4,8 --out results/loadtest

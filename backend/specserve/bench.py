@@ -1,8 +1,9 @@
 """`specserve bench`: side-by-side tokens/s on the same prompts, dtype and token budget.
 
 One run measures, in this order: HF transformers `generate()` (batch 1, greedy), our engine with
-algorithm=none (the baseline every speed-up is a ratio of), and, if asked, the speculative
-algorithm — checking that its greedy output equals `none`'s token for token (`lossless`).
+algorithm=none (the baseline every speed-up is a ratio of), and each speculative algorithm asked
+for (`runs`, one row each) — checking that its greedy output equals `none`'s token for token
+(`lossless`).
 It also estimates the memory-bandwidth limit for batch 1 (weight bytes per token ÷ copy bandwidth).
 """
 
@@ -82,13 +83,15 @@ def run_hf(model, prompts: list[list[int]], max_new_tokens: int, eos: tuple[int,
 
 
 def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_tokens: int, batch_size: int,
-              hf_baseline: bool = True) -> dict:
+              hf_baseline: bool = True, specs: list[SpecConfig] | None = None) -> dict:
+    """specs: the algorithms to compare with none (default: config.spec alone)."""
+    specs = [s for s in (specs or [config.spec]) if s.algorithm != "none"]
     questions = load_questions(dataset, num_prompts)
     base_engine = Engine(replace(config, spec=SpecConfig(algorithm="none")))
     prompts = [base_engine.tokenizer.encode(render_chat(config.model_dir, q), add_special_tokens=False).ids
                for q in questions]
     report: dict = {
-        "algorithm": config.spec.algorithm,
+        "algorithms": ["none", *(s.algorithm for s in specs)],
         "dataset": dataset,
         "num_prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
@@ -103,7 +106,7 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         hf_model = AutoModelForCausalLM.from_pretrained(config.model_dir, dtype=config.torch_dtype).eval()
         hf = run_hf(hf_model, prompts, max_new_tokens, base_engine.eos_ids, "hf generate")
         report["hf_tokens_per_s"] = round(hf["tokens_per_s"], 2)
-        if config.spec.algorithm == "ngram":  # HF's own n-gram drafting, the like-for-like baseline
+        if any(s.algorithm == "ngram" for s in specs):  # HF's own n-gram drafting, the like-for-like baseline
             lookup = run_hf(hf_model, prompts, max_new_tokens, base_engine.eos_ids, "hf prompt lookup",
                             prompt_lookup_num_tokens=10)
             report["hf_prompt_lookup_tokens_per_s"] = round(lookup["tokens_per_s"], 2)
@@ -121,18 +124,24 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         report["bandwidth_limit_tokens_per_s"] = round(bw * 1e9 / weight_bytes, 2)
         report["fraction_of_bandwidth_limit"] = round(base["tokens_per_s"] / report["bandwidth_limit_tokens_per_s"], 3)
     del base_engine
-    if config.spec.algorithm == "none":
-        run = base
-    else:
-        run = run_engine(Engine(config), prompts, max_new_tokens, config.spec.algorithm)
-    report.update(
-        tokens_per_s=round(run["tokens_per_s"], 2),
-        accept_length=round(run["accept_length"], 3),
-        speedup=round(run["tokens_per_s"] / base["tokens_per_s"], 3),
-        lossless=run["outputs"] == base["outputs"],
-        same_output_fraction=sum(a == b for a, b in zip(run["outputs"], base["outputs"])) / len(prompts),
-        tokens=run["tokens"],
-    )
-    if lookup is not None:
-        report["vs_hf_prompt_lookup"] = round(run["tokens_per_s"] / lookup["tokens_per_s"], 3)
+    report["runs"] = {}
+    for spec in specs:
+        engine = Engine(replace(config, spec=spec))
+        resolved = engine.spec
+        run = run_engine(engine, prompts, max_new_tokens, spec.algorithm)
+        del engine
+        row = {
+            "num_steps": resolved.num_steps, "topk": resolved.topk, "num_draft_tokens": resolved.num_draft_tokens,
+            "tokens_per_s": round(run["tokens_per_s"], 2),
+            "accept_length": round(run["accept_length"], 3),
+            "speedup": round(run["tokens_per_s"] / base["tokens_per_s"], 3),
+            "lossless": run["outputs"] == base["outputs"],
+            "same_output_fraction": sum(a == b for a, b in zip(run["outputs"], base["outputs"])) / len(prompts),
+            "tokens": run["tokens"],
+        }
+        if lookup is not None and spec.algorithm == "ngram":
+            row["vs_hf_prompt_lookup"] = round(run["tokens_per_s"] / lookup["tokens_per_s"], 3)
+        if hf is not None:
+            row["vs_hf"] = round(run["tokens_per_s"] / hf["tokens_per_s"], 3)
+        report["runs"][spec.algorithm] = row
     return report

@@ -11,6 +11,8 @@ from pathlib import Path
 from specserve.config import ALGORITHMS, EngineConfig, SamplingParams, SpecConfig
 from specserve.train_drafter import TrainConfig
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_DRAFTERS = {"eagle": "model_repository/specdec_eagle2/drafter", "eagle3": "model_repository/specdec_eagle3/drafter"}
 VARIANT_ALGORITHM = {"base": "none", "ngram": "ngram", "eagle2": "eagle", "eagle3": "eagle3", "mtp": "mtp",
                      "standalone": "standalone"}
 
@@ -30,6 +32,21 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-match-type", default=SpecConfig.ngram_match_type, choices=["BFS", "PROB"])
 
 
+def _spec(args: argparse.Namespace, algorithm: str) -> SpecConfig:
+    """Flags -> SpecConfig; EAGLE on the embedded default uses the drafters committed under
+    model_repository/ unless --drafter-path / --token-map say otherwise."""
+    drafter_path, token_map = args.drafter_path, args.token_map
+    if args.model_dir is None and drafter_path is None and algorithm in DEFAULT_DRAFTERS:
+        drafter_path = str(REPO_ROOT / DEFAULT_DRAFTERS[algorithm])
+        if algorithm == "eagle" and token_map is None:
+            token_map = str(REPO_ROOT / DEFAULT_DRAFTERS[algorithm] / "token_map.pt")
+    return SpecConfig(algorithm=algorithm, num_steps=args.num_steps, topk=args.topk,
+                      num_draft_tokens=args.num_draft_tokens, drafter_path=drafter_path, token_map=token_map,
+                      ngram_min_match_window=args.ngram_min_match_window,
+                      ngram_max_match_window=args.ngram_max_match_window,
+                      ngram_max_bfs_breadth=args.ngram_max_bfs_breadth, ngram_match_type=args.ngram_match_type)
+
+
 def _engine_config(args: argparse.Namespace, algorithm: str, max_batch_size: int) -> EngineConfig:
     from specserve.prepare import default_model_dir
 
@@ -37,13 +54,8 @@ def _engine_config(args: argparse.Namespace, algorithm: str, max_batch_size: int
     if not Path(model_dir, "config.json").is_file():
         hint = " (run `specserve prepare` first)" if args.model_dir is None else ""
         raise SystemExit(f"error: model_dir: no HF model at {model_dir}{hint}")
-    spec = SpecConfig(algorithm=algorithm, num_steps=args.num_steps, topk=args.topk,
-                      num_draft_tokens=args.num_draft_tokens, drafter_path=args.drafter_path, token_map=args.token_map,
-                      ngram_min_match_window=args.ngram_min_match_window,
-                      ngram_max_match_window=args.ngram_max_match_window,
-                      ngram_max_bfs_breadth=args.ngram_max_bfs_breadth, ngram_match_type=args.ngram_match_type)
     return EngineConfig(model_dir=model_dir, max_batch_size=max_batch_size, max_seq_len=args.max_seq_len,
-                        dtype=args.dtype, spec=spec)
+                        dtype=args.dtype, spec=_spec(args, algorithm))
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -90,8 +102,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specserve.bench import run_bench
 
     try:
+        algorithms = args.algorithm.split(",")
+        unknown = [a for a in algorithms if a not in ALGORITHMS]
+        if unknown:
+            raise ValueError(f"algorithm: {unknown[0]!r} is not one of {', '.join(ALGORITHMS)}")
         report = run_bench(
-            config=_engine_config(args, args.algorithm, args.batch_size),
+            config=_engine_config(args, algorithms[0], args.batch_size),
+            specs=[_spec(args, a) for a in algorithms],
             dataset=args.dataset,
             num_prompts=args.num_prompts,
             max_new_tokens=args.max_new_tokens,
@@ -131,7 +148,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.server import serve
 
-    repo = Path(args.model_repository) if args.model_repository else Path(__file__).resolve().parents[2] / "model_repository"
+    repo = Path(args.model_repository) if args.model_repository else REPO_ROOT / "model_repository"
     variants = args.variants.split(",") if args.variants else None
     return serve(repo, variants, args.http_port, args.grpc_port, args.metrics_port)
 
@@ -157,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("bench", help="tokens/s and accept length vs algorithm=none and HF generate()")
-    p.add_argument("--algorithm", default="none", choices=ALGORITHMS)
+    p.add_argument("--algorithm", default="none", help=f"comma-separated, of {', '.join(ALGORITHMS)}")
     p.add_argument("--dataset", default="mtbench", help="mtbench or a PATH.jsonl")
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=128)

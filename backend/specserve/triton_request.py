@@ -513,7 +513,7 @@ _SERVING_KEYS = ("default_max_tokens", "apply_chat_template")
 def engine_config_from_parameters(params: Mapping[str, str]) -> EngineConfig:
     """The decoupled model's config.pbtxt parameters -> EngineConfig.
 
-    model_dir / drafter_path: empty = the embedded default / none; relative paths are resolved
+    model_dir / drafter_path / token_map: empty = the embedded default / none; relative paths are resolved
     against the project root. device: empty or "auto" = cuda when available. Every SpecConfig
     field (algorithm, num_steps, topk, num_draft_tokens, ngram_*) may be set by its name;
     empty values keep the default. Unknown keys are an error (typos should not pass silently).
@@ -528,7 +528,7 @@ def engine_config_from_parameters(params: Mapping[str, str]) -> EngineConfig:
     for name, value in given.items():
         if name not in spec_fields:
             continue
-        if name == "drafter_path":
+        if name in ("drafter_path", "token_map"):
             spec_kw[name] = resolve_path(value)
         elif spec_fields[name].default is None or isinstance(spec_fields[name].default, str):
             spec_kw[name] = value
