@@ -1,4 +1,4 @@
-"""End-to-end: a real tritonserver serving llm_base (and llm_ngram), driven by real clients."""
+"""End-to-end: a real tritonserver serving llm_base, llm_ngram, llm_eagle2 and llm_eagle3, driven by real clients."""
 
 from __future__ import annotations
 
@@ -294,3 +294,17 @@ def test_ngram_variant_is_lossless_and_drafts(server, e2e, tokenizer, reference_
     assert g.token_ids == ref.token_ids and g.text == ref.text
     assert g.stats["total_draft_tokens"] > 0
     assert metric(server, "specserve:spec_decode_num_draft_tokens_total", model="specdec_ngram") > 0
+
+
+@pytest.mark.parametrize("variant", ["eagle2", "eagle3"])
+def test_eagle_variants_are_lossless_and_accept(server, e2e, tokenizer, reference_engine, variant):
+    """The ensembles with the committed SmolLM2 drafters: same greedy text as the base engine,
+    over HTTP generate_stream, with drafts accepted (counted by Triton's metrics too)."""
+    assert variant in e2e.variants
+    prompt = "Write three short sentences about the ocean."
+    ref = reference(reference_engine, [tokenizer.encode(prompt, True)], 32)[0]
+    g = collect(http_generate_stream(server.http_url, f"llm_{variant}", prompt, max_tokens=32, apply_chat_template=True,
+                                     timeout_s=TIMEOUT_S))
+    assert g.token_ids == ref.token_ids and g.text == ref.text
+    assert g.stats["total_draft_tokens"] > 0
+    assert metric(server, "specserve:spec_decode_num_accepted_tokens_total", model=f"specdec_{variant}") > 0
