@@ -5,10 +5,9 @@ j+2. Its cache therefore always has the target's length L (= the request's cache
 L-1 pairs the tree root with the last accepted feature, and the hidden state it produced
 (`last_hidden`) gives the root's children without another forward.
 
-propose: step 0 takes topk children of the root from `last_hidden`; each of the num_steps - 1
-draft forwards runs the current beam (topk nodes, rope position L + step - 1), writing K/V into a
-scratch area after L (entry L + (step-1)*topk + beam row) that only the node's descendants see;
-`DynamicTreeBuilder` keeps the scores, the beam and the final rerank.
+propose: step 0 takes topk children of the root from `last_hidden`; `beam.grow_trees` runs the
+num_steps - 1 draft forwards over the beam (rope position L + step - 1, K/V in a scratch area after
+L that only the node's descendants see), each node carrying its parent's hidden state.
 on_prefill / on_accept: run the head over the new tokens with the target's features, overwriting
 the scratch area, so the drafter's cache holds target features only (REFERENCE.md §3).
 
@@ -25,10 +24,11 @@ import torch
 
 from specserve.config import SpecConfig
 from specserve.drafters.base import Drafter, SequenceView
+from specserve.drafters.beam import causal_extend_mask, grow_trees, scattered_attention_inputs
 from specserve.drafters.eagle_model import load_eagle
 from specserve.kv_cache import KVCache
-from specserve.model import AttentionInputs, ForwardOutput, prefix_mask, rope_table
-from specserve.tree import DraftTree, DynamicTreeBuilder
+from specserve.model import ForwardOutput, rope_table
+from specserve.tree import DraftTree
 
 if TYPE_CHECKING:
     from specserve.engine import Engine
@@ -61,8 +61,7 @@ class EagleDrafter(Drafter):
             raise ValueError(f"num_steps: (num_steps - 1) * topk = {self.scratch} exceeds {spare} scratch entries")
         layer_cfg = self.head.cfg.layer_config()
         self.cache = KVCache(layer_cfg, cfg.max_batch_size, engine.cache.max_len, cfg.torch_dtype, cfg.device)
-        cos, sin = rope_table(layer_cfg, engine.cache.max_len, cfg.torch_dtype)
-        self.cos, self.sin = cos.to(cfg.device), sin.to(cfg.device)
+        self.rope = tuple(t.to(cfg.device) for t in rope_table(layer_cfg, engine.cache.max_len, cfg.torch_dtype))
         self.device = cfg.device
         # (slots, H): the head's output at each request's last position (its root's children)
         self.last_hidden = torch.zeros(cfg.max_batch_size, self.head.cfg.hidden_size, dtype=cfg.torch_dtype,
@@ -70,21 +69,11 @@ class EagleDrafter(Drafter):
 
     # ---- one head forward over the draft cache ------------------------------------------------
 
-    def _forward(
-        self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
-        mask: torch.Tensor | None, key_len: int, host_slots: list[int],
-    ) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
+                 mask: torch.Tensor | None, key_len: int, host_slots: list[int]) -> torch.Tensor:
         """tokens, positions, write_pos (B, T); hidden (B, T, F); mask (B, 1, T, S) or None for a
         causal fresh prefill -> h (B, T, H)."""
-        b, t = tokens.shape
-        slots = torch.tensor(host_slots, device=self.device)
-        first = host_slots[0]
-        a = AttentionInputs(
-            slots=slots, cache_lens=write_pos[:, 0], write_slots=slots[:, None].expand(b, t), write_pos=write_pos,
-            key_len=key_len, mask=mask, is_causal=mask is None,
-            slot_range=(first, b) if host_slots == list(range(first, first + b)) else None,
-            cos=self.cos[positions].unsqueeze(2), sin=self.sin[positions].unsqueeze(2),
-        )
+        a = scattered_attention_inputs(self.rope, positions, write_pos, host_slots, mask, key_len)
         layer_cache = self.cache.layer(0)
         return self.head(tokens, hidden, lambda attn, x: attn(x, layer_cache, a))
 
@@ -101,12 +90,9 @@ class EagleDrafter(Drafter):
             tokens[i, :n] = torch.tensor(s.token_ids[start + 1 : start + 1 + n])
         start_t = torch.tensor(starts, device=self.device)
         positions = start_t[:, None] + torch.arange(t, device=self.device)  # (B, T)
-        fresh = max(starts) == 0
-        mask = None if fresh else prefix_mask(
-            start_t, torch.ones(t, t, dtype=torch.bool, device=self.device).tril().expand(b, t, t), max(starts) + t
-        )
-        h = self._forward(tokens.to(self.device), feats, positions, positions, mask, max(starts) + t,
-                          [s.slot for s in seqs])
+        key_len = max(starts) + t
+        mask = None if max(starts) == 0 else causal_extend_mask(start_t, t, key_len)
+        h = self._forward(tokens.to(self.device), feats, positions, positions, mask, key_len, [s.slot for s in seqs])
         last = torch.tensor(lens, device=self.device) - 1
         self.last_hidden[[s.slot for s in seqs]] = h[torch.arange(b, device=self.device), last]
 
@@ -132,38 +118,14 @@ class EagleDrafter(Drafter):
         return probs.cpu(), self.head.to_target_ids(idx).cpu()
 
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
-        b, k, dev = len(seqs), self.spec.topk, self.device
         host_slots = [s.slot for s in seqs]
-        lens = torch.tensor([s.cache_len for s in seqs], device=dev)  # L per request
-        h = self.last_hidden[host_slots]  # (B, H)
-        probs, tokens = self._topk(h)  # (B, k)
-        builders = [DynamicTreeBuilder(s.token_ids[-1]) for s in seqs]
-        rows = []  # per request, the beam's source (row, column) in this step's (k, k) candidates
-        for i, builder in enumerate(builders):
-            builder.expand(tokens[i : i + 1], probs[i : i + 1], k)
-            rows.append([node - 1 for node in builder.beam])
-        beam = torch.tensor(rows)  # (B, k) columns of the root's topk
-        beam_tokens = torch.gather(tokens, 1, beam)
-        parent_h = h[:, None].expand(b, k, h.shape[-1])  # (B, k, H)
-        visible = torch.zeros(b, k, max(self.scratch, 1), dtype=torch.bool, device=dev)  # scratch ancestors
-        own = torch.arange(k, device=dev)
-        for step in range(1, self.spec.num_steps):
-            first = (step - 1) * k  # this step's scratch entries: [first, first + k)
-            visible[:, own, first + own] = True
-            positions = (lens + step - 1)[:, None].expand(b, k)
-            write_pos = lens[:, None] + first + own
-            key_len = int(lens.max()) + first + k
-            mask = prefix_mask(lens, visible[:, :, : first + k], key_len)
-            hs = self._forward(beam_tokens.to(dev), parent_h, positions, write_pos, mask, key_len, host_slots)
-            probs, tokens = self._topk(hs)  # (B, k, k): children of each beam node
-            picks = []
-            for i, builder in enumerate(builders):
-                base = len(builder.tokens)
-                builder.expand(tokens[i], probs[i], k)
-                picks.append([node - base for node in builder.beam])  # row * k + column
-            flat = torch.tensor(picks)  # (B, k)
-            parent_row = (flat // k).to(dev)
-            beam_tokens = torch.gather(tokens.view(b, k * k), 1, flat)
-            parent_h = torch.gather(hs, 1, parent_row[:, :, None].expand(-1, -1, hs.shape[-1]))
-            visible = torch.gather(visible, 1, parent_row[:, :, None].expand(-1, -1, visible.shape[-1]))
-        return [builder.build(self.spec.num_draft_tokens) for builder in builders]
+        h = self.last_hidden[host_slots]  # (B, H): gives the roots' children
+        probs, tokens = self._topk(h)
+
+        def step(beam_tokens, parent_h, positions, write_pos, mask, key_len):  # noqa: ANN001, ANN202
+            hs = self._forward(beam_tokens, parent_h, positions, write_pos, mask, key_len, host_slots)
+            return (hs, *self._topk(hs))
+
+        base = torch.tensor([s.cache_len for s in seqs], device=self.device)
+        sp = self.spec
+        return grow_trees(seqs, base, probs, tokens, h, step, sp.num_steps, sp.topk, sp.num_draft_tokens)
