@@ -122,6 +122,7 @@ class SpecConfig:
     num_draft_tokens: int = 0
     drafter_path: str | None = None
     token_map: str | None = None  # FR-Spec hot token ids for EAGLE-1/2 (SGLang: --speculative-token-map)
+    standalone_num_layers: int = 0  # standalone without drafter_path: the target's first k layers (0 = N/4)
     # NGRAM (SGLang's names and defaults, REFERENCE.md §3)
     ngram_min_match_window: int = 2  # SGLang: 1. Measured on MT-bench: same accept gain, 1/5 the drafts
     ngram_max_match_window: int = 12

@@ -202,6 +202,12 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    @property
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin), each (max_len, head_dim), after `init_rope`."""
+        assert self._rope is not None, "call init_rope first"
+        return self._rope
+
     def init_rope(self, max_len: int) -> None:
         self._rope = rope_table(self.cfg, max_len, self.embed_tokens.weight.dtype)
         self._rope = (self._rope[0].to(self.embed_tokens.weight.device), self._rope[1].to(self.embed_tokens.weight.device))

@@ -4,7 +4,6 @@ EagleDrafter in the engine (lossless, cache refresh) and its agreement with the 
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -18,24 +17,7 @@ from specserve.model import rope_table
 from specserve.train_drafter import target_features, ttt_losses
 from specserve.weights import load_llama
 
-H, HEADS, KV, INTER, LAYERS, VOCAB, DRAFT_VOCAB = 64, 4, 2, 128, 8, 49152, 512
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory, smollm2_dir):
-    """A tiny random Llama with SmolLM2's vocabulary and tokenizer (so the engine can run it)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny_target")
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=INTER,
-                                      num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV,
-                                      max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=2))
-    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, path / "model.safetensors")
-    hf.config.save_pretrained(path)
-    shutil.copy(smollm2_dir / "tokenizer.json", path / "tokenizer.json")
-    return path
+H, HEADS, KV, INTER, LAYERS, VOCAB, DRAFT_VOCAB = 64, 4, 2, 128, 8, 49152, 512  # as tiny_target_dir
 
 
 def write_checkpoint(path, kind, aux=None, drop=None, bad_shape=None, fc_bias=False):
@@ -86,8 +68,8 @@ def write_checkpoint(path, kind, aux=None, drop=None, bad_shape=None, fc_bias=Fa
 
 
 @pytest.fixture(scope="module")
-def target(target_dir):
-    return load_llama(target_dir, torch.float32)
+def target(tiny_target_dir):
+    return load_llama(tiny_target_dir, torch.float32)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
@@ -155,17 +137,17 @@ def test_fr_spec_token_map(tmp_path, target):
         head.set_hot_ids(torch.tensor([VOCAB]))
 
 
-def _engine(target_dir, algorithm="none", batch=4, **spec):
-    return Engine(EngineConfig(model_dir=str(target_dir), dtype="float32", max_batch_size=batch, max_seq_len=256,
+def _engine(tiny_target_dir, algorithm="none", batch=4, **spec):
+    return Engine(EngineConfig(model_dir=str(tiny_target_dir), dtype="float32", max_batch_size=batch, max_seq_len=256,
                                spec=SpecConfig(algorithm=algorithm, **spec)))
 
 
-def test_algorithm_must_match_checkpoint(tmp_path, target_dir):
+def test_algorithm_must_match_checkpoint(tmp_path, tiny_target_dir):
     path = write_checkpoint(tmp_path / "e3", "eagle3")
     with pytest.raises(ValueError, match="drafter_path.*eagle3"):
-        _engine(target_dir, "eagle", drafter_path=str(path))
+        _engine(tiny_target_dir, "eagle", drafter_path=str(path))
     with pytest.raises(ValueError, match="drafter_path"):
-        _engine(target_dir, "eagle3")
+        _engine(tiny_target_dir, "eagle3")
 
 
 def _prompts():
@@ -175,24 +157,24 @@ def _prompts():
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize(("steps", "topk", "ndt"), [(3, 1, 4), (4, 3, 8)])
-def test_greedy_lossless_with_continuous_batching(tmp_path, target_dir, kind, steps, topk, ndt):
+def test_greedy_lossless_with_continuous_batching(tmp_path, tiny_target_dir, kind, steps, topk, ndt):
     path = write_checkpoint(tmp_path / kind, kind)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    ref = _engine(target_dir).generate(_prompts(), params)
+    ref = _engine(tiny_target_dir).generate(_prompts(), params)
     # batch 2 for 4 prompts: requests join and leave mid-run
-    eng = _engine(target_dir, kind, batch=2, drafter_path=str(path), num_steps=steps, topk=topk, num_draft_tokens=ndt)
+    eng = _engine(tiny_target_dir, kind, batch=2, drafter_path=str(path), num_steps=steps, topk=topk, num_draft_tokens=ndt)
     outs = eng.generate(_prompts(), params)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert all(o.num_draft_tokens > 0 for o in outs)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_draft_cache_matches_recompute_and_training_unroll(tmp_path, target_dir, target, kind):
+def test_draft_cache_matches_recompute_and_training_unroll(tmp_path, tiny_target_dir, target, kind):
     """After prefill and several verify steps, (1) the drafter's last hidden state equals a dense
     recompute over the whole sequence with fresh target features, and (2) a chain draft (topk=1)
     equals the training-time-test unroll of `train_drafter` at the last position."""
     steps = 4
-    eng = _engine(target_dir, kind, batch=1, drafter_path=str(write_checkpoint(tmp_path / kind, kind)),
+    eng = _engine(tiny_target_dir, kind, batch=1, drafter_path=str(write_checkpoint(tmp_path / kind, kind)),
                   num_steps=steps, topk=1)
     rid = eng.add_request(_prompts()[3], SamplingParams(max_tokens=40, ignore_eos=True))
     for _ in range(4):

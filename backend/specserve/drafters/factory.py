@@ -22,4 +22,8 @@ def build_drafter(spec: SpecConfig, engine: Engine) -> Drafter:
         from specserve.drafters.eagle import EagleDrafter
 
         return EagleDrafter(spec, engine)
+    if spec.algorithm == "standalone":
+        from specserve.drafters.standalone import StandaloneDrafter
+
+        return StandaloneDrafter(spec, engine)
     raise NotImplementedError(f"algorithm: {spec.algorithm!r} is not implemented yet (see README, Status)")

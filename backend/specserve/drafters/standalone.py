@@ -1,0 +1,102 @@
+"""Standalone drafting: a small LLM with the target's vocabulary drafts token by token.
+
+The draft model is either a separate HF directory (`drafter_path`, loaded like the target) or,
+with no path, a self-speculative draft made of the target's first `standalone_num_layers` layers
+plus its final norm and lm_head (the same modules, no extra weights). It keeps its own KV cache
+(one slot per request, like the target's) and, before drafting, catches up on every token not yet
+in that cache (the prompt on the first call, then the accepted tokens and the root), so no refresh
+after verify is needed. Trees come from `beam.grow_trees` (topk=1 is a chain).
+
+The draft model never sees the target's hidden states; it does not verify or sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from specserve.config import SpecConfig
+from specserve.drafters.base import Drafter, SequenceView
+from specserve.drafters.beam import causal_extend_mask, grow_trees, scattered_attention_inputs
+from specserve.kv_cache import KVCache
+from specserve.model import ForwardOutput, LlamaModel
+from specserve.tree import DraftTree
+from specserve.weights import load_llama
+
+if TYPE_CHECKING:
+    from specserve.engine import Engine
+
+
+def first_layers(target: LlamaModel, k: int) -> LlamaModel:
+    """A LlamaModel made of the target's embedding, first k layers, final norm and lm_head (shared)."""
+    if not 0 < k < target.cfg.num_layers:
+        raise ValueError(f"standalone_num_layers: must be in [1, {target.cfg.num_layers - 1}], got {k}")
+    with torch.device("meta"):
+        model = LlamaModel(replace(target.cfg, num_layers=k))
+    model.embed_tokens, model.norm, model.lm_head = target.embed_tokens, target.norm, target.lm_head
+    model.layers = nn.ModuleList(list(target.layers[:k]))
+    return model.eval()
+
+
+class StandaloneDrafter(Drafter):
+    def __init__(self, spec: SpecConfig, engine: Engine) -> None:
+        cfg = engine.config
+        self.spec = spec
+        if spec.drafter_path:
+            self.model = load_llama(spec.drafter_path, cfg.torch_dtype, cfg.device)
+            if self.model.cfg.vocab_size != engine.model_config.vocab_size:
+                raise ValueError(
+                    f"drafter_path: draft vocabulary {self.model.cfg.vocab_size} differs from the target's "
+                    f"{engine.model_config.vocab_size}"
+                )
+        else:
+            self.model = first_layers(engine.model, spec.standalone_num_layers or engine.model_config.num_layers // 4)
+        self.model.requires_grad_(False)
+        scratch = (spec.num_steps - 1) * spec.topk + 1  # + the root, which sits after the target's cache_len
+        if scratch > engine.cache.max_len - cfg.max_seq_len:
+            raise ValueError(f"num_steps: (num_steps - 1) * topk = {scratch - 1} exceeds the scratch entries")
+        self.model.init_rope(engine.cache.max_len)
+        self.cache = KVCache(self.model.cfg, cfg.max_batch_size, engine.cache.max_len, cfg.torch_dtype, cfg.device)
+        self.cached = [0] * cfg.max_batch_size  # per slot: tokens whose K/V are in the draft cache
+        self.device = cfg.device
+
+    def on_prefill(self, seqs: Sequence[SequenceView], out: ForwardOutput) -> None:
+        for s in seqs:  # a new request in this slot: its prompt is drafted on the first propose
+            self.cached[s.slot] = 0
+
+    def _topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs, tokens = logits.softmax(-1).topk(self.spec.topk, dim=-1)
+        return probs.cpu(), tokens.cpu()
+
+    def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
+        host_slots = [s.slot for s in seqs]
+        starts = [self.cached[s.slot] for s in seqs]
+        news = [s.token_ids[start:] for s, start in zip(seqs, starts)]  # uncached tokens, root last
+        b, t = len(seqs), max(len(n) for n in news)
+        tokens = torch.zeros(b, t, dtype=torch.int64)
+        for i, n in enumerate(news):
+            tokens[i, : len(n)] = torch.tensor(n)
+        start_t = torch.tensor(starts, device=self.device)
+        positions = start_t[:, None] + torch.arange(t, device=self.device)
+        key_len = max(starts) + t
+        mask = None if max(starts) == 0 else causal_extend_mask(start_t, t, key_len)
+        a = scattered_attention_inputs(self.model.rope, positions, positions, host_slots, mask, key_len)
+        last = torch.tensor([len(n) - 1 for n in news], device=self.device)[:, None]
+        out = self.model(tokens.to(self.device), a, self.cache, logit_index=last)
+        probs, children = self._topk(out.logits[:, 0])  # (B, k): the roots' children
+        for s in seqs:
+            self.cached[s.slot] = len(s.token_ids)
+
+        def step(beam_tokens, _state, positions, write_pos, mask, key_len):  # noqa: ANN001, ANN202
+            a = scattered_attention_inputs(self.model.rope, positions, write_pos, host_slots, mask, key_len)
+            logits = self.model(beam_tokens, a, self.cache).logits  # (B, k, V)
+            return (_state, *self._topk(logits))
+
+        base = torch.tensor([len(s.token_ids) for s in seqs], device=self.device)  # after the root
+        state = torch.zeros(b, 1, device=self.device)  # token-level drafting carries no state
+        sp = self.spec
+        return grow_trees(seqs, base, probs, children, state, step, sp.num_steps, sp.topk, sp.num_draft_tokens)

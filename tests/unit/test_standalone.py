@@ -1,0 +1,50 @@
+"""Standalone drafting on a tiny random target: the target as its own draft model accepts every
+draft (proves the draft cache's catch-up and scratch masking), a self-speculative prefix of its
+layers is lossless, and a foreign vocabulary is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.config import EngineConfig, SamplingParams, SpecConfig
+from specserve.engine import Engine
+
+
+def _engine(tiny_target_dir, algorithm="none", batch=2, **spec):
+    return Engine(EngineConfig(model_dir=str(tiny_target_dir), dtype="float32", max_batch_size=batch, max_seq_len=256,
+                               spec=SpecConfig(algorithm=algorithm, **spec)))
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (6, 21, 11)]
+
+
+@pytest.mark.parametrize(("steps", "topk", "ndt"), [(4, 1, 5), (3, 2, 16)])  # 16: every drafted node is kept
+def test_target_as_its_own_draft_accepts_everything(tiny_target_dir, steps, topk, ndt):
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = _engine(tiny_target_dir).generate(_prompts(), params)
+    eng = _engine(tiny_target_dir, "standalone", drafter_path=str(tiny_target_dir), num_steps=steps, topk=topk,
+                  num_draft_tokens=ndt)
+    outs = eng.generate(_prompts(), params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    for o in outs:  # every step but the budget-trimmed last accepts the whole best path
+        assert all(n == steps + 1 for n in o.accept_lengths[:-1]), o.accept_lengths
+
+
+def test_self_speculative_first_layers_is_lossless(tiny_target_dir):
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = _engine(tiny_target_dir).generate(_prompts(), params)
+    eng = _engine(tiny_target_dir, "standalone", standalone_num_layers=3, num_steps=3, topk=2, num_draft_tokens=6)
+    assert eng.drafter.model.layers[0] is eng.model.layers[0]  # shared modules, no extra weights
+    outs = eng.generate(_prompts(), params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+
+
+def test_bad_draft_models_are_refused(tiny_target_dir, tiny_llama_factory):
+    with pytest.raises(ValueError, match="standalone_num_layers"):
+        _engine(tiny_target_dir, "standalone", standalone_num_layers=99)
+    other = tiny_llama_factory(vocab_size=97, num_layers=2)
+    with pytest.raises(ValueError, match="drafter_path: draft vocabulary"):
+        _engine(tiny_target_dir, "standalone", drafter_path=str(other))
