@@ -1,4 +1,6 @@
-"""EAGLE-2 / EAGLE-3 drafting: the draft head's own KV cache, EAGLE-2's dynamic tree, cache refresh.
+"""EAGLE-2 / EAGLE-3 (and MTP) drafting: the draft head's own KV cache, EAGLE-2's dynamic tree,
+cache refresh. Any head that reads the target's features runs here: EAGLE heads (`eagle_model`)
+and MTP heads (`mtp_model`), as SGLang runs MTP through its EAGLE worker.
 
 Positions. The drafter's position j holds (token j+1, target feature j); its output predicts token
 j+2. Its cache therefore always has the target's length L (= the request's cache_len): position
@@ -26,6 +28,7 @@ from specserve.config import SpecConfig
 from specserve.drafters.base import Drafter, SequenceView
 from specserve.drafters.beam import causal_extend_mask, grow_trees, scattered_attention_inputs
 from specserve.drafters.eagle_model import load_eagle
+from specserve.drafters.mtp_model import load_mtp
 from specserve.kv_cache import KVCache
 from specserve.model import ForwardOutput, rope_table
 from specserve.tree import DraftTree
@@ -42,11 +45,14 @@ def load_token_map(path: str | Path) -> torch.Tensor:
 
 class EagleDrafter(Drafter):
     def __init__(self, spec: SpecConfig, engine: Engine) -> None:
-        if not spec.drafter_path:
-            raise ValueError(f"drafter_path: algorithm {spec.algorithm} needs a drafter directory")
         cfg = engine.config
         self.spec = spec
-        self.head = load_eagle(spec.drafter_path, engine.model, cfg.torch_dtype, cfg.device)
+        if spec.algorithm == "mtp":  # heads ship inside the target's checkpoint unless a path is given
+            self.head = load_mtp(spec.drafter_path or cfg.model_dir, engine.model, cfg.torch_dtype, cfg.device)
+        elif spec.drafter_path:
+            self.head = load_eagle(spec.drafter_path, engine.model, cfg.torch_dtype, cfg.device)
+        else:
+            raise ValueError(f"drafter_path: algorithm {spec.algorithm} needs a drafter directory")
         if self.head.cfg.kind != spec.algorithm:
             raise ValueError(
                 f"drafter_path: {spec.drafter_path} holds an {self.head.cfg.kind} drafter, "

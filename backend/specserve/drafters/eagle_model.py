@@ -152,8 +152,7 @@ class EagleHead(nn.Module):
         self.own_embed: nn.Embedding | None = None  # EAGLE-3 checkpoints may ship `embed_tokens`
         # Shared with the target, not parameters of this module (never saved, never trained).
         self._target_embed = target.embed_tokens.weight.detach()
-        self._target_lm_head = target.lm_head.weight.detach()
-        self.hot_ids: torch.Tensor | None = None  # FR-Spec (EAGLE-1/2): draft only over these target ids
+        self.target_head = SharedLmHead(target.lm_head.weight)  # EAGLE-1/2's output head
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.own_embed(tokens) if self.own_embed is not None else F.embedding(tokens, self._target_embed)
@@ -172,24 +171,43 @@ class EagleHead(nn.Module):
         """(..., H) -> (..., V') float32; V' = draft vocab (EAGLE-3), hot ids, or the target vocab."""
         if self.cfg.kind == "eagle3":
             return self.lm_head(self.norm(h)).float()
-        weight = self._target_lm_head if self.hot_ids is None else self._hot_lm_head
-        return F.linear(h, weight).float()
+        return self.target_head.logits(h)
 
     def set_hot_ids(self, hot_ids: torch.Tensor) -> None:
         """FR-Spec: restrict EAGLE-1/2's lm_head to these target token ids (a 1-D int tensor)."""
         if self.cfg.kind != "eagle":
             raise ValueError("token_map: FR-Spec applies to EAGLE-1/2; EAGLE-3 has its own draft vocabulary")
-        if hot_ids.ndim != 1 or not 0 < hot_ids.numel() <= self.cfg.vocab_size:
-            raise ValueError(f"token_map: expected a 1-D list of token ids, got shape {tuple(hot_ids.shape)}")
-        if int(hot_ids.min()) < 0 or int(hot_ids.max()) >= self.cfg.vocab_size:
-            raise ValueError("token_map: token id outside the target vocabulary")
-        self.hot_ids = hot_ids.to(torch.int64).to(self._target_lm_head.device)
-        self._hot_lm_head = self._target_lm_head[self.hot_ids].contiguous()  # (V_hot, H)
+        self.target_head.restrict(hot_ids)
 
     def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
         """Indices into `logits`' last dim -> target token ids."""
         if self.cfg.kind == "eagle3":
             return idx + self.d2t[idx]
+        return self.target_head.to_target_ids(idx)
+
+
+class SharedLmHead:
+    """The target's lm_head, shared by a draft head (frozen, never saved), optionally restricted to
+    FR-Spec hot token ids: logits over V_hot rows, indices mapped back to target ids."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight.detach()  # (V, H)
+        self.rows = self.weight
+        self.hot_ids: torch.Tensor | None = None
+
+    def restrict(self, hot_ids: torch.Tensor) -> None:
+        vocab = self.weight.shape[0]
+        if hot_ids.ndim != 1 or not 0 < hot_ids.numel() <= vocab:
+            raise ValueError(f"token_map: expected a 1-D list of token ids, got shape {tuple(hot_ids.shape)}")
+        if int(hot_ids.min()) < 0 or int(hot_ids.max()) >= vocab:
+            raise ValueError("token_map: token id outside the target vocabulary")
+        self.hot_ids = hot_ids.to(torch.int64).to(self.weight.device)
+        self.rows = self.weight[self.hot_ids].contiguous()  # (V_hot, H)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.rows).float()
+
+    def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
         return idx if self.hot_ids is None else self.hot_ids[idx]
 
 

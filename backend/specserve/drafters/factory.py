@@ -18,7 +18,7 @@ def build_drafter(spec: SpecConfig, engine: Engine) -> Drafter:
         from specserve.drafters.ngram import NgramDrafter
 
         return NgramDrafter(spec)
-    if spec.algorithm in ("eagle", "eagle3"):
+    if spec.algorithm in ("eagle", "eagle3", "mtp"):
         from specserve.drafters.eagle import EagleDrafter
 
         return EagleDrafter(spec, engine)
