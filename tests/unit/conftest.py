@@ -26,9 +26,12 @@ def save_tiny_llama(path, vocab_size=49152, hidden_size=64, intermediate_size=12
 
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory, smollm2_dir):
-    """8 layers, hidden 64, SmolLM2's vocabulary and tokenizer (so the engine can run it)."""
+    """8 layers, hidden 64, SmolLM2's vocabulary, tokenizer and chat template (so the engine and
+    train-drafter can run it)."""
     path = save_tiny_llama(tmp_path_factory.mktemp("tiny_target"))
-    shutil.copy(smollm2_dir / "tokenizer.json", path / "tokenizer.json")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (smollm2_dir / name).is_file():
+            shutil.copy(smollm2_dir / name, path / name)
     return path
 
 

@@ -1,0 +1,86 @@
+"""train-drafter on a tiny target and a tiny ShareGPT-shaped file: data handling, the published
+output format, model card, resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specserve.drafters.eagle_model import load_eagle
+from specserve.drafters.mtp_model import load_mtp
+from specserve.train_drafter import (
+    TrainConfig,
+    draft_vocabulary,
+    learning_rate,
+    read_json_array,
+    tokenize_conversation,
+    train,
+)
+from specserve.weights import load_llama
+
+CONVERSATIONS = [
+    {"id": str(i), "conversations": [{"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
+                                     {"from": "gpt", "value": f"The answer is {2 * i}. " * 6}]}
+    for i in range(6)
+]
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "sharegpt.json"
+    path.write_text(json.dumps(CONVERSATIONS))
+    return path
+
+
+def test_truncated_json_array_keeps_complete_records():
+    text = json.dumps(CONVERSATIONS)
+    assert read_json_array(text) == CONVERSATIONS
+    assert read_json_array(text[:-40]) == CONVERSATIONS[:-1]
+
+
+def test_assistant_mask_covers_exactly_the_answers(smollm2_dir):
+    from specserve.prompts import hf_tokenizer
+
+    tok = hf_tokenizer(str(smollm2_dir))
+    msgs = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hello there friend"}]
+    ids, mask = tokenize_conversation(tok, msgs, 512)
+    assert tok.decode([t for t, m in zip(ids, mask) if m]) == "Hello there friend"
+    ids, mask = tokenize_conversation(tok, msgs, 5)
+    assert len(ids) == 5 and not any(mask)  # truncated before the answer
+
+
+def test_draft_vocabulary_is_most_frequent_assistant_tokens():
+    samples = [([5, 5, 5, 7, 9], [True, True, True, True, False]), ([7, 11], [True, True])]
+    assert draft_vocabulary(samples, 2, always=(2,)).tolist() == [2, 5]  # 2 forced, then 5 (3x) over 7 (2x)
+    assert draft_vocabulary(samples, 3, always=()).tolist() == [5, 7, 11]
+
+
+def test_learning_rate_warms_up_and_decays_by_steps_or_time():
+    tc = TrainConfig(method="eagle3", model_dir="m", out_dir="o", lr=1.0, warmup_steps=10, max_minutes=10)
+    assert learning_rate(tc, 0, 100, 0) == pytest.approx(0.1)
+    assert learning_rate(tc, 50, 100, 0) == pytest.approx(0.525)
+    assert learning_rate(tc, 50, 100, 600) == pytest.approx(0.05)  # time is up: the floor
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+def test_train_writes_a_loadable_published_checkpoint_and_resumes(tmp_path, tiny_target_dir, data_file, method):
+    out = tmp_path / method
+    kw = dict(method=method, model_dir=str(tiny_target_dir), out_dir=str(out), data=str(data_file),
+              num_conversations=6, max_len=64, batch_size=2, draft_vocab_size=8, checkpoint_every=1)
+    train(TrainConfig(**kw))
+    record = json.loads((out / "train.json").read_text())
+    assert record["steps"] == record["planned_steps"] == 3
+    assert (out / "README.md").read_text().startswith("# ")
+    target = load_llama(tiny_target_dir, torch.float32)
+    head = load_mtp(out, target, torch.float32) if method == "mtp" else load_eagle(out, target, torch.float32)
+    if method == "eagle3":
+        assert head.cfg.draft_vocab_size == 8 and head.cfg.aux_layer_ids == (2, 4, 5)
+    else:
+        assert torch.load(out / "token_map.pt").numel() == 8
+    # a finished run resumes to the same end without training more
+    train(TrainConfig(**kw))
+    assert json.loads((out / "train.json").read_text())["steps"] == 3
+    with pytest.raises(ValueError, match="resume"):
+        train(TrainConfig(**(kw | {"lr": 1e-2})))
