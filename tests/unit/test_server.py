@@ -44,3 +44,11 @@ def test_copy_repository_overrides_parameters(tmp_path: Path):
     assert (params["max_batch_size"], params["dtype"], params["ngram_capacity"]) == ("2", "float32", "100")
     assert read_parameters(default_repository() / "specdec_base" / "config.pbtxt")["max_batch_size"] == "8"
     assert (dst / "specdec_base" / "1" / "model.py").is_file()
+
+
+def test_every_model_has_a_version_folder_in_the_checkout():
+    """Triton refuses a model without a version; git drops empty folders (hence the .gitkeep files)."""
+    repo = default_repository()
+    for config in repo.glob("*/config.pbtxt"):
+        assert (config.parent / "1").is_dir(), f"{config.parent.name}/1 is missing"
+        assert any((config.parent / "1").iterdir()), f"{config.parent.name}/1 is empty (not tracked by git)"
