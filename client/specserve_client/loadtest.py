@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve_client.datasets import load_prompts
+from specserve_client.local_server import add_server_arguments, server_for
 
 
 @dataclass(frozen=True)
@@ -184,14 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dataset", default="mtbench", help="mtbench or a JSONL file")
     p.add_argument("--num-prompts", type=int, default=16, help="requests per concurrency level (at least the level)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--url", help="gRPC host:port of a running server (default: start one here)")
-    p.add_argument("--repository", type=Path, help="model repository (default: the project's)")
-    p.add_argument("--num-threads", type=int, help="torch threads of the engine (on a server started here)")
+    add_server_arguments(p, "torch threads of the engine (on a server started here)")
     p.add_argument("--out", type=Path, default=Path("results/loadtest"))
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
 
-    from specserve_client.local_server import server_for
 
     args.out.mkdir(parents=True, exist_ok=True)
     data = args.out / "input_data.json"

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+
+
+def add_server_arguments(p: argparse.ArgumentParser, num_threads_help: str) -> None:
+    """--url / --repository / --num-threads: the flags `server_for` and its callers share."""
+    p.add_argument("--url", help="gRPC host:port of a running server (default: start one here)")
+    p.add_argument("--repository", type=Path, help="model repository (default: the project's)")
+    p.add_argument("--num-threads", type=int, help=num_threads_help)
 
 
 @contextmanager

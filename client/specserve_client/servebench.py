@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve_client.datasets import load_prompts
+from specserve_client.local_server import add_server_arguments, server_for
 from specserve_client.stream import collect, grpc_stream
 
 
@@ -109,15 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--url", help="gRPC host:port of a running server (default: start one here)")
-    p.add_argument("--repository", type=Path, help="model repository (default: the project's)")
-    p.add_argument("--num-threads", type=int, help="torch threads for both engines (default: the config's)")
+    add_server_arguments(p, "torch threads for both engines (default: the config's)")
     p.add_argument("--json", type=Path, default=Path("results/servebench.json"))
     args = p.parse_args(argv)
 
     from specserve.server import default_repository, read_parameters
     from specserve.triton_request import PromptTokenizer, model_dir_from_parameters
-    from specserve_client.local_server import server_for
 
     repository = args.repository or default_repository()
     params = read_parameters(repository / f"specdec_{args.variant}" / "config.pbtxt")
