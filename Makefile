@@ -14,7 +14,7 @@ MODEL := models/SmolLM2-135M-Instruct/model.safetensors
 VARIANTS ?= base,ngram,eagle2,eagle3
 PYTEST_ARGS ?=
 
-.PHONY: setup prepare serve test lint bench loadtest clean
+.PHONY: setup prepare serve test lint bench bench-gpu loadtest clean
 
 setup: $(STAMP)
 
@@ -55,6 +55,9 @@ bench: setup prepare
 	$(BENCH) --algorithm $(ALL_SPEC) --dataset mtbench --batch-size 8 --no-hf --json results/bench_mtbench_bs8.json
 	$(BENCH) --algorithm ngram --dataset bench/grounded.jsonl --json results/bench_ngram_grounded.json
 	$(PY) bench/eagle_sweep.py --out results/eagle_sweep
+
+bench-gpu: setup prepare  # on a CUDA machine; see bench/gpu/README.md for the device tool
+	$(PY) bench/gpu/run.py --out results/gpu
 
 loadtest: setup prepare
 	$(PY) -m specserve_client.loadtest --variant base --concurrency 1,2,4,8 --out results/loadtest

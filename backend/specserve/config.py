@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 ALGORITHMS = ("none", "ngram", "eagle", "eagle3", "mtp", "standalone")
+GRAPH_MODES = ("auto", "off", "static")
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -170,6 +172,9 @@ class EngineConfig:
     device: str = "cpu"
     spec: SpecConfig = field(default_factory=SpecConfig)
     num_threads: int | None = None
+    attention_backend: str = "auto"  # torch | flashinfer | auto (flashinfer on CUDA when installed)
+    graph_mode: str = "auto"  # auto: CUDA graphs on CUDA | off | static: bucketed forward, no capture
+    cuda_graph_max_bs: int = 0  # largest captured batch size (0 = max_batch_size)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -178,6 +183,14 @@ class EngineConfig:
             raise ValueError(f"max_batch_size: must be positive, got {self.max_batch_size}")
         if self.max_seq_len <= 0:
             raise ValueError(f"max_seq_len: must be positive, got {self.max_seq_len}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
+        if self.graph_mode not in GRAPH_MODES:
+            raise ValueError(f"graph_mode: must be one of {', '.join(GRAPH_MODES)}, got {self.graph_mode!r}")
+        if self.cuda_graph_max_bs < 0:
+            raise ValueError(f"cuda_graph_max_bs: must be >= 0, got {self.cuda_graph_max_bs}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

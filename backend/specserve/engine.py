@@ -27,12 +27,14 @@ import torch
 from tokenizers import Tokenizer
 
 import specserve_kernels as K
+from specserve.attention_backend import FlashInferAttention, resolve_attention
 from specserve.config import EngineConfig, SamplingParams
+from specserve.cuda_graph import GraphRunner, default_batch_sizes
 from specserve.detokenize import IncrementalDetokenizer
 from specserve.drafters import Drafter
 from specserve.drafters.factory import build_drafter
 from specserve.kv_cache import KVCache
-from specserve.model import ForwardOutput
+from specserve.model import TORCH_ATTENTION, AttentionBackend, ForwardOutput
 from specserve.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, RequestOutput
 from specserve.sampling import draw_uniforms, suppress_eos, target_probs
 from specserve.tree import DraftTree, TreeBatch
@@ -91,16 +93,21 @@ class Engine:
         self.spec = config.spec.resolved()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
         self.model = load_llama(config.model_dir, config.torch_dtype, config.device)
         self.model_config = self.model.cfg
-        self.cache = KVCache(
-            self.model_config, config.max_batch_size, config.max_seq_len + MAX_TREE_NODES,
+        graphs = config.graph_mode == "static" or (config.graph_mode == "auto" and self.device.type == "cuda")
+        self.cache = KVCache(  # with graphs, one more slot than requests: padding rows write there
+            self.model_config, config.max_batch_size + graphs, config.max_seq_len + MAX_TREE_NODES,
             config.torch_dtype, config.device,
         )
         self.model.init_rope(self.cache.max_len)
+        self.attention = resolve_attention(config.attention_backend, self.device, config.torch_dtype)
+        self.model.attention_backend = self._attention_backend()
         self.tokenizer = Tokenizer.from_file(f"{config.model_dir}/tokenizer.json")
         self.eos_ids = self._eos_ids()
         self.drafter: Drafter = build_drafter(self.spec, self)
+        self.graphs = self._graph_runner() if graphs else None
         self._default_generator = torch.Generator().manual_seed(0)
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -108,6 +115,30 @@ class Engine:
         self._aborts: set[str] = set()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+
+    def _attention_backend(self, graph_batch_size: int | None = None, graph_num_tokens: int = 1) -> AttentionBackend:
+        if self.attention == "torch":
+            return TORCH_ATTENTION
+        cfg = self.model_config
+        return FlashInferAttention(
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.cache.max_len, self.config.torch_dtype,
+            self.device, graph_batch_size, graph_num_tokens,
+        )
+
+    def _graph_runner(self) -> GraphRunner:
+        """Buckets: batch sizes up to cuda_graph_max_bs, and 1 token (decode) or a full tree."""
+        capture = self.device.type == "cuda" and self.config.graph_mode == "auto"
+        max_bs = min(self.config.cuda_graph_max_bs or self.config.max_batch_size, self.config.max_batch_size)
+        return GraphRunner(
+            self.model,
+            self.cache,
+            batch_sizes=default_batch_sizes(max_bs),
+            num_tokens=sorted({1, min(self.spec.num_draft_tokens, MAX_TREE_NODES)}),
+            aux_layers=self.drafter.aux_layers,
+            padding_slot=self.cache.reserve(),
+            make_backend=lambda bs, t: self._attention_backend(bs if capture else None, t),
+            capture=capture,
+        )
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
@@ -218,17 +249,18 @@ class Engine:
         tokens = torch.zeros(len(reqs), t, dtype=torch.int64)
         for i, r in enumerate(reqs):
             tokens[i, : lens[i]] = torch.tensor(r.prompt_ids)
-        positions = torch.arange(t).expand(len(reqs), t)
+        dev = self.device
+        positions = torch.arange(t, device=dev).expand(len(reqs), t)
         slots = [r.slot for r in reqs]
         attn = self.model.attention_inputs(
-            positions, torch.tensor(slots), torch.zeros(len(reqs), dtype=torch.int64), None,
+            positions, torch.tensor(slots, device=dev), torch.zeros(len(reqs), dtype=torch.int64, device=dev), None,
             self.cache, [0] * len(reqs), slots,
         )
-        last = torch.tensor(lens)[:, None] - 1  # (B, 1)
-        out = self.model(tokens, attn, self.cache, logit_index=last, aux_layers=self.drafter.aux_layers)
+        last = torch.tensor(lens, device=dev)[:, None] - 1  # (B, 1)
+        out = self.model(tokens.to(dev), attn, self.cache, logit_index=last, aux_layers=self.drafter.aux_layers)
         for r, n in zip(reqs, lens):
             r.cache_len = n
-        roots = TreeBatch.from_trees([DraftTree.root_only(r.token_ids[-1]) for r in reqs])
+        roots = TreeBatch.from_trees([DraftTree.root_only(r.token_ids[-1]) for r in reqs]).to(dev)
         _, emitted = self._verify(reqs, roots, out.logits)
         for r, tokens in zip(reqs, emitted):
             self._append_tokens(r, tokens)
@@ -243,16 +275,20 @@ class Engine:
 
     def _verify_step(self, reqs: list[Request]) -> None:
         trees = [self._fit_tree(r, t) for r, t in zip(reqs, self.drafter.propose(reqs))]
-        batch = TreeBatch.from_trees(trees)
+        batch = TreeBatch.from_trees(trees).to(self.device)
         host_lens = [r.cache_len for r in reqs]
-        cache_lens = torch.tensor(host_lens)
-        slots = torch.tensor([r.slot for r in reqs])
+        cache_lens = torch.tensor(host_lens, device=self.device)
+        slots = torch.tensor([r.slot for r in reqs], device=self.device)
         positions = cache_lens[:, None] + batch.depth  # (B, N)
-        attn = self.model.attention_inputs(
-            positions, slots, cache_lens, None if batch.is_root_only else batch.mask,
-            self.cache, host_lens, [r.slot for r in reqs],
-        )
-        out = self.model(batch.tokens, attn, self.cache, aux_layers=self.drafter.aux_layers)
+        new_mask = None if batch.is_root_only else batch.mask
+        bucket = self.graphs.bucket_for(*batch.tokens.shape) if self.graphs else None
+        if bucket is not None:
+            out = self.graphs.forward(batch.tokens, positions, slots, cache_lens, new_mask, host_lens)
+        else:
+            attn = self.model.attention_inputs(
+                positions, slots, cache_lens, new_mask, self.cache, host_lens, [r.slot for r in reqs]
+            )
+            out = self.model(batch.tokens, attn, self.cache, aux_layers=self.drafter.aux_layers)
         result, emitted = self._verify(reqs, batch, out.logits)
         if not batch.is_root_only:
             K.compact_kv(self.cache.data, slots, cache_lens, result.accepted_nodes, result.accept_length)
@@ -268,7 +304,7 @@ class Engine:
         if not live:
             return
         if len(live) < len(reqs):
-            rows = torch.tensor(live)
+            rows = torch.tensor(live, device=self.device)
             aux = out.aux_hidden[rows] if out.aux_hidden is not None else None
             out = ForwardOutput(logits=out.logits[rows], hidden=out.hidden[rows], aux_hidden=aux)
         accepted = [result.accepted_nodes[i, : len(emitted[i])] for i in live]
@@ -285,20 +321,21 @@ class Engine:
         b, n = batch.tokens.shape
         for i, r in enumerate(reqs):
             suppress_eos(logits[i], batch.depth[i], self.eos_ids, r.params.min_tokens - r.num_output_tokens)
-        accepted = torch.full((b, n), -1, dtype=torch.int64)
-        accept_length = torch.zeros(b, dtype=torch.int64)
-        bonus = torch.zeros(b, dtype=torch.int64)
+        dev = logits.device
+        accepted = torch.full((b, n), -1, dtype=torch.int64, device=dev)
+        accept_length = torch.zeros(b, dtype=torch.int64, device=dev)
+        bonus = torch.zeros(b, dtype=torch.int64, device=dev)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         links = (batch.tokens, batch.first_child, batch.next_sibling)
         if greedy:
-            g = torch.tensor(greedy)
+            g = torch.tensor(greedy, device=dev)
             res = K.verify_greedy(*(x[g] for x in links), logits[g].argmax(-1))
             accepted[g], accept_length[g], bonus[g] = res.accepted_nodes, res.accept_length, res.bonus_tokens
         if sampled:
-            s = torch.tensor(sampled)
+            s = torch.tensor(sampled, device=dev)
             probs = torch.stack([target_probs(logits[i], reqs[i].params) for i in sampled])  # (Bs, N, V)
-            coins = torch.stack([draw_uniforms(n + 1, reqs[i].generator or self._default_generator) for i in sampled])
+            coins = torch.stack([draw_uniforms(n + 1, reqs[i].generator or self._default_generator) for i in sampled]).to(dev)
             res = K.verify_sample(*(x[s] for x in links), probs, coins[:, :-1].contiguous(), coins[:, -1].contiguous())
             accepted[s], accept_length[s], bonus[s] = res.accepted_nodes, res.accept_length, res.bonus_tokens
         result = K.VerifyResult(accepted_nodes=accepted, accept_length=accept_length, bonus_tokens=bonus)

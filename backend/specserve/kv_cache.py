@@ -45,6 +45,11 @@ class KVCache:
         self._free.sort()
         return self._free.pop(0)
 
+    def reserve(self) -> int:
+        """Take the highest free slot out of circulation for good (CUDA graphs' padding rows)."""
+        self._free.sort()
+        return self._free.pop()
+
     def free(self, slot: int) -> None:
         assert slot not in self._free, f"slot {slot} freed twice"
         self._free.append(slot)

@@ -17,7 +17,7 @@ This module knows nothing about models or drafting methods; drafters build trees
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -113,6 +113,9 @@ class TreeBatch:
     @property
     def is_root_only(self) -> bool:
         return self.tokens.shape[1] == 1
+
+    def to(self, device: torch.device) -> TreeBatch:
+        return TreeBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
     @classmethod
     def from_trees(cls, trees: Sequence[DraftTree]) -> TreeBatch:

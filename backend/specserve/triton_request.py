@@ -506,7 +506,8 @@ def request_limits_from_parameters(params: Mapping[str, str]) -> RequestLimits:
         raise ValueError(f"parameters: {e}") from None
 
 
-_ENGINE_KEYS = ("model_dir", "max_batch_size", "max_seq_len", "dtype", "device", "num_threads")
+_ENGINE_KEYS = ("model_dir", "max_batch_size", "max_seq_len", "dtype", "device", "num_threads", "attention_backend",
+                "disable_cuda_graph", "cuda_graph_max_bs")
 _SERVING_KEYS = ("default_max_tokens", "apply_chat_template")
 
 
@@ -514,7 +515,8 @@ def engine_config_from_parameters(params: Mapping[str, str]) -> EngineConfig:
     """The decoupled model's config.pbtxt parameters -> EngineConfig.
 
     model_dir / drafter_path / token_map: empty = the embedded default / none; relative paths are resolved
-    against the project root. device: empty or "auto" = cuda when available. Every SpecConfig
+    against the project root. device: empty or "auto" = cuda when available; attention_backend,
+    disable_cuda_graph and cuda_graph_max_bs as SGLang names them. Every SpecConfig
     field (algorithm, num_steps, topk, num_draft_tokens, ngram_*) may be set by its name;
     empty values keep the default. Unknown keys are an error (typos should not pass silently).
     """
@@ -545,7 +547,7 @@ def engine_config_from_parameters(params: Mapping[str, str]) -> EngineConfig:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     kw: dict[str, Any] = {"model_dir": model_dir, "device": device, "spec": SpecConfig(**spec_kw)}
-    for name in ("max_batch_size", "max_seq_len", "num_threads"):
+    for name in ("max_batch_size", "max_seq_len", "num_threads", "cuda_graph_max_bs"):
         if name in given:
             try:
                 kw[name] = int(given[name])
@@ -553,6 +555,13 @@ def engine_config_from_parameters(params: Mapping[str, str]) -> EngineConfig:
                 raise ValueError(f"{name}: expected an integer, got {given[name]!r}") from None
     if "dtype" in given:
         kw["dtype"] = given["dtype"]
+    if "attention_backend" in given:
+        kw["attention_backend"] = given["attention_backend"]
+    if "disable_cuda_graph" in given:
+        flag = given["disable_cuda_graph"].lower()
+        if flag not in ("true", "false", "1", "0"):
+            raise ValueError(f"disable_cuda_graph: expected true or false, got {given['disable_cuda_graph']!r}")
+        kw["graph_mode"] = "off" if flag in ("true", "1") else "auto"
     return EngineConfig(**kw)
 
 

@@ -297,12 +297,17 @@ def test_engine_config_from_parameters():
     assert cfg.spec.drafter_path is None and cfg.num_threads is None
     assert cfg.model_dir.endswith("models/SmolLM2-135M-Instruct")
     assert engine_config_from_parameters({"model_dir": "/abs/m", "drafter_path": "models/d"}).spec.drafter_path.endswith("/models/d")
+    gpu = engine_config_from_parameters({"attention_backend": "torch", "disable_cuda_graph": "true", "cuda_graph_max_bs": "16"})
+    assert (gpu.attention_backend, gpu.graph_mode, gpu.cuda_graph_max_bs) == ("torch", "off", 16)
+    assert engine_config_from_parameters({"disable_cuda_graph": "false"}).graph_mode == "auto"
 
 
 @pytest.mark.parametrize(
     ("params", "field"),
     [({"max_batch_size": "x"}, "max_batch_size"), ({"algorithm": "magic"}, "algorithm"),
-     ({"num_steps": "two"}, "num_steps"), ({"dtype": "int8"}, "dtype"), ({"typo_key": "1"}, "typo_key")],
+     ({"num_steps": "two"}, "num_steps"), ({"dtype": "int8"}, "dtype"), ({"typo_key": "1"}, "typo_key"),
+     ({"attention_backend": "xformers"}, "attention_backend"), ({"disable_cuda_graph": "maybe"}, "disable_cuda_graph"),
+     ({"cuda_graph_max_bs": "-1"}, "cuda_graph_max_bs")],
 )
 def test_engine_config_errors(params, field):
     with pytest.raises(ValueError, match=rf"^{field}:"):

@@ -59,7 +59,7 @@ def grow_trees(
     for i, builder in enumerate(builders):
         builder.expand(tokens[i : i + 1], probs[i : i + 1], k)
         columns.append([node - 1 for node in builder.beam])
-    beam_tokens = torch.gather(tokens, 1, torch.tensor(columns))  # (B, k)
+    beam_tokens = torch.gather(tokens, 1, torch.tensor(columns, device=tokens.device))  # (B, k)
     parent_state = state[:, None].expand(b, k, *state.shape[1:])
     visible = torch.zeros(b, k, max((num_steps - 1) * k, 1), dtype=torch.bool, device=dev)  # scratch ancestors
     own = torch.arange(k, device=dev)
@@ -75,7 +75,7 @@ def grow_trees(
             start = len(builder.tokens)
             builder.expand(tokens[i], probs[i], k)
             picks.append([node - start for node in builder.beam])  # row * k + column
-        flat = torch.tensor(picks)  # (B, k)
+        flat = torch.tensor(picks, device=tokens.device)  # (B, k)
         rows = (flat // k).to(dev)
         beam_tokens = torch.gather(tokens.view(b, k * k), 1, flat)
         parent_state = states[torch.arange(b, device=dev)[:, None], rows]

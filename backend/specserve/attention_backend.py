@@ -1,0 +1,183 @@
+"""Attention over the static KV cache: plain torch (any device) or flashinfer (CUDA).
+
+A backend gets one `plan` per forward (host side, before the forward or before a CUDA-graph
+replay) and one `attend` per layer (inside the forward, capturable). The model writes the new
+tokens' K/V into the cache before `attend`; a backend only reads it.
+
+The cache of one layer is (num_slots, num_kv_heads, max_len, head_dim). flashinfer sees it as a
+paged cache in its HND layout with one page per slot (page_size = max_len): a request's page
+index is its slot and its last-page length is its cache length plus its new tokens.
+
+This module does not choose slots, build masks from trees or capture graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from specserve.config import ATTENTION_BACKENDS
+
+if TYPE_CHECKING:
+    from specserve.model import AttentionInputs
+
+log = logging.getLogger(__name__)
+
+WORKSPACE_BYTES = 128 * 2**20  # flashinfer's float workspace, as its examples size it
+
+
+class AttentionBackend(Protocol):
+    name: str
+    needs_plan: bool  # False: `plan` is a no-op and callers may skip building its inputs
+
+    def plan(self, a: AttentionInputs, host_cache_lens: list[int]) -> None:
+        """Host-side preparation for one forward (index buffers, masks); no-op for torch."""
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: AttentionInputs) -> torch.Tensor:
+        """q (B, Hq, T, D), roped; caches (slots, Hkv, max_len, D) already hold the new K/V
+        -> (B, T, Hq * D)."""
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention for a few queries per sequence, GQA without repeating K/V, softmax in fp32.
+
+    q: (B, Hq, T, D); k, v: (B, Hkv, S, D); mask: (B, 1, T, S) bool or None -> (B, Hq, T, D).
+    On CPU this is ~10-50x faster than SDPA's flash kernel for T <= 64 (measured: 83 us vs
+    several ms per layer at T=1, S=300, bf16).
+    """
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    g = hq // hkv  # query heads per K/V head: head h reads K/V head h // g
+    scores = (q.reshape(b, hkv, g * t, d) @ k.transpose(-1, -2)).float() * d**-0.5  # (B, Hkv, G*T, S)
+    if mask is not None:
+        scores = scores.view(b, hkv, g, t, s).masked_fill(~mask[:, :, None], float("-inf")).view(b, hkv, g * t, s)
+    probs = scores.softmax(-1)
+    return (probs @ v.float()).to(q.dtype).view(b, hq, t, d)
+
+
+class TorchAttention:
+    """SDPA for causal prefill, `grouped_attention` for decode and tree verification.
+
+    Reads each request's keys [0, key_len) of its slot: a view when the slots are consecutive,
+    else a gathered copy. Works on every device and inside CUDA graphs (static key_len).
+    """
+
+    name = "torch"
+    needs_plan = False
+
+    def plan(self, a: AttentionInputs, host_cache_lens: list[int]) -> None:
+        return None
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: AttentionInputs) -> torch.Tensor:
+        b, _, t, _ = q.shape
+        if a.slot_range is not None:
+            first, count = a.slot_range
+            keys = k_cache[first : first + count, :, : a.key_len]  # view: (B, Hkv, S, D)
+            values = v_cache[first : first + count, :, : a.key_len]
+        else:
+            keys = k_cache[a.slots, :, : a.key_len]  # gather copy: (B, Hkv, S, D)
+            values = v_cache[a.slots, :, : a.key_len]
+        if a.is_causal:  # prefill of fresh sequences
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+        else:  # decode / tree verify: few queries against a long prefix
+            out = grouped_attention(q, keys, values, a.mask)
+        return out.transpose(1, 2).reshape(b, t, -1)
+
+
+class FlashInferAttention:
+    """flashinfer's batch prefill kernel over the paged view of the cache (one page per slot).
+
+    Causal prefill uses `causal=True`; decode and tree verification pass the (B, 1, T, S) mask as
+    flashinfer's flattened per-request custom mask (T x kv_len each). With `graph_batch_size`
+    set, the wrapper is built in flashinfer's CUDA-graph mode with index and mask buffers for
+    exactly that many requests of `graph_num_tokens` tokens; `plan` refills them before a replay.
+    """
+
+    name = "flashinfer"
+    needs_plan = True
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        graph_batch_size: int | None = None,
+        graph_num_tokens: int = 1,
+    ) -> None:
+        import flashinfer  # the `gpu` extra; `make_attention` checks it is importable
+
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.page_size, self.dtype, self.device = max_len, dtype, device
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        if graph_batch_size is None:
+            self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND")
+            return
+        bs, t = graph_batch_size, graph_num_tokens
+        i32 = dict(dtype=torch.int32, device=device)
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            workspace,
+            "HND",
+            use_cuda_graph=True,
+            qo_indptr_buf=torch.arange(bs + 1, **i32) * t,
+            paged_kv_indptr_buf=torch.arange(bs + 1, **i32),
+            paged_kv_indices_buf=torch.zeros(bs, **i32),
+            paged_kv_last_page_len_buf=torch.ones(bs, **i32),
+            custom_mask_buf=torch.zeros((bs * t * max_len + 7) // 8, dtype=torch.uint8, device=device),
+            mask_indptr_buf=torch.zeros(bs + 1, **i32),
+        )
+
+    def plan(self, a: AttentionInputs, host_cache_lens: list[int]) -> None:
+        b, t = a.write_pos.shape
+        kv_lens = torch.tensor(host_cache_lens, dtype=torch.int32) + t  # (B,) keys per request, host
+        custom_mask = None  # causal prefill, or one new token seeing every key
+        if a.mask is not None:
+            keys = torch.arange(a.key_len, device=a.mask.device)[None, :] < kv_lens.to(a.mask.device)[:, None]  # (B, S)
+            custom_mask = a.mask[:, 0][keys[:, None, :].expand(b, t, a.key_len)]  # flat: b, then t, then s
+        self.wrapper.plan(  # index arrays on the host (flashinfer schedules there), pages and mask on the device
+            torch.arange(b + 1, dtype=torch.int32) * t,  # qo_indptr
+            torch.arange(b + 1, dtype=torch.int32),  # paged_kv_indptr: one page per request
+            a.slots.to(torch.int32),  # paged_kv_indices: the page is the slot
+            kv_lens,  # paged_kv_last_page_len
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            custom_mask=custom_mask,
+            causal=a.is_causal,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: AttentionInputs) -> torch.Tensor:
+        b, hq, t, d = q.shape
+        out = self.wrapper.run(q.transpose(1, 2).reshape(b * t, hq, d), (k_cache, v_cache))  # (B*T, Hq, D)
+        return out.view(b, t, hq * d)
+
+
+def flashinfer_available() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA install raising at import
+        return False
+    return True
+
+
+def resolve_attention(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """'auto' -> flashinfer on CUDA in fp16/bf16 when it is installed, else torch (flashinfer has
+    no fp32 kernels). Raises, naming the field, for a combination that cannot run."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
+    usable = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    if name == "auto":
+        return "flashinfer" if usable and flashinfer_available() else "torch"
+    if name == "flashinfer" and not (usable and flashinfer_available()):
+        raise ValueError(
+            "attention_backend: flashinfer needs a CUDA device, dtype bfloat16 or float16, and the `gpu` extra installed"
+        )
+    return name

@@ -1,0 +1,175 @@
+"""CUDA graphs for the target's decode and tree-verify forwards, one per (batch size, tokens) bucket.
+
+A bucket (bs, T) owns static input buffers (tokens, positions, slots, cache lengths, tree mask),
+its own attention backend instance and, on CUDA, a captured graph whose outputs live in the
+graph's memory pool. `forward` pads a batch of B <= bs requests with n <= T tokens each up to
+the bucket, copies it into the buffers, replays, and slices the outputs back to (B, n).
+
+Padding never touches a real request: padding rows write their K/V into a spare slot that the
+engine never hands out (`padding_slot`), and padding tokens of a real row sit after its tree, see
+only themselves, and write K/V beyond the row's cache length (scratch the next step overwrites).
+
+With `capture=False` the same static forward runs eagerly; that is how the CPU tests check the
+padding and slicing logic, and it is what a bucket does on CPU. This module does not decide when
+graphs are used (the engine does) and does not capture prefill or the drafters.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from specserve.attention_backend import AttentionBackend
+from specserve.kv_cache import KVCache
+from specserve.model import ForwardOutput, LlamaModel
+
+log = logging.getLogger(__name__)
+
+
+def default_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every 8 up to max_batch_size (SGLang's spacing), max_batch_size included."""
+    sizes = {b for b in (1, 2, 4) if b <= max_batch_size}
+    sizes |= set(range(8, max_batch_size + 1, 8)) | {max_batch_size}
+    return tuple(sorted(sizes))
+
+
+@dataclass
+class _Bucket:
+    """Static buffers of one (bs, T) bucket. Shapes: tokens, positions (bs, T); slots, cache_lens
+    (bs,); new_mask (bs, T, T) bool. `output` is what the last run/replay wrote."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    cache_lens: torch.Tensor
+    new_mask: torch.Tensor
+    backend: AttentionBackend
+    graph: torch.cuda.CUDAGraph | None = None
+    output: ForwardOutput | None = None
+
+
+class GraphRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: KVCache,
+        batch_sizes: Sequence[int],
+        num_tokens: Sequence[int],
+        aux_layers: tuple[int, ...],
+        padding_slot: int,
+        make_backend: Callable[[int, int], AttentionBackend],
+        capture: bool,
+    ) -> None:
+        """make_backend(bs, T) -> the attention backend a bucket plans and its graph replays."""
+        self.model, self.cache, self.aux_layers = model, cache, aux_layers
+        self.batch_sizes, self.num_tokens = sorted(set(batch_sizes)), sorted(set(num_tokens))
+        self.padding_slot = padding_slot
+        self.device = cache.data.device
+        self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.graph_bytes = 0
+        pool = torch.cuda.graph_pool_handle() if capture else None
+        before = torch.cuda.memory_allocated(self.device) if capture else 0
+        for t in self.num_tokens:
+            for bs in reversed(self.batch_sizes):  # largest first, as SGLang: smaller ones reuse its pool
+                bucket = self._new_bucket(bs, t, make_backend(bs, t))
+                if capture:
+                    self._capture(bucket, pool)
+                self.buckets[(bs, t)] = bucket
+        if capture:
+            self.graph_bytes = torch.cuda.memory_allocated(self.device) - before
+            log.info(
+                "CUDA graphs: %d captured (batch sizes %s x tokens %s), %.1f MiB",
+                len(self.buckets), self.batch_sizes, self.num_tokens, self.graph_bytes / 2**20,
+            )
+
+    def bucket_for(self, batch_size: int, num_tokens: int) -> tuple[int, int] | None:
+        """The smallest bucket holding the batch, or None (the caller runs it eagerly)."""
+        i = bisect.bisect_left(self.batch_sizes, batch_size)
+        j = bisect.bisect_left(self.num_tokens, num_tokens)
+        if i == len(self.batch_sizes) or j == len(self.num_tokens):
+            return None
+        return self.batch_sizes[i], self.num_tokens[j]
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        cache_lens: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        host_cache_lens: list[int],
+    ) -> ForwardOutput:
+        """tokens, positions (B, n); slots, cache_lens (B,); new_mask (B, n, n) or None (one token
+        each, n = 1) -> logits (B, n, V), hidden (B, n, H), aux (B, n, A) like the eager forward."""
+        b, n = tokens.shape
+        key = self.bucket_for(b, n)
+        assert key is not None, f"no bucket for batch {b} x {n} tokens; check bucket_for first"
+        bk = self.buckets[key]
+        bs, t = key
+        # pad on the host side of the copy: defaults first, then the real block
+        bk.tokens.zero_()
+        bk.tokens[:b, :n] = tokens
+        bk.cache_lens.zero_()
+        bk.cache_lens[:b] = cache_lens
+        bk.positions.copy_(bk.cache_lens[:, None].expand(bs, t))
+        bk.positions[:b, :n] = positions
+        bk.slots.fill_(self.padding_slot)
+        bk.slots[:b] = slots
+        bk.new_mask.copy_(torch.eye(t, dtype=torch.bool, device=self.device).expand(bs, t, t))
+        if new_mask is not None:
+            bk.new_mask[:b, :n, :n] = new_mask
+        if bk.backend.needs_plan:
+            self._plan(bk, list(host_cache_lens) + [0] * (bs - b))
+        if bk.graph is not None:
+            bk.graph.replay()
+        else:
+            bk.output = self._run(bk)
+        out = bk.output
+        assert out is not None
+        aux = out.aux_hidden[:b, :n] if out.aux_hidden is not None else None
+        return ForwardOutput(logits=out.logits[:b, :n], hidden=out.hidden[:b, :n], aux_hidden=aux)
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _new_bucket(self, bs: int, t: int, backend: AttentionBackend) -> _Bucket:
+        i64 = dict(dtype=torch.int64, device=self.device)
+        return _Bucket(
+            tokens=torch.zeros(bs, t, **i64),
+            positions=torch.zeros(bs, t, **i64),
+            slots=torch.full((bs,), self.padding_slot, **i64),
+            cache_lens=torch.zeros(bs, **i64),
+            new_mask=torch.eye(t, dtype=torch.bool, device=self.device).repeat(bs, 1, 1),
+            backend=backend,
+        )
+
+    def _plan(self, bk: _Bucket, host_cache_lens: list[int]) -> None:
+        """Plan the bucket's backend for the buffers' current contents; keys and mask are cut to
+        the longest request (flashinfer flattens the mask per request up to its own key count)."""
+        a = self.model.static_attention_inputs(bk.positions, bk.slots, bk.cache_lens, bk.new_mask, self.cache, bk.backend)
+        key_len = max(host_cache_lens) + bk.tokens.shape[1]
+        assert a.mask is not None
+        bk.backend.plan(replace(a, key_len=key_len, mask=a.mask[..., :key_len]), host_cache_lens)
+
+    def _run(self, bk: _Bucket) -> ForwardOutput:
+        """The static forward: every shape from the buffers, nothing read from the host."""
+        a = self.model.static_attention_inputs(bk.positions, bk.slots, bk.cache_lens, bk.new_mask, self.cache, bk.backend)
+        return self.model(bk.tokens, a, self.cache, aux_layers=self.aux_layers)
+
+    def _capture(self, bk: _Bucket, pool: object) -> None:
+        if bk.backend.needs_plan:
+            self._plan(bk, [0] * bk.tokens.shape[0])  # padding rows only: a valid plan to capture
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: lazy inits and autotuning happen outside the graph
+                self._run(bk)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            bk.output = self._run(bk)
+        bk.graph = graph
+

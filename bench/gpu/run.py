@@ -1,0 +1,248 @@
+"""GPU benchmark: one script the device tool runs as is (see bench/gpu/README.md).
+
+Two parts, both written to `<out>/gpu_bench.json` and printed as tables:
+
+  steps:    a model with random bf16 weights in a given shape (default Llama-3.1-8B) on the
+            static KV cache: decode step time at batch 1..64 and tree-verify step time at
+            8/16/32/64 tree tokens, CUDA graphs on and off, against the HBM bandwidth limit
+            (bytes of weights read per step / measured device-to-device copy bandwidth).
+  variants: the serving engine on a real model directory (the prepared SmolLM2 by default):
+            tokens/s and accept length per algorithm on MT-bench first turns, graphs on and off.
+
+On CPU the same code runs (eager only, perf_counter timing) so the CPU suite keeps it working;
+its numbers there mean nothing. This script does not install anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from specserve.attention_backend import FlashInferAttention, resolve_attention
+from specserve.config import EngineConfig, ModelConfig, SpecConfig
+from specserve.cuda_graph import GraphRunner
+from specserve.kv_cache import KVCache
+from specserve.model import TORCH_ATTENTION, LlamaModel
+
+log = logging.getLogger("bench.gpu")
+
+LLAMA_8B = ModelConfig(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+    head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
+)
+SHAPES = {
+    "llama-3.1-8b": LLAMA_8B,
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+        head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+    ),
+    "tiny": ModelConfig(  # for the CPU test of this script
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False,
+    ),
+}
+
+
+def timer(device: torch.device, fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    """Median seconds per call of fn (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read and written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / timer(device, lambda: dst.copy_(src), iters=10)
+
+
+def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.fill_(1.0)
+    return model.eval()
+
+
+def weight_bytes_per_step(model: LlamaModel) -> int:
+    """Bytes every forward reads: all weights but the embedding table (it reads B rows of it)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.cfg.tie_word_embeddings:
+        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
+
+
+@torch.inference_mode()
+def bench_steps(cfg: ModelConfig, device: torch.device, batch_sizes: list[int], tree_tokens: list[int],
+                context: int, iters: int, graphs: bool) -> dict:
+    dtype = torch.bfloat16
+    model = random_model(cfg, dtype, device)
+    max_bs = max(batch_sizes)
+    cache = KVCache(cfg, max_bs + 1, context + max(tree_tokens) + 1, dtype, str(device))
+    model.init_rope(cache.max_len)
+    bandwidth = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**26)
+    floor = weight_bytes_per_step(model) / bandwidth
+    attention = resolve_attention("auto", device, dtype)
+    report = {"shape": asdict(cfg), "attention": attention, "context": context, "weight_bytes": weight_bytes_per_step(model),
+              "copy_bandwidth_gbs": bandwidth / 1e9, "bandwidth_floor_ms": floor * 1e3, "decode": [], "verify": []}
+
+    def backend(bs: int, t: int, capture: bool):  # noqa: ANN202
+        if attention == "torch":
+            return TORCH_ATTENTION
+        return FlashInferAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cache.max_len, dtype, device,
+                                   bs if capture else None, t)
+
+    def step_fn(bs: int, t: int, capture: bool) -> Callable[[], object]:
+        runner = GraphRunner(model, cache, [bs], [t], (), padding_slot=max_bs,
+                             make_backend=lambda b, n: backend(b, n, capture), capture=capture)
+        slots = torch.arange(bs, device=device)
+        lens = torch.full((bs,), context, device=device)
+        tokens = torch.randint(0, cfg.vocab_size, (bs, t), device=device)
+        positions = lens[:, None] + torch.arange(t, device=device)
+        mask = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(bs, t, t)  # a chain of t nodes
+        host = [context] * bs
+        return lambda: runner.forward(tokens, positions, slots, lens, mask if t > 1 else None, host)
+
+    modes = [("eager", False)] + ([("graph", True)] if graphs else [])
+    for bs in batch_sizes:
+        row = {"batch_size": bs}
+        for name, capture in modes:
+            row[f"{name}_ms"] = timer(device, step_fn(bs, 1, capture), iters) * 1e3
+        best = min(row[f"{n}_ms"] for n, _ in modes)
+        row["vs_bandwidth_floor"] = best / (floor * 1e3)
+        report["decode"].append(row)
+        log.info("decode bs=%d %s", bs, row)
+    decode_bs1 = report["decode"][0]
+    for t in tree_tokens:
+        row = {"batch_size": 1, "tree_tokens": t}
+        for name, capture in modes:
+            row[f"{name}_ms"] = timer(device, step_fn(1, t, capture), iters) * 1e3
+            row[f"{name}_vs_decode"] = row[f"{name}_ms"] / decode_bs1[f"{name}_ms"]
+        report["verify"].append(row)
+        log.info("verify t=%d %s", t, row)
+    return report
+
+
+def bench_variants(model_dir: str, device: torch.device, algorithms: list[str], num_prompts: int,
+                   max_new_tokens: int, graphs: bool) -> list[dict]:
+    from tokenizers import Tokenizer
+
+    from specserve.bench import run_engine
+    from specserve.cli import DEFAULT_DRAFTERS, REPO_ROOT
+    from specserve.engine import Engine
+    from specserve.prompts import load_questions, render_chat
+
+    tok = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
+    prompts = [tok.encode(render_chat(model_dir, q), add_special_tokens=False).ids
+               for q in load_questions("mtbench", num_prompts)]
+    base = EngineConfig(model_dir=model_dir, max_batch_size=1, max_seq_len=2048, device=str(device))
+    rows = []
+    for alg in algorithms:
+        drafter = DEFAULT_DRAFTERS.get(alg)
+        spec = SpecConfig(algorithm=alg, drafter_path=str(REPO_ROOT / drafter) if drafter else None,
+                          token_map=str(REPO_ROOT / drafter / "token_map.pt") if alg == "eagle" else None)
+        for mode in (["auto", "off"] if graphs else ["off"]):
+            engine = Engine(replace(base, spec=spec, graph_mode=mode))
+            run = run_engine(engine, prompts, max_new_tokens, f"{alg} graphs={mode}")
+            rows.append({"algorithm": alg, "cuda_graph": mode == "auto" and device.type == "cuda",
+                         "attention": engine.attention, "tokens_per_s": run["tokens_per_s"],
+                         "accept_length": run["accept_length"]})
+            log.info("%s", rows[-1])
+            del engine
+    return rows
+
+
+def markdown(report: dict) -> str:
+    lines = []
+    if "steps" in report:
+        s = report["steps"]
+        lines += [f"decode/verify steps, {report['device']}, {s['attention']} attention, context {s['context']}, weights "
+                  f"{s['weight_bytes'] / 1e9:.2f} GB, copy {s['copy_bandwidth_gbs']:.0f} GB/s, "
+                  f"floor {s['bandwidth_floor_ms']:.3f} ms", ""]
+        cols = [c for c in s["decode"][0] if c != "batch_size"]
+        lines += ["| batch | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        lines += [f"| {r['batch_size']} | " + " | ".join(f"{r[c]:.3f}" for c in cols) + " |" for r in s["decode"]]
+        cols = [c for c in s["verify"][0] if c not in ("batch_size", "tree_tokens")]
+        lines += ["", "| tree tokens | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        lines += [f"| {r['tree_tokens']} | " + " | ".join(f"{r[c]:.3f}" for c in cols) + " |" for r in s["verify"]]
+    if "variants" in report:
+        lines += ["", "| algorithm | CUDA graph | attention | tok/s | accept length |", "|---|---|---|---:|---:|"]
+        lines += [f"| {r['algorithm']} | {r['cuda_graph']} | {r['attention']} | {r['tokens_per_s']:.1f} | "
+                  f"{r['accept_length']:.2f} |" for r in report["variants"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench/gpu/results")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    p.add_argument("--tree-tokens", default="8,16,32,64")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--model-dir", default=None, help="for the variants part (default: the prepared SmolLM2)")
+    p.add_argument("--algorithms", default="none,ngram,eagle,eagle3,standalone")
+    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--skip-steps", action="store_true")
+    p.add_argument("--skip-variants", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    device = torch.device(args.device)
+    graphs = device.type == "cuda"
+    name = torch.cuda.get_device_name(device) if graphs else "cpu"
+    report: dict = {"device": name, "torch": torch.__version__}
+    if not args.skip_steps:
+        report["steps"] = bench_steps(SHAPES[args.shape], device, [int(b) for b in args.batch_sizes.split(",")],
+                                      [int(t) for t in args.tree_tokens.split(",")], args.context, args.iters, graphs)
+    if not args.skip_variants:
+        from specserve.prepare import default_model_dir
+
+        model_dir = args.model_dir or str(default_model_dir())
+        if Path(model_dir, "config.json").is_file():
+            report["variants"] = bench_variants(model_dir, device, args.algorithms.split(","), args.num_prompts,
+                                                args.max_new_tokens, graphs)
+        else:
+            log.warning("variants: no model at %s (prepare it, or pass --model-dir); skipped", model_dir)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    table = markdown(report)
+    (out / "gpu_bench.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,110 @@
+"""The bucketed static forward that CUDA graphs capture, run eagerly on CPU (`graph_mode="static"`).
+
+What is checked here is everything but the capture itself: padding a batch up to its bucket (rows
+into the spare slot, tree nodes that see only themselves), keys over the whole slot behind a
+device-built mask, and slicing outputs back. The capture and replay are checked by the `gpu`
+tests in tests/gpu/.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.config import EngineConfig, SamplingParams, SpecConfig
+from specserve.cuda_graph import default_batch_sizes
+from specserve.engine import Engine
+from specserve.model import ForwardOutput
+
+VOCAB = 49152
+
+
+def _engine(tiny_target_dir, graph_mode, algorithm="none", batch=4, **kw):
+    spec = SpecConfig(algorithm=algorithm, **kw)
+    return Engine(EngineConfig(model_dir=str(tiny_target_dir), dtype="float32", max_batch_size=batch,
+                               max_seq_len=256, graph_mode=graph_mode, spec=spec))
+
+
+def _prompts(n=6):
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (5, 23, 9, 40, 2, 14)[:n]]
+
+
+def test_default_batch_sizes():
+    assert default_batch_sizes(1) == (1,)
+    assert default_batch_sizes(6) == (1, 2, 4, 6)
+    assert default_batch_sizes(20) == (1, 2, 4, 8, 16, 20)
+
+
+def test_buckets_and_padding_slot(tiny_target_dir):
+    eng = _engine(tiny_target_dir, "static", "ngram", batch=6, num_draft_tokens=8)
+    runner = eng.graphs
+    assert runner is not None
+    assert runner.num_tokens == [1, 8] and runner.batch_sizes == [1, 2, 4, 6]
+    assert runner.bucket_for(3, 5) == (4, 8)
+    assert runner.bucket_for(1, 1) == (1, 1)
+    assert runner.bucket_for(7, 1) is None and runner.bucket_for(2, 9) is None
+    # the padding slot is a 7th slot no request ever gets
+    assert eng.cache.num_slots == 7 and runner.padding_slot == 6
+    assert sorted(eng.cache.allocate() for _ in range(6)) == list(range(6)) and eng.cache.num_free == 0
+    assert _engine(tiny_target_dir, "off").graphs is None
+    assert _engine(tiny_target_dir, "auto").graphs is None  # auto captures on CUDA only
+
+
+@torch.inference_mode()
+def test_static_forward_equals_eager_forward(tiny_target_dir):
+    """One padded tree-verify forward (3 rows in a 4-row bucket, 5 nodes in an 8-token bucket)
+    against the dynamic forward: same logits, hidden states and K/V written."""
+    eng = _engine(tiny_target_dir, "static", "ngram", batch=4, num_draft_tokens=8)
+    model, cache = eng.model, eng.cache
+    g = torch.Generator().manual_seed(0)
+    cache.data.normal_(generator=g)  # a prefix in every slot, including the padding slot
+    slots, lens = torch.tensor([2, 0, 1]), torch.tensor([17, 3, 40])
+    tokens = torch.randint(0, VOCAB, (3, 5), generator=g)
+    parents = [-1, 0, 0, 1, 2]
+    mask = torch.eye(5, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] |= mask[p]
+    depth = mask.sum(-1) - 1
+    new_mask = mask.expand(3, 5, 5)
+    positions = lens[:, None] + depth
+    before = cache.data.clone()
+    static = eng.graphs.forward(tokens, positions, slots, lens, new_mask, lens.tolist())
+    static_cache = cache.data.clone()
+    cache.data.copy_(before)
+    a = model.attention_inputs(positions, slots, lens, new_mask, cache, lens.tolist(), slots.tolist())
+    eager: ForwardOutput = model(tokens, a, cache)
+    torch.testing.assert_close(static.logits, eager.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(static.hidden, eager.hidden, rtol=1e-4, atol=1e-4)
+    # real rows wrote the same K/V at [len, len + 5); padding rows wrote only the padding slot
+    for s, n in zip(slots.tolist(), lens.tolist()):
+        torch.testing.assert_close(static_cache[:, :, s, :, : n + 5], cache.data[:, :, s, :, : n + 5])
+    torch.testing.assert_close(static_cache[:, :, 3], before[:, :, 3])  # slot 3: no request, untouched
+
+
+@pytest.mark.parametrize(("algorithm", "kw"), [("none", {}), ("ngram", {"num_draft_tokens": 6})])
+def test_static_engine_is_lossless_with_continuous_batching(tiny_target_dir, algorithm, kw):
+    """6 prompts through 4 slots: requests join and leave, so batches of 1-4 rows hit buckets
+    1, 2 and 4, with padding rows and (ngram) trees smaller than the bucket."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = _engine(tiny_target_dir, "off").generate(_prompts(), params)
+    eng = _engine(tiny_target_dir, "static", algorithm, **kw)
+    outs = eng.generate(_prompts(), params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+
+
+def test_static_engine_eagle3_slices_aux_features(tmp_path, tiny_target_dir):
+    """EAGLE-3 reads the fused aux-layer features of the accepted nodes from the padded output."""
+    from test_eagle import write_checkpoint  # tests/unit is on sys.path (rootdir-relative imports)
+
+    path = write_checkpoint(tmp_path / "e3", "eagle3")
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ref = _engine(tiny_target_dir, "off").generate(_prompts(4), params)
+    eng = _engine(tiny_target_dir, "static", "eagle3", batch=3, drafter_path=str(path), num_steps=3, topk=2,
+                  num_draft_tokens=6)
+    outs = eng.generate(_prompts(4), params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    off = _engine(tiny_target_dir, "off", "eagle3", batch=3, drafter_path=str(path), num_steps=3, topk=2,
+                  num_draft_tokens=6).generate(_prompts(4), params)
+    assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in off]  # same drafts as eager
