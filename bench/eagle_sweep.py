@@ -1,4 +1,4 @@
-"""Acceptance and speed of the committed EAGLE drafters as topk and num_draft_tokens vary.
+"""Acceptance and speed of the committed EAGLE / MTP drafters as topk and num_draft_tokens vary.
 
     .venv/bin/python bench/eagle_sweep.py --out results/eagle_sweep [--algorithms eagle3,eagle]
 
@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from specserve.bench import run_engine
-from specserve.cli import DEFAULT_DRAFTERS, REPO_ROOT
+from specserve.cli import DEFAULT_DRAFTERS, REPO_ROOT, TOKEN_MAPS
 from specserve.config import EngineConfig, SpecConfig
 from specserve.engine import Engine
 from specserve.prepare import default_model_dir
@@ -24,7 +24,7 @@ from specserve.prompts import load_questions, render_chat
 
 def spec_for(algorithm: str, num_steps: int, topk: int, num_draft_tokens: int) -> SpecConfig:
     path = REPO_ROOT / DEFAULT_DRAFTERS[algorithm]
-    token_map = str(path / "token_map.pt") if algorithm == "eagle" else None
+    token_map = str(REPO_ROOT / TOKEN_MAPS[algorithm]) if algorithm in TOKEN_MAPS else None
     return SpecConfig(algorithm=algorithm, drafter_path=str(path), token_map=token_map, num_steps=num_steps,
                       topk=topk, num_draft_tokens=num_draft_tokens)
 

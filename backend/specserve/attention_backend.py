@@ -128,7 +128,7 @@ class FlashInferAttention:
             paged_kv_indptr_buf=torch.arange(bs + 1, **i32),
             paged_kv_indices_buf=torch.zeros(bs, **i32),
             paged_kv_last_page_len_buf=torch.ones(bs, **i32),
-            custom_mask_buf=torch.zeros((bs * t * max_len + 7) // 8, dtype=torch.uint8, device=device),
+            custom_mask_buf=torch.zeros(bs * ((t * max_len + 7) // 8), dtype=torch.uint8, device=device),  # bit-packed per request
             mask_indptr_buf=torch.zeros(bs + 1, **i32),
         )
 

@@ -12,7 +12,10 @@ from specserve.config import ALGORITHMS, EngineConfig, SamplingParams, SpecConfi
 from specserve.train_drafter import TrainConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_DRAFTERS = {"eagle": "model_repository/specdec_eagle2/drafter", "eagle3": "model_repository/specdec_eagle3/drafter"}
+DEFAULT_DRAFTERS = {"eagle": "model_repository/specdec_eagle2/drafter", "eagle3": "model_repository/specdec_eagle3/drafter",
+                    "mtp": "model_repository/specdec_mtp/drafter"}
+TOKEN_MAPS = {"eagle": "model_repository/specdec_eagle2/drafter/token_map.pt",
+              "mtp": "model_repository/specdec_mtp/drafter/token_map.pt"}  # FR-Spec hot vocabularies
 VARIANT_ALGORITHM = {"base": "none", "ngram": "ngram", "eagle2": "eagle", "eagle3": "eagle3", "mtp": "mtp",
                      "standalone": "standalone"}
 
@@ -43,8 +46,8 @@ def _spec(args: argparse.Namespace, algorithm: str) -> SpecConfig:
     drafter_path, token_map = args.drafter_path, args.token_map
     if args.model_dir is None and drafter_path is None and algorithm in DEFAULT_DRAFTERS:
         drafter_path = str(REPO_ROOT / DEFAULT_DRAFTERS[algorithm])
-        if algorithm == "eagle" and token_map is None:
-            token_map = str(REPO_ROOT / DEFAULT_DRAFTERS[algorithm] / "token_map.pt")
+        if algorithm in TOKEN_MAPS and token_map is None:
+            token_map = str(REPO_ROOT / TOKEN_MAPS[algorithm])
     return SpecConfig(algorithm=algorithm, num_steps=args.num_steps, topk=args.topk,
                       num_draft_tokens=args.num_draft_tokens, drafter_path=drafter_path, token_map=token_map,
                       ngram_min_match_window=args.ngram_min_match_window,

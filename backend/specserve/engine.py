@@ -98,7 +98,7 @@ class Engine:
         self.model_config = self.model.cfg
         graphs = config.graph_mode == "static" or (config.graph_mode == "auto" and self.device.type == "cuda")
         self.cache = KVCache(  # with graphs, one more slot than requests: padding rows write there
-            self.model_config, config.max_batch_size + graphs, config.max_seq_len + MAX_TREE_NODES,
+            self.model_config, config.max_batch_size + int(graphs), config.max_seq_len + MAX_TREE_NODES,
             config.torch_dtype, config.device,
         )
         self.model.init_rope(self.cache.max_len)

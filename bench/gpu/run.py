@@ -157,7 +157,7 @@ def bench_variants(model_dir: str, device: torch.device, algorithms: list[str], 
     from tokenizers import Tokenizer
 
     from specserve.bench import run_engine
-    from specserve.cli import DEFAULT_DRAFTERS, REPO_ROOT
+    from specserve.cli import DEFAULT_DRAFTERS, REPO_ROOT, TOKEN_MAPS
     from specserve.engine import Engine
     from specserve.prompts import load_questions, render_chat
 
@@ -169,7 +169,7 @@ def bench_variants(model_dir: str, device: torch.device, algorithms: list[str], 
     for alg in algorithms:
         drafter = DEFAULT_DRAFTERS.get(alg)
         spec = SpecConfig(algorithm=alg, drafter_path=str(REPO_ROOT / drafter) if drafter else None,
-                          token_map=str(REPO_ROOT / drafter / "token_map.pt") if alg == "eagle" else None)
+                          token_map=str(REPO_ROOT / TOKEN_MAPS[alg]) if alg in TOKEN_MAPS else None)
         for mode in (["auto", "off"] if graphs else ["off"]):
             engine = Engine(replace(base, spec=spec, graph_mode=mode))
             run = run_engine(engine, prompts, max_new_tokens, f"{alg} graphs={mode}")
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--model-dir", default=None, help="for the variants part (default: the prepared SmolLM2)")
-    p.add_argument("--algorithms", default="none,ngram,eagle,eagle3,standalone")
+    p.add_argument("--algorithms", default="none,ngram,eagle,eagle3,mtp,standalone")
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--skip-steps", action="store_true")

@@ -19,7 +19,7 @@ SLOTS = 4
 MAX_SEQ_LEN = 512
 DTYPE = "float32"
 ENGINE_PARAMS = {"max_batch_size": str(SLOTS), "max_seq_len": str(MAX_SEQ_LEN), "dtype": DTYPE}
-VARIANTS = ("base", "ngram", "eagle2", "eagle3", "standalone")
+VARIANTS = ("base", "ngram", "eagle2", "eagle3", "mtp", "standalone")
 
 
 @dataclass(frozen=True)

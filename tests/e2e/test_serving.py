@@ -1,4 +1,4 @@
-"""End-to-end: a real tritonserver serving llm_base, llm_ngram, llm_eagle2, llm_eagle3 and llm_standalone,
+"""End-to-end: a real tritonserver serving llm_base, llm_ngram, llm_eagle2, llm_eagle3, llm_mtp and llm_standalone,
 driven by real clients."""
 
 from __future__ import annotations
@@ -297,7 +297,7 @@ def test_ngram_variant_is_lossless_and_drafts(server, e2e, tokenizer, reference_
     assert metric(server, "specserve:spec_decode_num_draft_tokens_total", model="specdec_ngram") > 0
 
 
-@pytest.mark.parametrize("variant", ["eagle2", "eagle3", "standalone"])
+@pytest.mark.parametrize("variant", ["eagle2", "eagle3", "mtp", "standalone"])
 def test_model_drafter_variants_are_lossless_and_accept(server, e2e, tokenizer, reference_engine, variant):
     """The ensembles with the committed SmolLM2 drafters (and the self-speculative standalone
     draft): same greedy text as the base engine, over HTTP generate_stream, with drafts accepted

