@@ -80,8 +80,8 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaModel:
     with torch.device("meta"):
-        model = LlamaModel(cfg)
-    model = model.to_empty(device=device).to(dtype)
+        model = LlamaModel(cfg).to(dtype)  # no memory yet: an 8B model never exists in fp32
+    model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     with torch.no_grad():
