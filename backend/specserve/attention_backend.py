@@ -87,6 +87,9 @@ class TorchAttention:
         return out.transpose(1, 2).reshape(b, t, -1)
 
 
+TORCH_ATTENTION = TorchAttention()  # stateless: one instance serves every model and drafter
+
+
 class FlashInferAttention:
     """flashinfer's batch prefill kernel over the paged view of the cache (one page per slot).
 
@@ -136,9 +139,8 @@ class FlashInferAttention:
         b, t = a.write_pos.shape
         kv_lens = torch.tensor(host_cache_lens, dtype=torch.int32) + t  # (B,) keys per request, host
         custom_mask = None  # causal prefill, or one new token seeing every key
-        if a.mask is not None:
-            keys = torch.arange(a.key_len, device=a.mask.device)[None, :] < kv_lens.to(a.mask.device)[:, None]  # (B, S)
-            custom_mask = a.mask[:, 0][keys[:, None, :].expand(b, t, a.key_len)]  # flat: b, then t, then s
+        if a.mask is not None:  # flat: request b's (T, kv_len[b]) block, row-major; host-int slices, no sync
+            custom_mask = torch.cat([a.mask[i, 0, :, :n].reshape(-1) for i, n in enumerate(kv_lens.tolist())])
         self.wrapper.plan(  # index arrays on the host (flashinfer schedules there), pages and mask on the device
             torch.arange(b + 1, dtype=torch.int32) * t,  # qo_indptr
             torch.arange(b + 1, dtype=torch.int32),  # paged_kv_indptr: one page per request

@@ -8,7 +8,14 @@ import logging
 import sys
 from pathlib import Path
 
-from specserve.config import ALGORITHMS, EngineConfig, SamplingParams, SpecConfig
+from specserve.config import (
+    ALGORITHMS,
+    ATTENTION_BACKENDS,
+    EngineConfig,
+    SamplingParams,
+    SpecConfig,
+    resolve_device,
+)
 from specserve.train_drafter import TrainConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +32,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto = cuda when available)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"],
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto = flashinfer on CUDA when installed, else torch")
     p.add_argument("--disable-cuda-graph", action="store_true", help="run decode / verify eagerly on CUDA")
     p.add_argument("--cuda-graph-max-bs", type=int, default=0, help="largest captured batch (0 = batch size)")
@@ -62,13 +69,8 @@ def _engine_config(args: argparse.Namespace, algorithm: str, max_batch_size: int
     if not Path(model_dir, "config.json").is_file():
         hint = " (run `specserve prepare` first)" if args.model_dir is None else ""
         raise SystemExit(f"error: model_dir: no HF model at {model_dir}{hint}")
-    device = args.device
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     return EngineConfig(model_dir=model_dir, max_batch_size=max_batch_size, max_seq_len=args.max_seq_len,
-                        dtype=args.dtype, device=device, attention_backend=args.attention_backend,
+                        dtype=args.dtype, device=resolve_device(args.device), attention_backend=args.attention_backend,
                         graph_mode="off" if args.disable_cuda_graph else "auto",
                         cuda_graph_max_bs=args.cuda_graph_max_bs, spec=_spec(args, algorithm))
 

@@ -20,6 +20,13 @@ ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
+def resolve_device(device: str) -> str:
+    """'auto' (or empty) -> 'cuda' when torch sees a GPU, else 'cpu'; anything else unchanged."""
+    if device in ("", "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The target's architecture, read from an HF `config.json` (Llama family; Qwen2 adds qkv bias)."""

@@ -27,14 +27,19 @@ import torch
 from tokenizers import Tokenizer
 
 import specserve_kernels as K
-from specserve.attention_backend import FlashInferAttention, resolve_attention
+from specserve.attention_backend import (
+    TORCH_ATTENTION,
+    AttentionBackend,
+    FlashInferAttention,
+    resolve_attention,
+)
 from specserve.config import EngineConfig, SamplingParams
 from specserve.cuda_graph import GraphRunner, default_batch_sizes
 from specserve.detokenize import IncrementalDetokenizer
 from specserve.drafters import Drafter
 from specserve.drafters.factory import build_drafter
 from specserve.kv_cache import KVCache
-from specserve.model import TORCH_ATTENTION, AttentionBackend, ForwardOutput
+from specserve.model import ForwardOutput
 from specserve.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, RequestOutput
 from specserve.sampling import draw_uniforms, suppress_eos, target_probs
 from specserve.tree import DraftTree, TreeBatch

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.attention_backend import AttentionBackend, TorchAttention
+from specserve.attention_backend import TORCH_ATTENTION, AttentionBackend
 from specserve.config import ModelConfig
 from specserve.kv_cache import KVCache
 
@@ -67,9 +67,6 @@ def prefix_mask(cache_lens: torch.Tensor, new_mask: torch.Tensor, key_len: int) 
     in_new = (rel >= 0) & (rel < n)
     gathered = torch.gather(new_mask, 2, rel.clamp(0, n - 1)[:, None, :].expand(b, t, key_len))  # (B, T, S)
     return (in_prefix[:, None, :] | (in_new[:, None, :] & gathered)).unsqueeze(1)
-
-
-TORCH_ATTENTION = TorchAttention()
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from specserve.config import EngineConfig, SamplingParams, SpecConfig
+from specserve.config import EngineConfig, SamplingParams, SpecConfig, resolve_device
 from specserve.prompts import hf_tokenizer, render_chat  # transformers is imported on first use
 
 
@@ -541,12 +541,8 @@ def engine_config_from_parameters(params: Mapping[str, str]) -> EngineConfig:
                 raise ValueError(f"{name}: expected a number, got {value!r}") from None
 
     model_dir = model_dir_from_parameters(params)
-    device = given.get("device", "auto")
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    kw: dict[str, Any] = {"model_dir": model_dir, "device": device, "spec": SpecConfig(**spec_kw)}
+    kw: dict[str, Any] = {"model_dir": model_dir, "device": resolve_device(given.get("device", "auto")),
+                          "spec": SpecConfig(**spec_kw)}
     for name in ("max_batch_size", "max_seq_len", "num_threads", "cuda_graph_max_bs"):
         if name in given:
             try:

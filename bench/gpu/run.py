@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from specserve.attention_backend import FlashInferAttention, resolve_attention
+from specserve.attention_backend import TORCH_ATTENTION, FlashInferAttention, resolve_attention
 from specserve.config import EngineConfig, ModelConfig, SpecConfig
 from specserve.cuda_graph import GraphRunner
 from specserve.kv_cache import KVCache
-from specserve.model import TORCH_ATTENTION, LlamaModel
+from specserve.model import LlamaModel
 
 log = logging.getLogger("bench.gpu")
 

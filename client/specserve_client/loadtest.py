@@ -190,7 +190,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
 
-
     args.out.mkdir(parents=True, exist_ok=True)
     data = args.out / "input_data.json"
     data.write_text(json.dumps(input_data(load_prompts(args.dataset, args.num_prompts), args.max_tokens)))
