@@ -1,4 +1,5 @@
-"""CUDA graphs for the target's decode and tree-verify forwards, one per (batch size, tokens) bucket.
+"""CUDA graphs for the target's decode and tree-verify forwards, one per (batch size, tokens) bucket,
+and for a drafter's whole multi-step draft, one per batch size (`DraftGraphs`).
 
 A bucket (bs, T) owns static input buffers (tokens, positions, slots, cache lengths, tree mask),
 its own attention backend instance and, on CUDA, a captured graph whose outputs live in the
@@ -11,7 +12,8 @@ only themselves, and write K/V beyond the row's cache length (scratch the next s
 
 With `capture=False` the same static forward runs eagerly; that is how the CPU tests check the
 padding and slicing logic, and it is what a bucket does on CPU. This module does not decide when
-graphs are used (the engine does) and does not capture prefill or the drafters.
+graphs are used (the engine does), does not capture prefill, and does not know how a drafter
+drafts (it captures the function it is given).
 """
 
 from __future__ import annotations
@@ -19,13 +21,17 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import TypeVar
 
 import torch
 
 from specserve.attention_backend import AttentionBackend
 from specserve.kv_cache import KVCache
 from specserve.model import ForwardOutput, LlamaModel
+from specserve.tree import TreeBatch
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -162,14 +168,85 @@ class GraphRunner:
     def _capture(self, bk: _Bucket, pool: object) -> None:
         if bk.backend.needs_plan:
             self._plan(bk, [0] * bk.tokens.shape[0])  # padding rows only: a valid plan to capture
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: lazy inits and autotuning happen outside the graph
-                self._run(bk)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            bk.output = self._run(bk)
-        bk.graph = graph
+        bk.graph, bk.output = capture(lambda: self._run(bk), self.device, pool)
+
+
+def capture(fn: Callable[[], T], device: torch.device, pool: object) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Warm `fn` up twice on a side stream (lazy inits and autotuning stay outside the graph),
+    then capture one call into `pool`; returns the graph and the output its replays rewrite."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = fn()
+    return graph, output
+
+
+@dataclass
+class _DraftBucket:
+    """Static inputs of one batch size: slots, base, roots (bs,) int64."""
+
+    slots: torch.Tensor
+    base: torch.Tensor
+    roots: torch.Tensor
+    graph: torch.cuda.CUDAGraph | None = None
+    output: TreeBatch | None = None
+
+
+class DraftGraphs:
+    """A drafter's whole multi-step draft, one CUDA graph per batch-size bucket.
+
+    `draft(slots, base, roots)` must run on tensors only, with shapes fixed by the batch size
+    (e.g. `beam.grow_trees_on_device` with keys over the whole cache slot). Padding rows draft for
+    `padding_slot`, a drafter-cache slot no request gets, from base 0 and root token 0.
+    """
+
+    def __init__(
+        self,
+        draft: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], TreeBatch],
+        batch_sizes: Sequence[int],
+        padding_slot: int,
+        device: torch.device,
+        capture_graphs: bool,
+    ) -> None:
+        self.draft, self.padding_slot, self.device = draft, padding_slot, device
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.buckets: dict[int, _DraftBucket] = {}
+        self.graph_bytes = 0
+        pool = torch.cuda.graph_pool_handle() if capture_graphs else None
+        before = torch.cuda.memory_allocated(device) if capture_graphs else 0
+        for bs in reversed(self.batch_sizes):
+            i64 = dict(dtype=torch.int64, device=device)
+            bk = _DraftBucket(torch.full((bs,), padding_slot, **i64), torch.zeros(bs, **i64), torch.zeros(bs, **i64))
+            if capture_graphs:
+                bk.graph, bk.output = capture(lambda bk=bk: self.draft(bk.slots, bk.base, bk.roots), device, pool)
+            self.buckets[bs] = bk
+        if capture_graphs:
+            self.graph_bytes = torch.cuda.memory_allocated(device) - before
+            log.info("CUDA graphs: %d drafts captured (batch sizes %s), %.1f MiB",
+                     len(self.buckets), self.batch_sizes, self.graph_bytes / 2**20)
+
+    def __call__(self, slots: list[int], base: list[int], roots: list[int]) -> TreeBatch | None:
+        """The B = len(slots) trees, or None when B is above the largest bucket (draft eagerly)."""
+        b = len(slots)
+        i = bisect.bisect_left(self.batch_sizes, b)
+        if i == len(self.batch_sizes):
+            return None
+        bs = self.batch_sizes[i]
+        bk = self.buckets[bs]
+        pad = bs - b
+        bk.slots.copy_(torch.tensor(slots + [self.padding_slot] * pad))
+        bk.base.copy_(torch.tensor(base + [0] * pad))
+        bk.roots.copy_(torch.tensor(roots + [0] * pad))
+        if bk.graph is not None:
+            bk.graph.replay()
+        else:
+            bk.output = self.draft(bk.slots, bk.base, bk.roots)
+        out = bk.output
+        assert out is not None
+        return TreeBatch(*(getattr(out, f.name)[:b] for f in fields(TreeBatch)))
 

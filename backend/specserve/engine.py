@@ -34,6 +34,7 @@ from specserve.attention_backend import (
     resolve_attention,
 )
 from specserve.config import EngineConfig, SamplingParams
+from specserve.cpu_linear import pack_for_inference
 from specserve.cuda_graph import GraphRunner, default_batch_sizes
 from specserve.detokenize import IncrementalDetokenizer
 from specserve.drafters import Drafter
@@ -101,9 +102,15 @@ class Engine:
         self.device = torch.device(config.device)
         self.model = load_llama(config.model_dir, config.torch_dtype, config.device)
         self.model_config = self.model.cfg
-        graphs = config.graph_mode == "static" or (config.graph_mode == "auto" and self.device.type == "cuda")
+        if pack_for_inference(self.model, keep_weights=("lm_head",)):  # drafters share the lm_head
+            log.info("target: bf16 linear weights prepacked for oneDNN (CPU)")
+        # static shapes (decode, verify, drafts) run through buckets; on CUDA in auto mode they are captured
+        self.use_graphs = config.graph_mode == "static" or (config.graph_mode == "auto" and self.device.type == "cuda")
+        self.capture_graphs = self.device.type == "cuda" and config.graph_mode == "auto"
+        max_bs = min(config.cuda_graph_max_bs or config.max_batch_size, config.max_batch_size)
+        self.graph_batch_sizes = default_batch_sizes(max_bs)
         self.cache = KVCache(  # with graphs, one more slot than requests: padding rows write there
-            self.model_config, config.max_batch_size + int(graphs), config.max_seq_len + MAX_TREE_NODES,
+            self.model_config, config.max_batch_size + int(self.use_graphs), config.max_seq_len + MAX_TREE_NODES,
             config.torch_dtype, config.device,
         )
         self.model.init_rope(self.cache.max_len)
@@ -112,7 +119,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_file(f"{config.model_dir}/tokenizer.json")
         self.eos_ids = self._eos_ids()
         self.drafter: Drafter = build_drafter(self.spec, self)
-        self.graphs = self._graph_runner() if graphs else None
+        self.graphs = self._graph_runner() if self.use_graphs else None
         self._default_generator = torch.Generator().manual_seed(0)
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -132,12 +139,11 @@ class Engine:
 
     def _graph_runner(self) -> GraphRunner:
         """Buckets: batch sizes up to cuda_graph_max_bs, and 1 token (decode) or a full tree."""
-        capture = self.device.type == "cuda" and self.config.graph_mode == "auto"
-        max_bs = min(self.config.cuda_graph_max_bs or self.config.max_batch_size, self.config.max_batch_size)
+        capture = self.capture_graphs
         return GraphRunner(
             self.model,
             self.cache,
-            batch_sizes=default_batch_sizes(max_bs),
+            batch_sizes=self.graph_batch_sizes,
             num_tokens=sorted({1, min(self.spec.num_draft_tokens, MAX_TREE_NODES)}),
             aux_layers=self.drafter.aux_layers,
             padding_slot=self.cache.reserve(),
@@ -271,16 +277,22 @@ class Engine:
             self._append_tokens(r, tokens)
         self.drafter.on_prefill(reqs, out)
 
-    def _fit_tree(self, req: Request, tree: DraftTree) -> DraftTree:
-        """Trim a tree to the context left (nodes are parent-ordered, so a prefix is a tree)."""
-        room = min(self.config.max_seq_len - req.cache_len, MAX_TREE_NODES)
-        if tree.num_nodes <= room:
-            return tree
-        return DraftTree.from_parents(tree.tokens[:room].tolist(), tree.parents[:room].tolist())
+    def _fit_trees(self, reqs: list[Request], proposal: list[DraftTree] | TreeBatch) -> TreeBatch:
+        """Trim each tree to the context its request has left (nodes are parent-ordered, so a
+        prefix is a tree) and batch them on the device. A drafter's on-device batch passes as is."""
+        rooms = [min(self.config.max_seq_len - r.cache_len, MAX_TREE_NODES) for r in reqs]
+        if isinstance(proposal, TreeBatch):
+            if proposal.tokens.shape[1] <= min(rooms):
+                return proposal
+            proposal = proposal.unbatch()
+        trees = [
+            t if t.num_nodes <= room else DraftTree.from_parents(t.tokens[:room].tolist(), t.parents[:room].tolist())
+            for t, room in zip(proposal, rooms)
+        ]
+        return TreeBatch.from_trees(trees).to(self.device)
 
     def _verify_step(self, reqs: list[Request]) -> None:
-        trees = [self._fit_tree(r, t) for r, t in zip(reqs, self.drafter.propose(reqs))]
-        batch = TreeBatch.from_trees(trees).to(self.device)
+        batch = self._fit_trees(reqs, self.drafter.propose(reqs))
         host_lens = [r.cache_len for r in reqs]
         cache_lens = torch.tensor(host_lens, device=self.device)
         slots = torch.tensor([r.slot for r in reqs], device=self.device)
@@ -297,11 +309,11 @@ class Engine:
         result, emitted = self._verify(reqs, batch, out.logits)
         if not batch.is_root_only:
             K.compact_kv(self.cache.data, slots, cache_lens, result.accepted_nodes, result.accept_length)
-        for r, tree, tokens in zip(reqs, trees, emitted):
+        for r, num_nodes, tokens in zip(reqs, batch.num_nodes.tolist(), emitted):
             n = len(tokens)  # accept_length: root + accepted drafts; the bonus is the next root
             r.cache_len += n
             r.num_verify_steps += 1
-            r.num_draft_tokens += tree.num_nodes - 1
+            r.num_draft_tokens += num_nodes - 1
             r.num_accepted_tokens += n - 1
             r.pending_accept_lengths.append(n)
             self._append_tokens(r, tokens)

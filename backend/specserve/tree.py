@@ -117,6 +117,16 @@ class TreeBatch:
     def to(self, device: torch.device) -> TreeBatch:
         return TreeBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
+    def unbatch(self) -> list[DraftTree]:
+        """The B trees on the host, padding cut off."""
+        host = self.to(torch.device("cpu"))
+        return [
+            DraftTree(tokens=host.tokens[i, :n], parents=host.parents[i, :n], depth=host.depth[i, :n],
+                      mask=host.mask[i, :n, :n], first_child=host.first_child[i, :n],
+                      next_sibling=host.next_sibling[i, :n])
+            for i, n in enumerate(host.num_nodes.tolist())
+        ]
+
     @classmethod
     def from_trees(cls, trees: Sequence[DraftTree]) -> TreeBatch:
         b, n = len(trees), max(t.num_nodes for t in trees)

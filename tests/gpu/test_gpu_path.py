@@ -46,6 +46,23 @@ def test_cuda_graphs_equal_eager(smollm2_dir, prompts, algorithm):
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
 
 
+@pytest.mark.parametrize("algorithm", ["eagle3", "mtp"])
+def test_captured_drafts_equal_eager(smollm2_dir, prompts, algorithm):
+    """fp32: the committed drafter's whole multi-step draft replayed from a CUDA graph (with the
+    target's graphs) gives the eager engine's tokens and accept lengths."""
+    from specserve.cli import DEFAULT_DRAFTERS, TOKEN_MAPS
+
+    spec = SpecConfig(algorithm=algorithm, drafter_path=str(DEFAULT_DRAFTERS[algorithm]),
+                      token_map=str(TOKEN_MAPS[algorithm]) if algorithm in TOKEN_MAPS else None)
+    engines = [Engine(EngineConfig(model_dir=str(smollm2_dir), device="cuda", dtype="float32", max_batch_size=4,
+                                   max_seq_len=1024, spec=spec, graph_mode=mode, attention_backend="torch"))
+               for mode in ("off", "auto")]
+    assert engines[1].drafter.graphs is not None and engines[1].drafter.graphs.graph_bytes > 0
+    ref, out = (e.generate(prompts, PARAMS) for e in engines)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    assert [o.accept_lengths for o in out] == [r.accept_lengths for r in ref]
+
+
 @pytest.mark.skipif(not flashinfer_available(), reason="flashinfer is not installed")
 @pytest.mark.parametrize("graph_mode", ["off", "auto"])
 def test_flashinfer_logits_close_to_torch(smollm2_dir, graph_mode):

@@ -6,17 +6,22 @@ import pytest
 import torch
 
 from specserve.config import SamplingParams
+from specserve.cpu_linear import pack_for_inference
 from specserve.kv_cache import KVCache
 from specserve.weights import load_llama
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-3), (torch.bfloat16, 0.5)])
-def test_logits_match_hf_transformers(smollm2_dir, dtype, tol):
-    """Measured max |ours - HF|: 0.0 in fp32 and bf16 (same op order); the bounds leave room for kernels."""
+@pytest.mark.parametrize(("dtype", "tol", "packed"), [(torch.float32, 1e-3, False), (torch.bfloat16, 0.5, False),
+                                                     (torch.bfloat16, 0.5, True)])
+def test_logits_match_hf_transformers(smollm2_dir, dtype, tol, packed):
+    """Measured max |ours - HF|: 0.0 in fp32 and bf16 (same op order), also with the linears
+    prepacked for oneDNN as the engine runs them on CPU; the bounds leave room for kernels."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=dtype).eval()
     model = load_llama(smollm2_dir, dtype)
+    if packed:
+        assert pack_for_inference(model, keep_weights=("lm_head",)) == 4 * model.cfg.num_layers + 1
     model.init_rope(512)
     cache = KVCache(model.cfg, 1, 256, dtype, "cpu")
     ids = torch.randint(0, model.cfg.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))

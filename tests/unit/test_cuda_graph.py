@@ -15,14 +15,16 @@ from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.cuda_graph import default_batch_sizes
 from specserve.engine import Engine
 from specserve.model import ForwardOutput
+from specserve.tree import TreeBatch
 
 VOCAB = 49152
 
 
-def _engine(tiny_target_dir, graph_mode, algorithm="none", batch=4, **kw):
+def _engine(tiny_target_dir, graph_mode, algorithm="none", batch=4, cuda_graph_max_bs=0, **kw):
     spec = SpecConfig(algorithm=algorithm, **kw)
     return Engine(EngineConfig(model_dir=str(tiny_target_dir), dtype="float32", max_batch_size=batch,
-                               max_seq_len=256, graph_mode=graph_mode, spec=spec))
+                               max_seq_len=256, graph_mode=graph_mode, cuda_graph_max_bs=cuda_graph_max_bs,
+                               spec=spec))
 
 
 def _prompts(n=6):
@@ -108,3 +110,41 @@ def test_static_engine_eagle3_slices_aux_features(tmp_path, tiny_target_dir):
     off = _engine(tiny_target_dir, "off", "eagle3", batch=3, drafter_path=str(path), num_steps=3, topk=2,
                   num_draft_tokens=6).generate(_prompts(4), params)
     assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in off]  # same drafts as eager
+
+
+@pytest.mark.parametrize(("kind", "num_steps", "topk", "num_draft_tokens"),
+                         [("eagle", 4, 2, 8), ("eagle3", 3, 1, 4), ("eagle3", 3, 4, 12)])
+def test_static_draft_builds_the_host_drafts_trees(tmp_path, tiny_target_dir, kind, num_steps, topk, num_draft_tokens):
+    """Every propose of a static engine (the on-device beam that `DraftGraphs` captures, padded to
+    its bucket) gives the trees the host beam gives for the same drafter state. Buckets 1, 2, 4
+    (cuda_graph_max_bs=4): 3 requests are padded to 4, 5 are drafted on the host."""
+    from test_eagle import write_checkpoint
+
+    path = write_checkpoint(tmp_path / kind, kind)
+    spec = dict(drafter_path=str(path), num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens)
+    eng = _engine(tiny_target_dir, "static", kind, batch=5, cuda_graph_max_bs=4, **spec)
+    drafter, compared, above = eng.drafter, [], []
+    assert drafter.graphs is not None and drafter.graphs.batch_sizes == [1, 2, 4]
+    propose = drafter.propose
+
+    def both(seqs):  # noqa: ANN001, ANN202
+        proposal = propose(seqs)
+        graphs, drafter.graphs = drafter.graphs, None
+        host = TreeBatch.from_trees(propose(seqs))
+        drafter.graphs = graphs
+        if isinstance(proposal, TreeBatch):
+            assert proposal.tokens.shape == (len(seqs), num_draft_tokens)
+            assert torch.equal(proposal.tokens, host.tokens) and torch.equal(proposal.parents, host.parents)
+            assert torch.equal(proposal.mask, host.mask)
+            compared.append(len(seqs))
+        else:
+            above.append(len(seqs))
+        return proposal
+
+    drafter.propose = both
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = _engine(tiny_target_dir, "off")
+    for n in (5, 3, 1):
+        prompts = _prompts(6)[:n]
+        assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in ref.generate(prompts, params)]
+    assert set(compared) == {3, 1} and set(above) == {5}

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from specserve.tree import DraftTree
+from specserve.tree import DraftTree, TreeBatch
 
 if TYPE_CHECKING:
     from specserve.model import ForwardOutput
@@ -46,8 +46,9 @@ class Drafter:
 
     aux_layers: tuple[int, ...] = ()  # target layers whose inputs the drafter needs (EAGLE-3)
 
-    def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
-        """One tree per sequence, root = seq.token_ids[-1]."""
+    def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree] | TreeBatch:
+        """One tree per sequence, root = seq.token_ids[-1]: host trees, or a batch of them built
+        on the device (row i for seqs[i])."""
         raise NotImplementedError
 
     def on_prefill(self, seqs: Sequence[SequenceView], out: ForwardOutput) -> None:

@@ -4,8 +4,10 @@ model-based drafters (EAGLE heads, MTP heads, standalone draft LLMs).
 Step 0's topk children of each root are given. Each later step runs the drafter once over the
 current beam (topk nodes per request, all at rope position `base + step - 1`), writing their K/V to
 scratch entries `base + (step-1)*topk + row`; a node sees the request's prefix [0, base) and the
-scratch entries of its own ancestors only. `DynamicTreeBuilder` keeps the scores, picks the beam
-and does the final rerank. This module runs no model itself: `step` does.
+scratch entries of its own ancestors only. `grow_trees` leaves the scores, beam picks and final
+rerank to `DynamicTreeBuilder` on the host; `grow_trees_on_device` makes the same picks with
+tensor ops (no host sync, static shapes: what a CUDA graph of the whole draft needs) and returns
+a `TreeBatch`. This module runs no model itself: `step` does.
 """
 
 from __future__ import annotations
@@ -14,28 +16,35 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+import specserve_kernels as K
 from specserve.model import AttentionInputs, prefix_mask
-from specserve.tree import DraftTree, DynamicTreeBuilder
+from specserve.tree import DraftTree, DynamicTreeBuilder, TreeBatch
 
 # (beam tokens (B, k), parent states (B, k, ...), positions (B, k), write_pos (B, k), mask (B, 1, k, S), key_len)
-#   -> (states (B, k, ...), child probs (B, k, k), child tokens (B, k, k)), probs and tokens on the host
+#   -> (states (B, k, ...), child probs (B, k, k), child tokens (B, k, k)); probs and tokens on the host
+#   for `grow_trees`, on the device for `grow_trees_on_device`
 DraftStep = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def scattered_attention_inputs(
     rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, write_pos: torch.Tensor,
-    host_slots: list[int], mask: torch.Tensor | None, key_len: int,
+    slots: list[int] | torch.Tensor, mask: torch.Tensor | None, key_len: int,
 ) -> AttentionInputs:
     """AttentionInputs for tokens written at arbitrary cache entries `write_pos` (B, T) of their
-    slots, with rope `positions` (B, T) and an explicit mask (None: causal over a fresh prefill)."""
+    slots, with rope `positions` (B, T) and an explicit mask (None: causal over a fresh prefill).
+
+    slots: host ints (consecutive slots are read as a cache view), or a (B,) device tensor for a
+    static, capturable forward (keys gathered per slot)."""
     b, t = positions.shape
-    slots = torch.tensor(host_slots, device=positions.device)
-    first = host_slots[0]
+    slot_range = None
+    if not isinstance(slots, torch.Tensor):
+        first = slots[0]
+        slot_range = (first, b) if slots == list(range(first, first + b)) else None
+        slots = torch.tensor(slots, device=positions.device)
     cos, sin = rope
     return AttentionInputs(
         slots=slots, cache_lens=write_pos[:, 0], write_slots=slots[:, None].expand(b, t), write_pos=write_pos,
-        key_len=key_len, mask=mask, is_causal=mask is None,
-        slot_range=(first, b) if host_slots == list(range(first, first + b)) else None,
+        key_len=key_len, mask=mask, is_causal=mask is None, slot_range=slot_range,
         cos=cos[positions].unsqueeze(2), sin=sin[positions].unsqueeze(2),
     )
 
@@ -81,3 +90,60 @@ def grow_trees(
         parent_state = states[torch.arange(b, device=dev)[:, None], rows]
         visible = torch.gather(visible, 1, rows[:, :, None].expand(-1, -1, visible.shape[-1]))
     return [builder.build(num_draft_tokens) for builder in builders]
+
+
+def grow_trees_on_device(
+    roots: torch.Tensor, base: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor, state: torch.Tensor,
+    step: DraftStep, num_steps: int, topk: int, num_draft_tokens: int, key_len: int,
+) -> TreeBatch:
+    """`grow_trees` with every choice made by tensor ops on the trees' device: no host sync and
+    shapes fixed by (B, topk, num_steps), so a whole draft can be captured in a CUDA graph.
+
+    It picks the same trees as `DynamicTreeBuilder`: cumulative scores in float64 (the builder's
+    Python floats), ties broken by node index (stable sorts). roots (B,) root tokens; base (B,) as
+    in `grow_trees`; probs, tokens (B, k) the roots' children; `step` returns probs and tokens on
+    the device; every draft forward reads `key_len` keys. All B trees get the same node count.
+    """
+    b, k, dev = roots.shape[0], topk, roots.device
+    num = 1 + k + (num_steps - 1) * k * k  # root + step 0's children + k*k candidates per later step
+    all_tokens = torch.zeros(b, num, dtype=torch.int64, device=dev)
+    all_parents = torch.full((b, num), -1, dtype=torch.int64, device=dev)
+    all_scores = torch.ones(b, num, dtype=torch.float64, device=dev)
+    all_tokens[:, 0] = roots
+    scores = probs.double()  # (B, k)
+    all_tokens[:, 1 : 1 + k], all_parents[:, 1 : 1 + k], all_scores[:, 1 : 1 + k] = tokens, 0, scores
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices  # (B, k): the first beam
+    beam_nodes, beam_scores, beam_tokens = 1 + order, scores.gather(1, order), tokens.gather(1, order)
+    parent_state = state[:, None].expand(b, k, *state.shape[1:])
+    visible = torch.zeros(b, k, max((num_steps - 1) * k, 1), dtype=torch.bool, device=dev)  # scratch ancestors
+    own = torch.arange(k, device=dev)
+    batch_rows = torch.arange(b, device=dev)[:, None]
+    for s in range(1, num_steps):
+        first = (s - 1) * k
+        visible[:, own, first + own] = True
+        mask = prefix_mask(base, visible, key_len)  # entries after this step's are not written yet: hidden
+        states, probs, tokens = step(beam_tokens, parent_state, (base + s - 1)[:, None].expand(b, k),
+                                     base[:, None] + first + own, mask, key_len)
+        start = 1 + k + (s - 1) * k * k
+        cand_scores = (beam_scores[:, :, None] * probs.double()).reshape(b, k * k)  # row-major: row * k + column
+        cand_tokens = tokens.reshape(b, k * k)
+        all_tokens[:, start : start + k * k] = cand_tokens
+        all_parents[:, start : start + k * k] = beam_nodes.repeat_interleave(k, dim=1)
+        all_scores[:, start : start + k * k] = cand_scores
+        flat = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices[:, :k]  # (B, k)
+        rows = flat // k
+        beam_nodes, beam_scores, beam_tokens = start + flat, cand_scores.gather(1, flat), cand_tokens.gather(1, flat)
+        parent_state = states[batch_rows, rows]
+        visible = torch.gather(visible, 1, rows[:, :, None].expand(-1, -1, visible.shape[-1]))
+    # rerank: best n - 1 nodes, back in node order (a parent outranks its children and precedes them)
+    n = min(num_draft_tokens, num)
+    ranked = torch.sort(all_scores[:, 1:], dim=1, descending=True, stable=True).indices[:, : n - 1] + 1
+    kept = torch.sort(ranked, dim=1).values  # (B, n - 1)
+    new_index = torch.zeros(b, num, dtype=torch.int64, device=dev)  # old node -> tree node (the root stays 0)
+    new_index.scatter_(1, kept, torch.arange(1, n, device=dev).expand(b, n - 1))
+    tree_tokens = torch.cat([roots[:, None], all_tokens.gather(1, kept)], dim=1)  # (B, n)
+    tree_parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev),
+                              new_index.gather(1, all_parents.gather(1, kept))], dim=1)
+    t = K.build_tree(tree_parents)
+    return TreeBatch(tree_tokens, tree_parents, t.depth, t.mask, t.first_child, t.next_sibling,
+                     num_nodes=torch.full((b,), n, dtype=torch.int64, device=dev))

@@ -25,13 +25,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from specserve.config import SpecConfig
+from specserve.cpu_linear import pack_for_inference
+from specserve.cuda_graph import DraftGraphs
 from specserve.drafters.base import Drafter, SequenceView
-from specserve.drafters.beam import causal_extend_mask, grow_trees, scattered_attention_inputs
+from specserve.drafters.beam import (
+    causal_extend_mask,
+    grow_trees,
+    grow_trees_on_device,
+    scattered_attention_inputs,
+)
 from specserve.drafters.eagle_model import load_eagle
 from specserve.drafters.mtp_model import load_mtp
 from specserve.kv_cache import KVCache
 from specserve.model import ForwardOutput, rope_table
-from specserve.tree import DraftTree
+from specserve.tree import DraftTree, TreeBatch
 
 if TYPE_CHECKING:
     from specserve.engine import Engine
@@ -60,26 +67,32 @@ class EagleDrafter(Drafter):
             )
         if spec.token_map:
             self.head.set_hot_ids(load_token_map(spec.token_map))
+        if pack_for_inference(self.head):  # bf16 on CPU: the head's linears and its share of the target's lm_head
+            self.head.target_head.pack()
         self.aux_layers = self.head.cfg.aux_layer_ids
         self.scratch = (spec.num_steps - 1) * spec.topk  # draft K/V entries after L per request
         spare = engine.cache.max_len - cfg.max_seq_len
         if self.scratch > spare:
             raise ValueError(f"num_steps: (num_steps - 1) * topk = {self.scratch} exceeds {spare} scratch entries")
         layer_cfg = self.head.cfg.layer_config()
-        self.cache = KVCache(layer_cfg, cfg.max_batch_size, engine.cache.max_len, cfg.torch_dtype, cfg.device)
+        slots = cfg.max_batch_size + int(engine.use_graphs)  # with graphs, a padding slot (the last)
+        self.cache = KVCache(layer_cfg, slots, engine.cache.max_len, cfg.torch_dtype, cfg.device)
         self.rope = tuple(t.to(cfg.device) for t in rope_table(layer_cfg, engine.cache.max_len, cfg.torch_dtype))
         self.device = cfg.device
         # (slots, H): the head's output at each request's last position (its root's children)
-        self.last_hidden = torch.zeros(cfg.max_batch_size, self.head.cfg.hidden_size, dtype=cfg.torch_dtype,
-                                       device=cfg.device)
+        self.last_hidden = torch.zeros(slots, self.head.cfg.hidden_size, dtype=cfg.torch_dtype, device=cfg.device)
+        self.graphs = None if not engine.use_graphs else DraftGraphs(
+            self._draft_static, engine.graph_batch_sizes, self.cache.reserve(), torch.device(cfg.device),
+            engine.capture_graphs,
+        )
 
     # ---- one head forward over the draft cache ------------------------------------------------
 
     def _forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
-                 mask: torch.Tensor | None, key_len: int, host_slots: list[int]) -> torch.Tensor:
+                 mask: torch.Tensor | None, key_len: int, slots: list[int] | torch.Tensor) -> torch.Tensor:
         """tokens, positions, write_pos (B, T); hidden (B, T, F); mask (B, 1, T, S) or None for a
         causal fresh prefill -> h (B, T, H)."""
-        a = scattered_attention_inputs(self.rope, positions, write_pos, host_slots, mask, key_len)
+        a = scattered_attention_inputs(self.rope, positions, write_pos, slots, mask, key_len)
         layer_cache = self.cache.layer(0)
         return self.head(tokens, hidden, lambda attn, x: attn(x, layer_cache, a))
 
@@ -118,13 +131,32 @@ class EagleDrafter(Drafter):
         feats = torch.gather(feats, 1, index[:, :, None].expand(-1, -1, feats.shape[-1]))  # (B, T, F)
         self._extend(seqs, feats, [s.cache_len - n for s, n in zip(seqs, lens)], lens)
 
-    def _topk(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h (..., H) -> the head's topk (probs, target token ids), each (..., topk), on the host."""
+    def _topk(self, h: torch.Tensor, on_host: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """h (..., H) -> the head's topk (probs, target token ids), each (..., topk)."""
         probs, idx = self.head.logits(h).softmax(-1).topk(self.spec.topk, dim=-1)
-        return probs.cpu(), self.head.to_target_ids(idx).cpu()
+        tokens = self.head.to_target_ids(idx)
+        return (probs.cpu(), tokens.cpu()) if on_host else (probs, tokens)
 
-    def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
+    def _draft_static(self, slots: torch.Tensor, base: torch.Tensor, roots: torch.Tensor) -> TreeBatch:
+        """The whole draft from tensors only, keys over the whole cache slot: what `DraftGraphs`
+        captures. slots, base (= cache_len), roots (B,) -> B trees of equal size."""
+        h = self.last_hidden[slots]  # (B, H)
+        probs, tokens = self._topk(h, on_host=False)
+
+        def step(beam_tokens, parent_h, positions, write_pos, mask, key_len):  # noqa: ANN001, ANN202
+            hs = self._forward(beam_tokens, parent_h, positions, write_pos, mask, key_len, slots)
+            return (hs, *self._topk(hs, on_host=False))
+
+        sp = self.spec
+        return grow_trees_on_device(roots, base, probs, tokens, h, step, sp.num_steps, sp.topk, sp.num_draft_tokens,
+                                    key_len=self.cache.max_len)
+
+    def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree] | TreeBatch:
         host_slots = [s.slot for s in seqs]
+        if self.graphs is not None:
+            batch = self.graphs(host_slots, [s.cache_len for s in seqs], [s.token_ids[-1] for s in seqs])
+            if batch is not None:  # None: more requests than the largest bucket, drafted below
+                return batch
         h = self.last_hidden[host_slots]  # (B, H): gives the roots' children
         probs, tokens = self._topk(h)
 

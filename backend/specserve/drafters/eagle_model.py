@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.cpu_linear import PackedLinear, can_pack
 from specserve.model import MLP, Attention, LlamaModel, RMSNorm
 from specserve.weights import read_safetensors, take
 
@@ -194,6 +195,7 @@ class SharedLmHead:
         self.weight = weight.detach()  # (V, H)
         self.rows = self.weight
         self.hot_ids: torch.Tensor | None = None
+        self.packed: PackedLinear | None = None  # inference on CPU: see `pack`
 
     def restrict(self, hot_ids: torch.Tensor) -> None:
         vocab = self.weight.shape[0]
@@ -203,9 +205,16 @@ class SharedLmHead:
             raise ValueError("token_map: token id outside the target vocabulary")
         self.hot_ids = hot_ids.to(torch.int64).to(self.weight.device)
         self.rows = self.weight[self.hot_ids].contiguous()  # (V_hot, H)
+        self.packed = None
+
+    def pack(self) -> None:
+        """Inference only (no autograd): multiply by a oneDNN-packed copy of the rows when they
+        are bf16 on a CPU that can pack them (see `cpu_linear`). Call after `restrict`."""
+        if can_pack(self.rows.device, self.rows.dtype):
+            self.packed = PackedLinear(self.rows)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.rows).float()
+        return (self.packed(h) if self.packed is not None else F.linear(h, self.rows)).float()
 
     def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
         return idx if self.hot_ids is None else self.hot_ids[idx]

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from specserve.config import SpecConfig
+from specserve.cpu_linear import pack_for_inference
 from specserve.drafters.base import Drafter, SequenceView
 from specserve.drafters.beam import causal_extend_mask, grow_trees, scattered_attention_inputs
 from specserve.kv_cache import KVCache
@@ -48,6 +49,7 @@ class StandaloneDrafter(Drafter):
         self.spec = spec
         if spec.drafter_path:
             self.model = load_llama(spec.drafter_path, cfg.torch_dtype, cfg.device)
+            pack_for_inference(self.model)
             if self.model.cfg.vocab_size != engine.model_config.vocab_size:
                 raise ValueError(
                     f"drafter_path: draft vocabulary {self.model.cfg.vocab_size} differs from the target's "

@@ -1,0 +1,62 @@
+"""Micro-benchmark behind the engine's CPU linears (bf16, this machine's threads): `F.linear` on
+plain bf16 weights vs weights prepacked for oneDNN (`specserve.cpu_linear.PackedLinear`), over
+the 121 weight matrices of SmolLM2-135M (or any --hidden/--intermediate/--layers/--vocab), each
+read once per pass so caches stay cold, as in a decode step. Reported as GB/s of weights read,
+next to a read-only reduction's bandwidth.
+
+    .venv/bin/python bench/cpu_linear.py [--tokens 1 4 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from specserve.bench import read_bandwidth_gbs
+from specserve.cpu_linear import PackedLinear, can_pack
+
+
+def best_seconds(fn, repeats: int = 5) -> float:  # noqa: ANN001
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def linears(args: argparse.Namespace) -> None:
+    h, i = args.hidden, args.intermediate
+    qkv = h + 2 * (h // 3)  # SmolLM2: 9 query heads, 3 K/V heads
+    shapes = [(qkv, h), (h, h), (2 * i, h), (h, i)] * args.layers + [(args.vocab, h)]
+    weights = [torch.randn(s, dtype=torch.bfloat16) * 0.02 for s in shapes]
+    nbytes = sum(w.nbytes for w in weights)
+    packed = [PackedLinear(w) for w in weights]
+    print(f"weights {nbytes / 1e6:.0f} MB; read bandwidth {read_bandwidth_gbs():.1f} GB/s")
+    for t in args.tokens:
+        x = {n: torch.randn(t, n, dtype=torch.bfloat16) for n in (h, i)}
+        plain = best_seconds(lambda x=x: [F.linear(x[w.shape[1]], w) for w in weights])
+        pack = best_seconds(lambda x=x: [p(x[p.in_features]) for p in packed])
+        print(f"tokens {t:2d}: F.linear {plain * 1e3:6.2f} ms ({nbytes / plain / 1e9:4.1f} GB/s)   "
+              f"packed {pack * 1e3:6.2f} ms ({nbytes / pack / 1e9:4.1f} GB/s)   {plain / pack:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=576)
+    parser.add_argument("--intermediate", type=int, default=1536)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
+    args = parser.parse_args()
+    if not can_pack(torch.device("cpu"), torch.bfloat16):
+        raise SystemExit("this CPU's oneDNN has no bf16 linear: nothing to compare")
+    linears(args)
+
+
+if __name__ == "__main__":
+    main()
