@@ -41,6 +41,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=0, help="tree size incl. root (0 = default)")
     p.add_argument("--drafter-path", default=None)
     p.add_argument("--token-map", default=None, help="FR-Spec hot token ids (.pt) for EAGLE-1/2")
+    p.add_argument("--disable-by-batch-size", type=int, default=0,
+                   help="decode without drafts while this many requests run (0 = never; vLLM's "
+                        "--speculative-disable-by-batch-size)")
     p.add_argument("--ngram-min-match-window", type=int, default=SpecConfig.ngram_min_match_window)
     p.add_argument("--ngram-max-match-window", type=int, default=SpecConfig.ngram_max_match_window)
     p.add_argument("--ngram-max-bfs-breadth", type=int, default=SpecConfig.ngram_max_bfs_breadth)
@@ -59,7 +62,8 @@ def _spec(args: argparse.Namespace, algorithm: str) -> SpecConfig:
                       num_draft_tokens=args.num_draft_tokens, drafter_path=drafter_path, token_map=token_map,
                       ngram_min_match_window=args.ngram_min_match_window,
                       ngram_max_match_window=args.ngram_max_match_window,
-                      ngram_max_bfs_breadth=args.ngram_max_bfs_breadth, ngram_match_type=args.ngram_match_type)
+                      ngram_max_bfs_breadth=args.ngram_max_bfs_breadth, ngram_match_type=args.ngram_match_type,
+                      disable_by_batch_size=args.disable_by_batch_size)
 
 
 def _engine_config(args: argparse.Namespace, algorithm: str, max_batch_size: int) -> EngineConfig:

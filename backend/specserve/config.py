@@ -132,6 +132,9 @@ class SpecConfig:
     drafter_path: str | None = None
     token_map: str | None = None  # FR-Spec hot token ids for EAGLE-1/2 (SGLang: --speculative-token-map)
     standalone_num_layers: int = 0  # standalone without drafter_path: the target's first k layers (0 = N/4)
+    # plain decoding for a step whose batch has at least this many requests (0 = never); vLLM's
+    # --speculative-disable-by-batch-size: where a verify forward of many trees is no longer free
+    disable_by_batch_size: int = 0
     # NGRAM (SGLang's names and defaults, REFERENCE.md §3)
     ngram_min_match_window: int = 2  # SGLang: 1. Measured on MT-bench: same accept gain, 1/5 the drafts
     ngram_max_match_window: int = 12
@@ -144,7 +147,7 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm: {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
-        for name in ("num_steps", "topk", "num_draft_tokens"):
+        for name in ("num_steps", "topk", "num_draft_tokens", "disable_by_batch_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.ngram_match_type not in ("BFS", "PROB"):

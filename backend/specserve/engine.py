@@ -292,7 +292,12 @@ class Engine:
         return TreeBatch.from_trees(trees).to(self.device)
 
     def _verify_step(self, reqs: list[Request]) -> None:
-        batch = self._fit_trees(reqs, self.drafter.propose(reqs))
+        limit = self.spec.disable_by_batch_size
+        if limit and len(reqs) >= limit:  # plain decoding this step; the drafter still sees every accept
+            proposal: list[DraftTree] | TreeBatch = [DraftTree.root_only(r.token_ids[-1]) for r in reqs]
+        else:
+            proposal = self.drafter.propose(reqs)
+        batch = self._fit_trees(reqs, proposal)
         host_lens = [r.cache_len for r in reqs]
         cache_lens = torch.tensor(host_lens, device=self.device)
         slots = torch.tensor([r.slot for r in reqs], device=self.device)

@@ -290,10 +290,11 @@ def test_engine_config_from_parameters():
         {"model_dir": "", "algorithm": "ngram", "drafter_path": "", "num_steps": "0", "topk": "0",
          "num_draft_tokens": "8", "max_batch_size": "4", "max_seq_len": "512", "dtype": "float32",
          "device": "cpu", "num_threads": "", "default_max_tokens": "64", "apply_chat_template": "true",
-         "ngram_max_bfs_breadth": "5"}
+         "ngram_max_bfs_breadth": "5", "disable_by_batch_size": "4"}
     )
     assert (cfg.max_batch_size, cfg.max_seq_len, cfg.dtype, cfg.device) == (4, 512, "float32", "cpu")
     assert cfg.spec.algorithm == "ngram" and cfg.spec.num_draft_tokens == 8 and cfg.spec.ngram_max_bfs_breadth == 5
+    assert cfg.spec.disable_by_batch_size == 4
     assert cfg.spec.drafter_path is None and cfg.num_threads is None
     assert cfg.model_dir.endswith("models/SmolLM2-135M-Instruct")
     assert engine_config_from_parameters({"model_dir": "/abs/m", "drafter_path": "models/d"}).spec.drafter_path.endswith("/models/d")
@@ -307,7 +308,7 @@ def test_engine_config_from_parameters():
     [({"max_batch_size": "x"}, "max_batch_size"), ({"algorithm": "magic"}, "algorithm"),
      ({"num_steps": "two"}, "num_steps"), ({"dtype": "int8"}, "dtype"), ({"typo_key": "1"}, "typo_key"),
      ({"attention_backend": "xformers"}, "attention_backend"), ({"disable_cuda_graph": "maybe"}, "disable_cuda_graph"),
-     ({"cuda_graph_max_bs": "-1"}, "cuda_graph_max_bs")],
+     ({"cuda_graph_max_bs": "-1"}, "cuda_graph_max_bs"), ({"disable_by_batch_size": "-2"}, "disable_by_batch_size")],
 )
 def test_engine_config_errors(params, field):
     with pytest.raises(ValueError, match=rf"^{field}:"):
