@@ -9,7 +9,9 @@ L-1 pairs the tree root with the last accepted feature, and the hidden state it 
 
 propose: step 0 takes topk children of the root from `last_hidden`; `beam.grow_trees` runs the
 num_steps - 1 draft forwards over the beam (rope position L + step - 1, K/V in a scratch area after
-L that only the node's descendants see), each node carrying its parent's hidden state.
+L that only the node's descendants see), each node carrying its parent's hidden state. When the
+engine uses graphs (`graph_mode` static, or auto on CUDA) `_draft_static` runs the same draft with
+`beam.grow_trees_on_device`, captured once per batch size by `cuda_graph.DraftGraphs`.
 on_prefill / on_accept: run the head over the new tokens with the target's features, overwriting
 the scratch area, so the drafter's cache holds target features only (REFERENCE.md §3).
 
