@@ -54,9 +54,10 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     included) and every norm; the embedding gives one row per token and is left out."""
     total = 0
     for module in model.modules():
-        if isinstance(module, (torch.nn.Linear, PackedLinear)):
-            total += module.weight.nbytes if isinstance(module, torch.nn.Linear) else module.weight_nbytes
-            total += 0 if module.bias is None else module.bias.nbytes
+        if isinstance(module, torch.nn.Linear):
+            total += module.weight.nbytes + (0 if module.bias is None else module.bias.nbytes)
+        elif isinstance(module, PackedLinear):
+            total += module.weight_nbytes + (0 if module.bias is None else module.bias.nbytes)
         elif isinstance(module, RMSNorm):
             total += module.weight.nbytes
     return total

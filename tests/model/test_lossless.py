@@ -59,5 +59,6 @@ def test_model_drafter_greedy_is_lossless(engine_factory, mtbench_prompts, refer
     outs = engine.generate(mtbench_prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.token_ids for o in outs] == reference
     steps = sum(o.num_verify_steps for o in outs)
-    # a trained drafter: > 1.2 tokens per step (an untrained head accepts almost nothing)
-    assert sum(o.num_accepted_tokens for o in outs) > steps // 5
+    # a trained drafter (an untrained head accepts almost nothing): EAGLE > 1.25 tokens per step; the
+    # MTP head, trained on fewer tokens per parameter, > 1.2 (it measures 1.25-1.32, README)
+    assert sum(o.num_accepted_tokens for o in outs) > steps // (5 if algorithm == "mtp" else 4)

@@ -84,3 +84,12 @@ def test_dynamic_tree_keeps_parents_of_kept_nodes():
         tree = builder.build(num_draft_tokens=n)
         assert tree.num_nodes == n
         assert all(0 <= p < i for i, p in enumerate(tree.parents.tolist()) if i > 0)
+
+
+def test_unbatch_gives_back_the_trees_without_padding():
+    trees = [DraftTree.from_parents([5, 6, 7, 8], [-1, 0, 0, 1]), DraftTree.chain(9, [1]), DraftTree.root_only(4)]
+    back = TreeBatch.from_trees(trees).unbatch()
+    assert [t.num_nodes for t in back] == [4, 2, 1]
+    for a, b in zip(trees, back):
+        for name in ("tokens", "parents", "depth", "mask", "first_child", "next_sibling"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
