@@ -366,7 +366,7 @@ def train(tc: TrainConfig) -> Path:
         torch.save(draft_ids, out_dir / "token_map.pt")
     recent = history[-20:]
     record = {
-        "config": asdict(tc), "steps": step, "planned_steps": total, "minutes": round((time.time() - start) / 60, 1),
+        "config": asdict(tc), "conversations": len(samples), "steps": step, "planned_steps": total, "minutes": round((time.time() - start) / 60, 1),
         "tokens_seen": sum(len(samples[i][0]) for b in plan[:step] for i in b),
         "final_acc_per_step": [round(sum(h["acc"][k] for h in recent) / len(recent), 3)
                                for k in range(len(recent[-1]["acc"]))] if recent else [],
@@ -411,7 +411,7 @@ Trained by `specserve train-drafter` against the frozen target (bf16 autocast, C
 | | |
 |---|---|
 | command | `{rec.get("command") or "specserve train-drafter --method " + cfg["method"]}` |
-| data | {data}, {cfg["num_conversations"]} conversations drawn (seed {cfg["seed"]}), chat template applied, truncated to {cfg["max_len"]} tokens, loss on assistant tokens only |
+| data | {data}, {rec.get("conversations", cfg["num_conversations"])} conversations drawn (seed {cfg["seed"]}), chat template applied, truncated to {cfg["max_len"]} tokens, loss on assistant tokens only |
 | draft vocabulary | {vocab} |
 | unrolled steps | {cfg["ttt_steps"] or {"eagle3": 5, "eagle": 1, "mtp": 3}[cfg["method"]]} (weights 0.8^i) |
 | optimisation | AdamW, lr {cfg["lr"]}, warm-up {cfg["warmup_steps"]} steps, cosine to 5 % over the run, grad clip 0.5, batch {cfg["batch_size"]} |
