@@ -420,7 +420,7 @@ Trained by `specserve train-drafter` against the frozen target (bf16 autocast, C
 {started}| top-1 agreement with the target, last 20 steps, per unrolled step | {accs} |
 | files | {", ".join(files)} ({size_mb:.1f} MB) |
 
-Load it with `--algorithm {cfg["method"]} --drafter-path <this dir>`{" --token-map <this dir>/token_map.pt" if cfg["method"] in ("eagle", "mtp") else ""}.
+Load it with `--algorithm {cfg["method"]} --drafter-path <this dir>{" --token-map <this dir>/token_map.pt" if cfg["method"] in ("eagle", "mtp") else ""}`.
 Agreement is measured on the training batches (teacher-forced inputs), not on held-out data; the
 README's benchmark table has the accept lengths it gives when serving.
 """
