@@ -163,7 +163,8 @@ class SpecConfig:
             return replace(self, num_draft_tokens=n, num_steps=self.num_steps or n - 1, topk=self.topk or 1)
         if self.algorithm == "mtp" and not (self.num_steps or self.topk or self.num_draft_tokens):
             # one MTP step, as DeepSeek-V3 is usually served; measured best for our SmolLM2 head on CPU
-            # (accept length 1.25 at 1 step, 1.30 / 1.32 at 2 / 3 chained steps: bench/measured/)
+            # (fifth-session head: accept length 1.29-1.33 at 1 step, 1.36 / 1.37 at 2 / 3 chained steps:
+            # bench/measured/mtp_sweep_s5_*.json)
             return replace(self, num_steps=1, topk=1, num_draft_tokens=2)
         steps, topk = self.num_steps or 5, self.topk or 4
         n = self.num_draft_tokens or (steps + 1 if topk == 1 else 8)
