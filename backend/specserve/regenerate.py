@@ -56,8 +56,8 @@ def first_turns(path: Path, n: int, seed: int) -> list[str]:
     """The first user message of up to n randomly drawn conversations (seeded)."""
     from specserve.train_drafter import load_conversations
 
-    return [next(m["content"] for m in c if m["role"] == "user") for c in load_conversations(path, n, seed)
-            if any(m["role"] == "user" for m in c)]
+    firsts = (next((m["content"] for m in c if m["role"] == "user"), None) for c in load_conversations(path, n, seed))
+    return [q for q in firsts if q is not None]
 
 
 def regenerate(rc: RegenerateConfig) -> Path:
@@ -85,12 +85,12 @@ def regenerate(rc: RegenerateConfig) -> Path:
             answers[delta.request_id] += delta.token_ids
             if delta.finished:
                 text = engine.tokenizer.decode(answers[delta.request_id], skip_special_tokens=True).strip()
+                bar.update()
                 if text:
                     rows.append({"id": delta.request_id, "conversations": [
                         {"from": "human", "value": prompts[delta.request_id]}, {"from": "gpt", "value": text}]})
-                bar.update()
-                if len(rows) % rc.save_every == 0:
-                    out.write_text(json.dumps(rows))
+                    if len(rows) % rc.save_every == 0:
+                        out.write_text(json.dumps(rows))
         if rc.max_minutes and time.time() - start > rc.max_minutes * 60:
             log.warning("regenerate: max_minutes reached after %d answers", len(rows))
             break

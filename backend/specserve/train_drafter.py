@@ -30,7 +30,7 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -309,8 +309,8 @@ def train(tc: TrainConfig) -> Path:
     if ckpt.is_file():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
         same = ("checkpoint_every", "max_minutes", "num_threads")
-        if {k: v for k, v in state["config"].items() if k not in same} != {k: v for k, v in asdict(tc).items()
-                                                                            if k not in same}:
+        saved = {f.name: f.default for f in fields(TrainConfig)} | state["config"]  # fields added since: defaults
+        if {k: v for k, v in saved.items() if k not in same} != {k: v for k, v in asdict(tc).items() if k not in same}:
             raise ValueError(f"resume: {ckpt} was written by a different configuration; remove it or match it")
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])

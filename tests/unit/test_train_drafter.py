@@ -79,7 +79,12 @@ def test_train_writes_a_loadable_published_checkpoint_and_resumes(tmp_path, tiny
         assert head.cfg.draft_vocab_size == 8 and head.cfg.aux_layer_ids == (2, 4, 5)
     else:
         assert torch.load(out / "token_map.pt").numel() == 8
-    # a finished run resumes to the same end without training more
+    # a finished run resumes to the same end without training more, also from a checkpoint written
+    # before the newer config fields (init_from, epochs) existed
+    ckpt = out / "checkpoint.pt"
+    state = torch.load(ckpt, weights_only=False)
+    state["config"] = {k: v for k, v in state["config"].items() if k not in ("init_from", "epochs")}
+    torch.save(state, ckpt)
     train(TrainConfig(**kw))
     assert json.loads((out / "train.json").read_text())["steps"] == 3
     with pytest.raises(ValueError, match="resume"):
