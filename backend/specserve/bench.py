@@ -19,7 +19,8 @@ from tqdm import tqdm
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.cpu_linear import PackedLinear
-from specserve.engine import Engine
+from specserve.engine import Engine, StepProfile
+from specserve.hardware import describe
 from specserve.model import RMSNorm
 from specserve.prompts import load_questions, render_chat
 
@@ -66,6 +67,8 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
 def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int, desc: str) -> dict:
     params = SamplingParams(max_tokens=max_new_tokens)
     engine.generate([prompts[0]], params)  # warm-up on a real prompt and budget, untimed
+    engine.profile = StepProfile()
+    engine.chooser.chosen.clear()
     start = time.perf_counter()
     bar = tqdm(total=len(prompts), desc=desc, unit="prompt")
     ids = [engine.add_request(p, params) for p in prompts]
@@ -89,6 +92,8 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int, de
         "tokens_per_s": tokens / seconds,
         "accept_length": (accepted + steps) / max(steps, 1),
         "outputs": outs,
+        "profile_ms": engine.profile.per_step_ms(),
+        "shapes": engine.chooser.summary(),
     }
 
 
@@ -110,8 +115,9 @@ def run_hf(model, prompts: list[list[int]], max_new_tokens: int, eos: tuple[int,
 
 
 def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_tokens: int, batch_size: int,
-              hf_baseline: bool = True, specs: list[SpecConfig] | None = None) -> dict:
-    """specs: the algorithms to compare with none (default: config.spec alone)."""
+              hf_baseline: bool = True, specs: list[SpecConfig] | None = None, profile: bool = False) -> dict:
+    """specs: the algorithms to compare with none (default: config.spec alone). profile: add each
+    run's per-step phase times (`profile_ms`) and the shapes its steps chose (`shapes`)."""
     specs = [s for s in (specs or [config.spec]) if s.algorithm != "none"]
     questions = load_questions(dataset, num_prompts)
     base_engine = Engine(replace(config, spec=SpecConfig(algorithm="none")))
@@ -125,6 +131,7 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         "batch_size": batch_size,
         "dtype": config.dtype,
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
+        "hardware": describe(),
     }
     hf = lookup = None
     if hf_baseline:
@@ -140,6 +147,8 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         del hf_model
     base = run_engine(base_engine, prompts, max_new_tokens, "none")
     report["baseline_tokens_per_s"] = round(base["tokens_per_s"], 2)
+    if profile:
+        report["baseline_profile_ms"] = base["profile_ms"]
     if hf is not None:
         report["none_vs_hf"] = round(base["tokens_per_s"] / hf["tokens_per_s"], 3)
         report["hf_same_output"] = sum(a == b for a, b in zip(hf["outputs"], base["outputs"])) / len(prompts)
@@ -156,7 +165,7 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
     report["runs"] = {}
     for spec in specs:
         engine = Engine(replace(config, spec=spec))
-        resolved = engine.spec
+        resolved, engine_menu = engine.spec, engine.chooser.menu
         run = run_engine(engine, prompts, max_new_tokens, spec.algorithm)
         del engine
         row = {
@@ -167,10 +176,25 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
             "lossless": run["outputs"] == base["outputs"],
             "same_output_fraction": sum(a == b for a, b in zip(run["outputs"], base["outputs"])) / len(prompts),
             "tokens": run["tokens"],
+            "adaptive": len(engine_menu) > 1,
+            "shapes": run["shapes"],
         }
+        if profile:
+            row["profile_ms"] = run["profile_ms"]
         if lookup is not None and spec.algorithm == "ngram":
             row["vs_hf_prompt_lookup"] = round(run["tokens_per_s"] / lookup["tokens_per_s"], 3)
         if hf is not None:
             row["vs_hf"] = round(run["tokens_per_s"] / hf["tokens_per_s"], 3)
         report["runs"][spec.algorithm] = row
     return report
+
+
+def format_profile(report: dict) -> str:
+    """The per-step phase times of every run in a report made with profile=True, as a table."""
+    phases = ("draft", "forward", "verify", "drafter_update", "bookkeeping", "total")
+    rows = [("none", report.get("baseline_profile_ms", {}))]
+    rows += [(alg, run.get("profile_ms", {})) for alg, run in report.get("runs", {}).items()]
+    lines = [f"{'ms per step':<12}" + "".join(f"{p:>15}" for p in phases)]
+    for name, prof in rows:
+        lines.append(f"{name:<12}" + "".join(f"{prof.get(p, 0.0):>15.2f}" for p in phases))
+    return "\n".join(lines)

@@ -16,6 +16,7 @@ from specserve.config import (
     SpecConfig,
     resolve_device,
 )
+from specserve.hardware import auto_dtype
 from specserve.regenerate import RegenerateConfig
 from specserve.train_drafter import TrainConfig
 
@@ -30,7 +31,8 @@ VARIANT_ALGORITHM = {"base": "none", "ngram": "ngram", "eagle2": "eagle", "eagle
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", default=None, help="HF model directory (default: the prepared SmolLM2)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "auto"],
+                   help="auto = bfloat16 on CUDA and on CPUs with AVX512-BF16 / AMX, else float32")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto = cuda when available)")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
@@ -45,6 +47,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-by-batch-size", type=int, default=0,
                    help="decode without drafts while this many requests run (0 = never; vLLM's "
                         "--speculative-disable-by-batch-size)")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="always draft the configured tree (default: each step's tree, or none, chosen from "
+                        "measured step costs and acceptance; --num-steps/--topk/--num-draft-tokens pin it too)")
     p.add_argument("--ngram-min-match-window", type=int, default=SpecConfig.ngram_min_match_window)
     p.add_argument("--ngram-max-match-window", type=int, default=SpecConfig.ngram_max_match_window)
     p.add_argument("--ngram-max-bfs-breadth", type=int, default=SpecConfig.ngram_max_bfs_breadth)
@@ -64,7 +69,7 @@ def _spec(args: argparse.Namespace, algorithm: str) -> SpecConfig:
                       ngram_min_match_window=args.ngram_min_match_window,
                       ngram_max_match_window=args.ngram_max_match_window,
                       ngram_max_bfs_breadth=args.ngram_max_bfs_breadth, ngram_match_type=args.ngram_match_type,
-                      disable_by_batch_size=args.disable_by_batch_size)
+                      disable_by_batch_size=args.disable_by_batch_size, adaptive=not args.no_adaptive)
 
 
 def _engine_config(args: argparse.Namespace, algorithm: str, max_batch_size: int) -> EngineConfig:
@@ -74,10 +79,13 @@ def _engine_config(args: argparse.Namespace, algorithm: str, max_batch_size: int
     if not Path(model_dir, "config.json").is_file():
         hint = " (run `specserve prepare` first)" if args.model_dir is None else ""
         raise SystemExit(f"error: model_dir: no HF model at {model_dir}{hint}")
+    device = resolve_device(args.device)
+    dtype = auto_dtype(device) if args.dtype == "auto" else args.dtype
     return EngineConfig(model_dir=model_dir, max_batch_size=max_batch_size, max_seq_len=args.max_seq_len,
-                        dtype=args.dtype, device=resolve_device(args.device), attention_backend=args.attention_backend,
+                        dtype=dtype, device=device, attention_backend=args.attention_backend,
                         graph_mode="off" if args.disable_cuda_graph else "auto",
-                        cuda_graph_max_bs=args.cuda_graph_max_bs, spec=_spec(args, algorithm))
+                        cuda_graph_max_bs=args.cuda_graph_max_bs, spec=_spec(args, algorithm),
+                        profile=getattr(args, "profile", False))
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -121,7 +129,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from specserve.bench import run_bench
+    from specserve.bench import format_profile, run_bench
 
     try:
         algorithms = args.algorithm.split(",")
@@ -136,12 +144,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             batch_size=args.batch_size,
             hf_baseline=not args.no_hf,
+            profile=args.profile,
         )
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     text = json.dumps(report, indent=2)
     print(text)
+    if args.profile:
+        print(format_profile(report), file=sys.stderr)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(text + "\n")
@@ -220,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers generate() baseline")
+    p.add_argument("--profile", action="store_true",
+                   help="report per step the time spent drafting, in the verify forward, in accept/compaction, "
+                        "in the drafter's update and in bookkeeping")
     p.add_argument("--json", default=None, help="write the report here")
     _add_engine_args(p)
     p.set_defaults(func=cmd_bench)

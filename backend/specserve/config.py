@@ -135,6 +135,9 @@ class SpecConfig:
     # plain decoding for a step whose batch has at least this many requests (0 = never); vLLM's
     # --speculative-disable-by-batch-size: where a verify forward of many trees is no longer free
     disable_by_batch_size: int = 0
+    # choose each step's tree among smaller budgets of the configured one (plain decoding included)
+    # from measured step costs and acceptance; setting num_steps, topk or num_draft_tokens pins the shape
+    adaptive: bool = True
     # NGRAM (SGLang's names and defaults, REFERENCE.md §3)
     ngram_min_match_window: int = 2  # SGLang: 1. Measured on MT-bench: same accept gain, 1/5 the drafts
     ngram_max_match_window: int = 12
@@ -191,6 +194,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # torch | flashinfer | auto (flashinfer on CUDA when installed)
     graph_mode: str = "auto"  # auto: CUDA graphs on CUDA | off | static: bucketed forward, no capture
     cuda_graph_max_bs: int = 0  # largest captured batch size (0 = max_batch_size)
+    profile: bool = False  # on CUDA, synchronize around each step phase so StepProfile is exact
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

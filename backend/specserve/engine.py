@@ -9,7 +9,9 @@ Each `step()`:
   4. appends tokens, checks stop conditions, and returns one `RequestOutput` delta per request.
 
 `algorithm=none` is the degenerate tree (root only), so plain decoding is the same code path.
-The engine knows nothing about Triton; `loop.py` runs it on a thread, `triton_model.py` serves it.
+Each step's tree shape comes from `adaptive.ShapeChooser` (the configured shape alone when the user
+pins it): a step that would not pay for its draft decodes plainly. `StepProfile` accumulates where
+step time goes. The engine knows nothing about Triton; `loop.py` runs it on a thread, `triton_model.py` serves it.
 """
 
 from __future__ import annotations
@@ -18,15 +20,17 @@ import itertools
 import json
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
 import specserve_kernels as K
+from specserve.adaptive import DraftShape, ShapeChooser, shape_menu
 from specserve.attention_backend import (
     TORCH_ATTENTION,
     AttentionBackend,
@@ -49,6 +53,34 @@ from specserve.weights import load_llama
 log = logging.getLogger(__name__)
 
 MAX_TREE_NODES = 64  # the cache keeps this many spare positions so padded tree nodes never overflow
+WARM_UP_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Speculative decoding drafts a few tokens cheaply and "
+    "verifies them with one forward of the target model, so the output stays exactly the same. "
+)
+
+
+@dataclass
+class StepProfile:
+    """Seconds spent per phase of the verify steps so far (prefill steps are left out).
+
+    draft: drafter.propose (catch-up forward included); forward: the target's verify forward;
+    verify: acceptance and KV compaction (the step's one host sync); drafter_update: on_accept;
+    bookkeeping: the rest of the step (appending tokens, stop checks, detokenizing, outputs).
+    """
+
+    steps: int = 0
+    draft: float = 0.0
+    forward: float = 0.0
+    verify: float = 0.0
+    drafter_update: float = 0.0
+    total: float = 0.0  # whole verify steps, outputs included
+
+    def per_step_ms(self) -> dict[str, float]:
+        """Milliseconds per step of each phase, bookkeeping = total - the timed phases."""
+        n = max(self.steps, 1)
+        out = {k: round(v * 1e3 / n, 3) for k, v in asdict(self).items() if k != "steps"}
+        out["bookkeeping"] = round(out["total"] - out["draft"] - out["forward"] - out["verify"] - out["drafter_update"], 3)
+        return {"steps": self.steps, **out}
 
 
 @dataclass(eq=False)
@@ -69,6 +101,7 @@ class Request:
     num_verify_steps: int = 0
     pending_ids: list[int] = field(default_factory=list)  # generated since the last output
     pending_accept_lengths: list[int] = field(default_factory=list)
+    pending_tree_sizes: list[int] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:
@@ -88,8 +121,9 @@ class Request:
             num_accepted_tokens=self.num_accepted_tokens,
             num_verify_steps=self.num_verify_steps,
             accept_lengths=self.pending_accept_lengths,
+            tree_sizes=self.pending_tree_sizes,
         )
-        self.pending_ids, self.pending_accept_lengths = [], []
+        self.pending_ids, self.pending_accept_lengths, self.pending_tree_sizes = [], [], []
         return out
 
 
@@ -121,12 +155,22 @@ class Engine:
         self.drafter: Drafter = build_drafter(self.spec, self)
         self.graphs = self._graph_runner() if self.use_graphs else None
         self._default_generator = torch.Generator().manual_seed(0)
+        self._forced_shape: DraftShape | None = None  # warm-up runs each shape in turn
+        self._observe = True  # whether steps feed the chooser's estimates
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._inbox: deque[Request] = deque()
         self._aborts: set[str] = set()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.profile = StepProfile()
+        spec = self.spec
+        full = DraftShape.configured(spec)
+        pinned = not config.spec.adaptive or bool(config.spec.num_steps or config.spec.topk or config.spec.num_draft_tokens)
+        menu = (full,) if pinned or spec.algorithm == "none" else shape_menu(spec.num_steps, spec.topk, spec.num_draft_tokens)
+        self.chooser = ShapeChooser(menu, default_batch_sizes(config.max_batch_size))
+        if len(menu) > 1:
+            self._warm_up()
 
     def _attention_backend(self, graph_batch_size: int | None = None, graph_num_tokens: int = 1) -> AttentionBackend:
         if self.attention == "torch":
@@ -202,6 +246,7 @@ class Engine:
         decoding = [r for r in self.running if r not in admitted]
         if admitted:
             self._prefill(admitted)
+        start = time.perf_counter()
         if decoding:
             self._verify_step(decoding)
         for req in admitted + decoding:
@@ -209,7 +254,33 @@ class Engine:
                 outputs.append(req.output())
             if req.finish_reason is not None:
                 self._release(req)
+        if decoding:
+            self.profile.total += time.perf_counter() - start
         return outputs
+
+    @torch.inference_mode()
+    def _warm_up(self, steps_per_shape: int = 3) -> None:
+        """Measure every shape's step time at every batch-size bucket on a synthetic prompt (the
+        first step of each shape is discarded), so the chooser starts from this machine's costs."""
+        prompt = self.tokenizer.encode(WARM_UP_TEXT * 2, add_special_tokens=False).ids
+        prompt = prompt[: max(1, self.config.max_seq_len // 4)]
+        params = SamplingParams(max_tokens=self.config.max_seq_len - len(prompt), ignore_eos=True)
+        start = time.perf_counter()
+        for bs in self.chooser.buckets:
+            ids = [self.add_request(prompt, params, request_id=f"warm-up-{bs}-{i}") for i in range(bs)]
+            self.step()  # admit and prefill
+            for shape in self.chooser.menu:
+                for i in range(steps_per_shape):
+                    self._forced_shape, self._observe = shape, i > 0
+                    self.step()
+            for rid in ids:
+                self.abort(rid)
+            self.step()
+        self._forced_shape, self._observe = None, True
+        self.chooser.forget_acceptance()
+        self.profile = StepProfile()
+        log.info("adaptive speculation: %d shapes x batch sizes %s measured in %.1f s",
+                 len(self.chooser.menu), self.chooser.buckets, time.perf_counter() - start)
 
     def fail_running(self, error: str) -> list[RequestOutput]:
         """After an exception inside a step: end every running request with an error output."""
@@ -291,13 +362,25 @@ class Engine:
         ]
         return TreeBatch.from_trees(trees).to(self.device)
 
-    def _verify_step(self, reqs: list[Request]) -> None:
+    def _shape_for(self, batch_size: int) -> DraftShape:
+        if self._forced_shape is not None:
+            return self._forced_shape
         limit = self.spec.disable_by_batch_size
-        if limit and len(reqs) >= limit:  # plain decoding this step; the drafter still sees every accept
-            proposal: list[DraftTree] | TreeBatch = [DraftTree.root_only(r.token_ids[-1]) for r in reqs]
-        else:
-            proposal = self.drafter.propose(reqs)
+        if limit and batch_size >= limit:
+            return DraftShape(1, 0, 1)
+        return self.chooser.choose(batch_size)
+
+    def _verify_step(self, reqs: list[Request]) -> None:
+        p, clock = self.profile, self._clock
+        start = t0 = clock()
+        shape = self._shape_for(len(reqs))
+        if shape.drafts:
+            proposal: list[DraftTree] | TreeBatch = self.drafter.propose(reqs, shape)
+        else:  # plain decoding this step; a drafter catches up on what it missed when it drafts again
+            proposal = [DraftTree.root_only(r.token_ids[-1]) for r in reqs]
         batch = self._fit_trees(reqs, proposal)
+        t1 = clock()
+        p.draft += t1 - t0
         host_lens = [r.cache_len for r in reqs]
         cache_lens = torch.tensor(host_lens, device=self.device)
         slots = torch.tensor([r.slot for r in reqs], device=self.device)
@@ -311,9 +394,14 @@ class Engine:
                 positions, slots, cache_lens, new_mask, self.cache, host_lens, [r.slot for r in reqs]
             )
             out = self.model(batch.tokens, attn, self.cache, aux_layers=self.drafter.aux_layers)
+        t2 = clock()
+        p.forward += t2 - t1
         result, emitted = self._verify(reqs, batch, out.logits)
         if not batch.is_root_only:
             K.compact_kv(self.cache.data, slots, cache_lens, result.accepted_nodes, result.accept_length)
+        t3 = clock()
+        p.verify += t3 - t2
+        p.steps += 1
         for r, num_nodes, tokens in zip(reqs, batch.num_nodes.tolist(), emitted):
             n = len(tokens)  # accept_length: root + accepted drafts; the bonus is the next root
             r.cache_len += n
@@ -321,16 +409,26 @@ class Engine:
             r.num_draft_tokens += num_nodes - 1
             r.num_accepted_tokens += n - 1
             r.pending_accept_lengths.append(n)
+            r.pending_tree_sizes.append(num_nodes)
             self._append_tokens(r, tokens)
         live = [i for i, r in enumerate(reqs) if r.finish_reason is None]
-        if not live:
-            return
-        if len(live) < len(reqs):
-            rows = torch.tensor(live, device=self.device)
-            aux = out.aux_hidden[rows] if out.aux_hidden is not None else None
-            out = ForwardOutput(logits=out.logits[rows], hidden=out.hidden[rows], aux_hidden=aux)
-        accepted = [result.accepted_nodes[i, : len(emitted[i])] for i in live]
-        self.drafter.on_accept([reqs[i] for i in live], out, accepted)
+        if live:
+            t4 = clock()
+            if len(live) < len(reqs):
+                rows = torch.tensor(live, device=self.device)
+                aux = out.aux_hidden[rows] if out.aux_hidden is not None else None
+                out = ForwardOutput(logits=out.logits[rows], hidden=out.hidden[rows], aux_hidden=aux)
+            accepted = [result.accepted_nodes[i, : len(emitted[i])] for i in live]
+            self.drafter.on_accept([reqs[i] for i in live], out, accepted)
+            p.drafter_update += clock() - t4
+        if self._observe:
+            self.chooser.observe(len(reqs), shape, clock() - start, [len(e) for e in emitted])
+
+    def _clock(self) -> float:
+        """Host time; on CUDA, after the queued work (only when profiling: it costs a sync)."""
+        if self.config.profile and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _verify(
         self, reqs: list[Request], batch: TreeBatch, logits: torch.Tensor

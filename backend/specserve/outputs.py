@@ -31,6 +31,7 @@ class RequestOutput:
     num_accepted_tokens: int = 0  # draft tokens accepted
     num_verify_steps: int = 0
     accept_lengths: list[int] = field(default_factory=list)  # accepted drafts + 1, per step in this delta
+    tree_sizes: list[int] = field(default_factory=list)  # nodes verified (root included; 1 = no draft), per step
 
     @property
     def accept_length(self) -> float:

@@ -26,6 +26,7 @@ TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 TPOT_BUCKETS = [0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
 E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0]
 ACCEPT_LENGTH_BUCKETS = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 16.0, 24.0, 32.0, 64.0]
+TREE_SIZE_BUCKETS = [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0]
 
 
 
@@ -100,6 +101,12 @@ class ServingMetrics:
             "Tokens emitted per verify step (accepted drafts + 1); 1 = no speed-up.",
             ACCEPT_LENGTH_BUCKETS,
         )
+        self.tree_size = histogram(
+            "spec_decode_tree_size",
+            "Draft tree nodes verified per step, root included (1 = the step decoded without a draft): "
+            "the shapes adaptive speculation chose.",
+            TREE_SIZE_BUCKETS,
+        )
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated (streamed) so far.")
         self.draft_tokens = counter("spec_decode_num_draft_tokens_total", "Draft tokens proposed and verified.")
@@ -110,7 +117,8 @@ class ServingMetrics:
         self._families.append(family)
         self.finished = {r: family.Metric(labels={**labels, "finish_reason": r}) for r in FINISH_REASONS}
 
-    def on_delta(self, new_tokens: int, new_draft_tokens: int, new_accepted_tokens: int, accept_lengths: Sequence[int]) -> None:
+    def on_delta(self, new_tokens: int, new_draft_tokens: int, new_accepted_tokens: int, accept_lengths: Sequence[int],
+                 tree_sizes: Sequence[int] = ()) -> None:
         """After each engine delta of any request."""
         if new_tokens:
             self.generation_tokens.increment(float(new_tokens))
@@ -120,6 +128,8 @@ class ServingMetrics:
             self.accepted_tokens.increment(float(new_accepted_tokens))
         for n in accept_lengths:
             self.accept_length.observe(float(n))
+        for n in tree_sizes:
+            self.tree_size.observe(float(n))
 
     def on_finish(self, stats: RequestStats) -> None:
         self.finished.get(stats.finish_reason, self.finished[FINISH_ERROR]).increment(1.0)

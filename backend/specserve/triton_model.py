@@ -80,6 +80,7 @@ class _ResponseStream:
             out.num_draft_tokens - self.num_draft_tokens,
             out.num_accepted_tokens - self.num_accepted_tokens,
             out.accept_lengths,
+            out.tree_sizes,
         )
         self.num_draft_tokens, self.num_accepted_tokens = out.num_draft_tokens, out.num_accepted_tokens
         if not out.finished:

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig, resolve_device
+from specserve.hardware import auto_dtype
 from specserve.prompts import hf_tokenizer, render_chat  # transformers is imported on first use
 
 
@@ -534,6 +535,10 @@ def engine_config_from_parameters(params: Mapping[str, str]) -> EngineConfig:
             spec_kw[name] = resolve_path(value)
         elif spec_fields[name].default is None or isinstance(spec_fields[name].default, str):
             spec_kw[name] = value
+        elif isinstance(spec_fields[name].default, bool):
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"{name}: expected true or false, got {value!r}")
+            spec_kw[name] = value.lower() in ("true", "1")
         else:
             try:
                 spec_kw[name] = type(spec_fields[name].default)(value)
@@ -550,7 +555,7 @@ def engine_config_from_parameters(params: Mapping[str, str]) -> EngineConfig:
             except ValueError:
                 raise ValueError(f"{name}: expected an integer, got {given[name]!r}") from None
     if "dtype" in given:
-        kw["dtype"] = given["dtype"]
+        kw["dtype"] = auto_dtype(kw["device"]) if given["dtype"] == "auto" else given["dtype"]
     if "attention_backend" in given:
         kw["attention_backend"] = given["attention_backend"]
     if "disable_cuda_graph" in given:

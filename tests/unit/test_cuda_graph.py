@@ -127,10 +127,10 @@ def test_static_draft_builds_the_host_drafts_trees(tmp_path, tiny_target_dir, ki
     assert drafter.graphs is not None and drafter.graphs.batch_sizes == [1, 2, 4]
     propose = drafter.propose
 
-    def both(seqs):  # noqa: ANN001, ANN202
-        proposal = propose(seqs)
+    def both(seqs, shape):  # noqa: ANN001, ANN202
+        proposal = propose(seqs, shape)
         graphs, drafter.graphs = drafter.graphs, None
-        host = TreeBatch.from_trees(propose(seqs))
+        host = TreeBatch.from_trees(propose(seqs, shape))  # the catch-up ran already: same drafter state
         drafter.graphs = graphs
         if isinstance(proposal, TreeBatch):
             assert proposal.tokens.shape == (len(seqs), num_draft_tokens)

@@ -27,7 +27,7 @@ def test_big_batches_decode_plainly_and_small_ones_draft(tmp_path, tiny_target_d
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (8, 12, 30, 40)]  # the batch shrinks 4 -> 1
     eng = _engine(tiny_target_dir, algorithm, disable_by_batch_size=3, **spec)
     batch_sizes, propose = [], eng.drafter.propose
-    eng.drafter.propose = lambda seqs: batch_sizes.append(len(seqs)) or propose(seqs)
+    eng.drafter.propose = lambda seqs, shape: batch_sizes.append(len(seqs)) or propose(seqs, shape)
     ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     while eng.has_work():

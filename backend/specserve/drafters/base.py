@@ -16,6 +16,7 @@ import torch
 from specserve.tree import DraftTree, TreeBatch
 
 if TYPE_CHECKING:
+    from specserve.adaptive import DraftShape
     from specserve.model import ForwardOutput
 
 
@@ -46,9 +47,11 @@ class Drafter:
 
     aux_layers: tuple[int, ...] = ()  # target layers whose inputs the drafter needs (EAGLE-3)
 
-    def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree] | TreeBatch:
-        """One tree per sequence, root = seq.token_ids[-1]: host trees, or a batch of them built
-        on the device (row i for seqs[i])."""
+    def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree] | TreeBatch:
+        """One tree per sequence, root = seq.token_ids[-1], of at most `shape.num_draft_tokens`
+        nodes, `shape.num_steps` deep (default: the configured shape): host trees, or a batch of
+        them built on the device (row i for seqs[i]). Steps without drafts do not call it; a
+        drafter catches up here on what it has not seen."""
         raise NotImplementedError
 
     def on_prefill(self, seqs: Sequence[SequenceView], out: ForwardOutput) -> None:
@@ -71,5 +74,5 @@ class Drafter:
 class NoDrafter(Drafter):
     """algorithm=none: every tree is the root alone, so verify is plain decoding."""
 
-    def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
+    def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree]:
         return [DraftTree.root_only(s.token_ids[-1]) for s in seqs]

@@ -7,13 +7,16 @@ j+2. Its cache therefore always has the target's length L (= the request's cache
 L-1 pairs the tree root with the last accepted feature, and the hidden state it produced
 (`last_hidden`) gives the root's children without another forward.
 
-propose: step 0 takes topk children of the root from `last_hidden`; `beam.grow_trees` runs the
-num_steps - 1 draft forwards over the beam (rope position L + step - 1, K/V in a scratch area after
-L that only the node's descendants see), each node carrying its parent's hidden state. When the
-engine uses graphs (`graph_mode` static, or auto on CUDA) `_draft_static` runs the same draft with
-`beam.grow_trees_on_device`, captured once per batch size by `cuda_graph.DraftGraphs`.
-on_prefill / on_accept: run the head over the new tokens with the target's features, overwriting
-the scratch area, so the drafter's cache holds target features only (REFERENCE.md §3).
+on_prefill / on_accept only store the target's features of the new positions (`features`); the
+head catches up over everything it has not seen at the start of the next propose, in one forward,
+overwriting the scratch area, so the drafter's cache holds target features only. Steps that decode
+without drafts therefore cost the drafter nothing.
+propose: after the catch-up, step 0 takes topk children of the root from `last_hidden`;
+`beam.grow_trees` runs the num_steps - 1 draft forwards over the beam (rope position L + step - 1,
+K/V in a scratch area after L that only the node's descendants see), each node carrying its
+parent's hidden state. When the engine uses graphs (`graph_mode` static, or auto on CUDA)
+`_draft_static` runs the configured shape's draft with `beam.grow_trees_on_device`, captured once
+per batch size by `cuda_graph.DraftGraphs`; smaller shapes are drafted on the host.
 
 The drafter does not verify, sample or touch the target's cache.
 """
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specserve.adaptive import DraftShape
 from specserve.config import SpecConfig
 from specserve.cpu_linear import pack_for_inference
 from specserve.cuda_graph import DraftGraphs
@@ -83,6 +87,11 @@ class EagleDrafter(Drafter):
         self.device = cfg.device
         # (slots, H): the head's output at each request's last position (its root's children)
         self.last_hidden = torch.zeros(slots, self.head.cfg.hidden_size, dtype=cfg.torch_dtype, device=cfg.device)
+        # (slots, max_len, F): the target's features per position, read by the next catch-up
+        self.features = torch.zeros(slots, engine.cache.max_len, self.head.cfg.feature_size, dtype=cfg.torch_dtype,
+                                    device=cfg.device)
+        self.synced = [0] * slots  # per slot: positions the head's cache holds (the rest wait in `features`)
+        self.full_shape = DraftShape.configured(spec)
         self.graphs = None if not engine.use_graphs else DraftGraphs(
             self._draft_static, engine.graph_batch_sizes, self.cache.reserve(), torch.device(cfg.device),
             engine.capture_graphs,
@@ -120,18 +129,41 @@ class EagleDrafter(Drafter):
     # ---- Drafter hooks ------------------------------------------------------------------------
 
     def on_prefill(self, seqs: Sequence[SequenceView], out: ForwardOutput) -> None:
-        lens = [s.cache_len for s in seqs]  # prompt lengths; token_ids[n] is the first generated token
-        self._extend(seqs, self._features(out)[:, : max(lens)], [0] * len(seqs), lens)
+        feats = self._features(out)  # (B, T, F) over the prompts
+        for i, s in enumerate(seqs):
+            self.features[s.slot, : s.cache_len] = feats[i, : s.cache_len]
+            self.synced[s.slot] = 0
 
     def on_accept(self, seqs: Sequence[SequenceView], out: ForwardOutput, accepted: Sequence[torch.Tensor]) -> None:
-        lens = [len(a) for a in accepted]
-        t = max(lens)
+        t = max(len(a) for a in accepted)
         index = torch.zeros(len(seqs), t, dtype=torch.int64, device=self.device)
         for i, a in enumerate(accepted):
             index[i, : len(a)] = a
         feats = self._features(out)
         feats = torch.gather(feats, 1, index[:, :, None].expand(-1, -1, feats.shape[-1]))  # (B, T, F)
-        self._extend(seqs, feats, [s.cache_len - n for s, n in zip(seqs, lens)], lens)
+        # accepted node j of row i holds position cache_len - len + j; padding writes past cache_len
+        starts = torch.tensor([s.cache_len - len(a) for s, a in zip(seqs, accepted)], device=self.device)
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        self.features[slots[:, None], starts[:, None] + torch.arange(t, device=self.device)] = feats
+
+    def _catch_up(self, seqs: Sequence[SequenceView]) -> None:
+        """Run the head over every position it has not seen, with the stored target features."""
+        # a synced row re-runs its last position (same token, feature and K/V) to keep one batch
+        starts = [min(self.synced[s.slot], s.cache_len - 1) for s in seqs]
+        lens = [s.cache_len - start for s, start in zip(seqs, starts)]
+        if all(self.synced[s.slot] == s.cache_len for s in seqs):
+            return
+        t = max(lens)
+        if max(starts) + t > self.cache.max_len:  # a long backlog beside a long context: one row at a time
+            for s in seqs:
+                self._catch_up([s])
+            return
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(t, device=self.device)  # (B, T)
+        feats = self.features[slots[:, None], positions.clamp(max=self.features.shape[1] - 1)]  # (B, T, F)
+        self._extend(seqs, feats, starts, lens)
+        for s in seqs:
+            self.synced[s.slot] = s.cache_len
 
     def _topk(self, h: torch.Tensor, on_host: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """h (..., H) -> the head's topk (probs, target token ids), each (..., topk)."""
@@ -153,9 +185,11 @@ class EagleDrafter(Drafter):
         return grow_trees_on_device(roots, base, probs, tokens, h, step, sp.num_steps, sp.topk, sp.num_draft_tokens,
                                     key_len=self.cache.max_len)
 
-    def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree] | TreeBatch:
+    def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree] | TreeBatch:
+        shape = shape or self.full_shape
+        self._catch_up(seqs)
         host_slots = [s.slot for s in seqs]
-        if self.graphs is not None:
+        if self.graphs is not None and shape == self.full_shape:
             batch = self.graphs(host_slots, [s.cache_len for s in seqs], [s.token_ids[-1] for s in seqs])
             if batch is not None:  # None: more requests than the largest bucket, drafted below
                 return batch
@@ -167,5 +201,4 @@ class EagleDrafter(Drafter):
             return (hs, *self._topk(hs))
 
         base = torch.tensor([s.cache_len for s in seqs], device=self.device)
-        sp = self.spec
-        return grow_trees(seqs, base, probs, tokens, h, step, sp.num_steps, sp.topk, sp.num_draft_tokens)
+        return grow_trees(seqs, base, probs, tokens, h, step, shape.num_steps, shape.topk, shape.num_draft_tokens)

@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import islice
 
+from specserve.adaptive import DraftShape
 from specserve.config import SpecConfig
 from specserve.drafters.base import Drafter, SequenceView
 from specserve.tree import DraftTree
@@ -267,20 +268,21 @@ class NgramDrafter(Drafter):
         self.spec = spec
         self._tries: dict[str, NgramTrie] = {}
 
-    def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
-        return [self._propose_one(s.request_id, s.token_ids) for s in seqs]
+    def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree]:
+        shape = shape or DraftShape.configured(self.spec)
+        return [self._propose_one(s.request_id, s.token_ids, shape.num_draft_tokens) for s in seqs]
 
     def release(self, request_id: str) -> None:
         self._tries.pop(request_id, None)
 
-    def _propose_one(self, request_id: str, token_ids: Sequence[int]) -> DraftTree:
+    def _propose_one(self, request_id: str, token_ids: Sequence[int], num_draft_tokens: int) -> DraftTree:
         spec = self.spec
         trie = self._tries.get(request_id)
         if trie is None or trie.num_tokens > len(token_ids):  # new request (or a stream that shrank)
             trie = self._tries[request_id] = NgramTrie(spec.ngram_branch_length, spec.ngram_capacity)
         trie.extend(token_ids[trie.num_tokens :])
         matches = trie.match(token_ids, spec.ngram_min_match_window, spec.ngram_max_match_window)
-        out = _DraftBuilder(token_ids[-1], spec.num_draft_tokens)
+        out = _DraftBuilder(token_ids[-1], num_draft_tokens)
         if matches:
             fill = _fill_bfs if spec.ngram_match_type == "BFS" else _fill_prob
             fill(out, trie, matches, spec)

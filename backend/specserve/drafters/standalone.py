@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from specserve.adaptive import DraftShape
 from specserve.config import SpecConfig
 from specserve.cpu_linear import pack_for_inference
 from specserve.drafters.base import Drafter, SequenceView
@@ -74,7 +75,8 @@ class StandaloneDrafter(Drafter):
         probs, tokens = logits.softmax(-1).topk(self.spec.topk, dim=-1)
         return probs.cpu(), tokens.cpu()
 
-    def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
+    def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree]:
+        shape = shape or DraftShape.configured(self.spec)
         host_slots = [s.slot for s in seqs]
         starts = [self.cached[s.slot] for s in seqs]
         news = [s.token_ids[start:] for s, start in zip(seqs, starts)]  # uncached tokens, root last
@@ -100,5 +102,4 @@ class StandaloneDrafter(Drafter):
 
         base = torch.tensor([len(s.token_ids) for s in seqs], device=self.device)  # after the root
         state = torch.zeros(b, 1, device=self.device)  # token-level drafting carries no state
-        sp = self.spec
-        return grow_trees(seqs, base, probs, children, state, step, sp.num_steps, sp.topk, sp.num_draft_tokens)
+        return grow_trees(seqs, base, probs, children, state, step, shape.num_steps, shape.topk, shape.num_draft_tokens)

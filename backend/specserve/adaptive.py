@@ -1,0 +1,140 @@
+"""Cost-aware speculation: every step, the draft shape that maximises expected tokens per second.
+
+A shape is the drafter's tree at a token budget: `num_draft_tokens` n verified (root included),
+grown for min(num_steps, n - 1) draft steps at the configured topk (EAGLE-2's dynamic tree keeps
+the n - 1 likeliest nodes). n = 1 is plain decoding: no draft forward at all, and model-based
+drafters defer their catch-up until they draft again. The menu is n = 1, 2, 3, 4, 6, 8, 12, ...
+up to the configured num_draft_tokens.
+
+`ShapeChooser` keeps, per batch-size bucket and shape, a moving average of the step's wall time
+(measured at warm-up, then on every step) and, per shape, of the accept length (tokens a request
+gains per step, the bonus token included). A step runs the shape with the largest
+accept_length / step_time for its bucket; every `explore_every`-th step runs a neighbour of it
+instead, so the estimates of the shapes around the best one stay current.
+
+This module measures nothing itself and knows nothing about models or trees: the engine reports
+each step's batch size, shape, time and accept lengths (`observe`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specserve.config import SpecConfig
+
+TOKEN_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclass(frozen=True, order=True)
+class DraftShape:
+    """One step's tree: depth (`num_steps`), branching (`topk`) and size (`num_draft_tokens`, root
+    included). num_draft_tokens == 1 is plain decoding."""
+
+    num_draft_tokens: int
+    num_steps: int
+    topk: int
+
+    @property
+    def drafts(self) -> bool:
+        return self.num_draft_tokens > 1
+
+    def __str__(self) -> str:
+        return f"{self.num_steps}/{self.topk}/{self.num_draft_tokens}"
+
+    @classmethod
+    def configured(cls, spec: SpecConfig) -> DraftShape:
+        """The shape a resolved SpecConfig names (the largest a step may use)."""
+        return cls(spec.num_draft_tokens, spec.num_steps, spec.topk)
+
+
+def shape_menu(num_steps: int, topk: int, num_draft_tokens: int) -> tuple[DraftShape, ...]:
+    """The shapes a step may choose, smallest first; the last is the configured one."""
+    budgets = [n for n in TOKEN_BUDGETS if n < num_draft_tokens] + [num_draft_tokens]
+    return tuple(
+        DraftShape(n, min(num_steps, n - 1), topk if n > 1 else 1) if n > 1 else DraftShape(1, 0, 1)
+        for n in budgets
+    )
+
+
+class _Average:
+    """A running mean over the first `horizon` samples, then an exponential moving average."""
+
+    def __init__(self, horizon: int) -> None:
+        self.horizon, self.count, self.value = horizon, 0, 0.0
+
+    def add(self, x: float) -> None:
+        self.count += 1
+        self.value += (x - self.value) / min(self.count, self.horizon)
+
+    def weaken(self) -> None:
+        """Keep the value as a prior that the next sample mostly replaces."""
+        self.count = min(self.count, 1)
+
+
+class ShapeChooser:
+    """Per step: `choose(batch_size)` -> a shape of the menu; after it: `observe(...)`."""
+
+    def __init__(self, menu: Sequence[DraftShape], batch_buckets: Sequence[int], explore_every: int = 16) -> None:
+        self.menu = tuple(menu)
+        self.buckets = sorted(set(batch_buckets))
+        self.explore_every = explore_every
+        self.step_time = {(b, s): _Average(horizon=10) for b in self.buckets for s in self.menu}  # seconds
+        self.accept = {s: _Average(horizon=40) for s in self.menu}  # tokens per request per step
+        self.chosen: Counter[DraftShape] = Counter()
+        self._steps = 0
+        self._explored = 0
+
+    def bucket(self, batch_size: int) -> int:
+        i = bisect.bisect_left(self.buckets, batch_size)
+        return self.buckets[min(i, len(self.buckets) - 1)]
+
+    def rate(self, batch_size: int, shape: DraftShape) -> float | None:
+        """Expected accept length per second of one request, or None while unmeasured."""
+        t, a = self.step_time[(self.bucket(batch_size), shape)], self.accept[shape]
+        if not shape.drafts:
+            return 1.0 / t.value if t.count else None
+        return a.value / t.value if t.count and a.count else None
+
+    def best(self, batch_size: int) -> DraftShape:
+        """The measured shape with the highest rate; unmeasured shapes first, smallest first."""
+        rates = [(self.rate(batch_size, s), s) for s in self.menu]
+        unmeasured = [s for r, s in rates if r is None]
+        if unmeasured:
+            return unmeasured[0]
+        return max(rates, key=lambda rs: (rs[0], -rs[1].num_draft_tokens))[1]
+
+    def choose(self, batch_size: int) -> DraftShape:
+        self._steps += 1
+        shape = self.best(batch_size)
+        if self._steps % self.explore_every == 0:
+            i = self.menu.index(shape)
+            neighbours = [self.menu[j] for j in (i - 1, i + 1) if 0 <= j < len(self.menu)]
+            self._explored += 1
+            shape = neighbours[self._explored % len(neighbours)] if neighbours else shape
+        self.chosen[shape] += 1
+        return shape
+
+    def observe(self, batch_size: int, shape: DraftShape, seconds: float, accept_lengths: Sequence[int]) -> None:
+        """One step's wall time and per-request accept lengths; shapes off the menu are ignored."""
+        if shape not in self.accept:
+            return
+        self.step_time[(self.bucket(batch_size), shape)].add(seconds)
+        if shape.drafts and accept_lengths:
+            self.accept[shape].add(sum(accept_lengths) / len(accept_lengths))
+
+    def forget_acceptance(self) -> None:
+        """After warm-up on a synthetic prompt: its accept lengths become weak priors."""
+        for a in self.accept.values():
+            a.weaken()
+        self.chosen.clear()
+
+    def summary(self) -> dict:
+        """What the bench JSON reports: how often each shape ran, and the current estimates."""
+        return {
+            "chosen": {str(s): n for s, n in sorted(self.chosen.items())},
+            "accept_length": {str(s): round(a.value, 3) for s, a in self.accept.items() if a.count},
+            "step_ms": {f"bs{b}:{s}": round(t.value * 1e3, 2) for (b, s), t in self.step_time.items() if t.count},
+        }

@@ -1,0 +1,59 @@
+"""What this machine's CPU can do, read once at start-up (Linux `/proc/cpuinfo`).
+
+The engine and `specserve bench` record it beside every figure: bf16 arithmetic is native only
+with AVX512-BF16 or AMX; elsewhere it is emulated and float32 may be faster. `auto_dtype` makes
+that choice for `dtype="auto"`. This module measures nothing and changes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The first CPU's feature flags, or nothing where /proc/cpuinfo is absent."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def cpu_model() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
+
+
+def native_bf16() -> bool:
+    """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def auto_dtype(device: str) -> str:
+    """bfloat16 on CUDA and on CPUs with native bf16, float32 where bf16 would be emulated."""
+    return "bfloat16" if device.startswith("cuda") or native_bf16() else "float32"
+
+
+def describe() -> dict:
+    """The machine as the bench JSON records it."""
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "bf16_flags": sorted(cpu_flags() & set(BF16_FLAGS)),
+        "native_bf16": native_bf16(),
+        "avx512": "avx512f" in cpu_flags(),
+    }

@@ -1,0 +1,122 @@
+"""Cost-aware speculation: the chooser's arithmetic, and engines whose shapes change every few
+steps staying lossless (float32, every algorithm, batch 1 and 4)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from specserve.adaptive import DraftShape, ShapeChooser, shape_menu
+from specserve.config import EngineConfig, SamplingParams, SpecConfig
+from specserve.engine import Engine
+
+
+def test_menu_is_the_configured_tree_at_smaller_budgets():
+    assert [str(s) for s in shape_menu(5, 4, 8)] == ["0/1/1", "1/4/2", "2/4/3", "3/4/4", "5/4/6", "5/4/8"]
+    assert [str(s) for s in shape_menu(1, 1, 2)] == ["0/1/1", "1/1/2"]
+    assert [s.num_draft_tokens for s in shape_menu(11, 1, 12)] == [1, 2, 3, 4, 6, 8, 12]
+
+
+def _chooser(explore_every=1000):
+    return ShapeChooser(shape_menu(3, 1, 4), batch_buckets=(1, 2, 4), explore_every=explore_every)
+
+
+def test_picks_the_shape_with_most_tokens_per_second_and_plain_decoding_when_drafts_do_not_pay():
+    c = _chooser()
+    none, two, four = c.menu[0], c.menu[1], c.menu[3]
+    assert c.best(1) == none  # unmeasured shapes are tried first, smallest first
+    c.observe(1, none, 0.010, [1])  # 100 tokens/s
+    c.observe(1, c.menu[2], 0.030, [1, 1])  # 33 tokens/s
+    c.observe(1, four, 0.030, [1])
+    c.observe(1, two, 0.012, [2, 1])  # 1.5 / 12 ms = 125 tokens/s
+    assert c.best(1) == two
+    for _ in range(40):
+        c.observe(1, two, 0.012, [1])  # its acceptance collapses: 83 tokens/s
+    assert c.best(1) == none
+    assert c.best(4) == none  # batch bucket 4 has measured nothing yet: smallest first
+
+
+def test_costs_are_kept_per_batch_bucket():
+    c = _chooser()
+    for bs, t_none, t_two in ((1, 0.010, 0.011), (4, 0.020, 0.045)):
+        c.observe(bs, c.menu[0], t_none, [1] * bs)
+        c.observe(bs, c.menu[1], t_two, [2] * bs)
+        for shape in c.menu[2:]:
+            c.observe(bs, shape, 1.0, [1] * bs)
+    assert c.best(1) == c.menu[1]  # 2 tokens in 11 ms beats 1 in 10
+    assert c.best(3) == c.menu[0] and c.best(4) == c.menu[0]  # 3 -> bucket 4: 2 in 45 ms loses to 1 in 20
+
+
+def test_exploration_visits_the_neighbours_of_the_best_shape():
+    c = _chooser(explore_every=4)
+    for shape in c.menu:
+        c.observe(1, shape, 0.010 * shape.num_draft_tokens, [1.8])
+    picks = [c.choose(1) for _ in range(16)]
+    assert picks.count(c.menu[0]) == 12  # plain decoding is best
+    assert set(picks) == {c.menu[0], c.menu[1]}  # its only neighbour
+    assert sum(c.chosen.values()) == 16
+
+
+def test_off_menu_shapes_are_ignored():
+    c = _chooser()
+    c.observe(1, DraftShape(64, 9, 8), 0.5, [3])
+    assert c.summary()["step_ms"] == {}
+
+
+def _engine(tiny_target_dir, algorithm, batch, **spec):
+    return Engine(EngineConfig(model_dir=str(tiny_target_dir), dtype="float32", max_batch_size=batch,
+                               max_seq_len=256, spec=SpecConfig(algorithm=algorithm, **spec)))
+
+
+def _drafter_spec(tmp_path, algorithm):
+    from test_eagle import write_checkpoint  # tests/unit is on sys.path
+
+    if algorithm in ("eagle", "eagle3"):
+        return {"drafter_path": str(write_checkpoint(tmp_path / algorithm, algorithm))}
+    return {}
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("algorithm", ["ngram", "eagle", "eagle3", "standalone"])
+def test_adaptive_shapes_are_lossless(tmp_path, tiny_target_dir, algorithm, batch):
+    """Shapes change every other step (exploration forced); outputs equal plain decoding."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() * 3 for n in (4, 7, 5, 9, 6)]  # repetitive
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    eng = _engine(tiny_target_dir, algorithm, batch, **_drafter_spec(tmp_path, algorithm))
+    assert len(eng.chooser.menu) > 2
+    eng.chooser.explore_every = 2
+    outs = eng.generate(prompts, params)
+    ref = _engine(tiny_target_dir, "none", batch).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert len(eng.chooser.chosen) >= 2  # the run really switched shapes
+
+
+def test_pinned_shape_is_the_only_one(tiny_target_dir):
+    eng = _engine(tiny_target_dir, "ngram", 2, num_draft_tokens=6)
+    assert eng.chooser.menu == (DraftShape(6, 5, 1),)
+    assert len(_engine(tiny_target_dir, "ngram", 2, adaptive=False).chooser.menu) == 1
+
+
+def test_a_drafter_that_costs_more_than_it_saves_is_left_idle(tmp_path, tiny_target_dir):
+    """Drafting made 20 ms slower per step: the engine settles on plain decoding, and the EAGLE
+    drafter is not run while it does (its catch-up waits for the next draft)."""
+    eng = _engine(tiny_target_dir, "eagle3", 1, **_drafter_spec(tmp_path, "eagle3"))
+    propose, calls = eng.drafter.propose, []
+
+    def slow(seqs, shape):  # noqa: ANN001, ANN202
+        calls.append(shape)
+        time.sleep(0.02)
+        return propose(seqs, shape)
+
+    eng.drafter.propose = slow
+    eng._warm_up()  # remeasure with the slow drafter
+    calls.clear()
+    out = eng.generate([list(range(10, 40))], SamplingParams(max_tokens=64, ignore_eos=True))[0]
+    plain = eng.chooser.chosen[eng.chooser.menu[0]]
+    assert plain >= 0.8 * out.num_verify_steps
+    assert len(calls) <= out.num_verify_steps - plain  # only exploration steps drafted
+    ref = _engine(tiny_target_dir, "none", 1).generate([list(range(10, 40))], SamplingParams(max_tokens=64, ignore_eos=True))
+    assert out.token_ids == ref[0].token_ids
