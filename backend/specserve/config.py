@@ -158,17 +158,16 @@ class SpecConfig:
 
     def resolved(self) -> SpecConfig:
         """Fill unset (0) values with SGLang's defaults: Llama (5, 4, 8); NGRAM 12 draft tokens;
-        MTP with nothing set: one step (1, 1, 2)."""
+        MTP with nothing set: one step with its two likeliest tokens (1, 2, 3)."""
         if self.algorithm == "none":
             return SpecConfig(algorithm="none", num_steps=0, topk=1, num_draft_tokens=1)
         if self.algorithm == "ngram":
             n = self.num_draft_tokens or 12
             return replace(self, num_draft_tokens=n, num_steps=self.num_steps or n - 1, topk=self.topk or 1)
         if self.algorithm == "mtp" and not (self.num_steps or self.topk or self.num_draft_tokens):
-            # one MTP step, as DeepSeek-V3 is usually served; measured best for our SmolLM2 head on CPU
-            # (fifth-session head: accept length 1.29-1.33 at 1 step, 1.36 / 1.37 at 2 / 3 chained steps:
-            # bench/measured/mtp_sweep_s5_*.json)
-            return replace(self, num_steps=1, topk=1, num_draft_tokens=2)
+            # one MTP step, as DeepSeek-V3 is usually served, with its two likeliest tokens: adaptive
+            # speculation then chooses per step between none, the top token (1/2/2) and both (1/2/3)
+            return replace(self, num_steps=1, topk=2, num_draft_tokens=3)
         steps, topk = self.num_steps or 5, self.topk or 4
         n = self.num_draft_tokens or (steps + 1 if topk == 1 else 8)
         if topk == 1:

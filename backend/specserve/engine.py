@@ -259,7 +259,7 @@ class Engine:
         return outputs
 
     @torch.inference_mode()
-    def _warm_up(self, steps_per_shape: int = 3) -> None:
+    def _warm_up(self, steps_per_shape: int = 2) -> None:
         """Measure every shape's step time at every batch-size bucket on a synthetic prompt (the
         first step of each shape is discarded), so the chooser starts from this machine's costs."""
         prompt = self.tokenizer.encode(WARM_UP_TEXT * 2, add_special_tokens=False).ids

@@ -257,6 +257,7 @@ def test_metrics_are_exported(server):
         "specserve:time_per_output_token_seconds_bucket",
         "specserve:e2e_request_latency_seconds_bucket",
         "specserve:spec_decode_accept_length_bucket",
+        "specserve:spec_decode_tree_size_bucket",
         "specserve:prompt_tokens_total",
         "specserve:generation_tokens_total",
         "specserve:spec_decode_num_draft_tokens_total",
@@ -266,6 +267,7 @@ def test_metrics_are_exported(server):
         assert f'{family}{{' in text, family
     assert metric(server, "specserve:generation_tokens_total", model="specdec_base", version="1") > 0
     assert metric(server, "specserve:time_to_first_token_seconds_count", model="specdec_base") > 0
+    assert metric(server, "specserve:spec_decode_tree_size_count", model="specdec_base") > 0  # size 1 per step
 
 
 def test_concurrent_streams_each_get_their_own_tokens(server, tokenizer, reference_engine, mtbench_prompts):

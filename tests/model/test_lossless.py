@@ -44,7 +44,7 @@ def test_ngram_greedy_is_lossless(engine_factory, mtbench_prompts, reference, ba
         ("eagle", dict(num_steps=4, topk=1)),
         ("eagle3", dict(num_steps=5, topk=4, num_draft_tokens=8)),
         ("eagle3", dict(num_steps=3, topk=2, num_draft_tokens=6)),
-        ("mtp", dict()),  # its default: one step
+        ("mtp", dict(num_steps=1, topk=1, num_draft_tokens=2)),  # its default shape, pinned
         ("mtp", dict(num_steps=3, topk=2, num_draft_tokens=6)),  # the head reused for later steps
     ],
     ids=["eagle2-5x4x8", "eagle2-chain4", "eagle3-5x4x8", "eagle3-3x2x6", "mtp-1x1x2", "mtp-3x2x6"],
@@ -62,3 +62,23 @@ def test_model_drafter_greedy_is_lossless(engine_factory, mtbench_prompts, refer
     # a trained drafter (an untrained head accepts almost nothing): EAGLE > 1.25 tokens per step; the
     # MTP head, trained on fewer tokens per parameter, > 1.2 (it measures 1.25-1.32, README)
     assert sum(o.num_accepted_tokens for o in outs) > steps // (5 if algorithm == "mtp" else 4)
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+@pytest.mark.parametrize("algorithm", ["ngram", "eagle", "eagle3", "mtp"])
+def test_adaptive_shapes_are_lossless(engine_factory, mtbench_prompts, reference, batch_size, algorithm):
+    """The served default: each step's shape chosen by the cost model, switching shapes every other
+    step (exploration forced), the EAGLE / MTP drafters catching up after plain steps."""
+    from specserve.cli import DEFAULT_DRAFTERS, REPO_ROOT, TOKEN_MAPS
+
+    spec = {}
+    if algorithm in DEFAULT_DRAFTERS:
+        spec["drafter_path"] = str(REPO_ROOT / DEFAULT_DRAFTERS[algorithm])
+    if algorithm in TOKEN_MAPS:
+        spec["token_map"] = str(REPO_ROOT / TOKEN_MAPS[algorithm])
+    engine = engine_factory(algorithm=algorithm, max_batch_size=batch_size, **spec)
+    assert len(engine.chooser.menu) > 1
+    engine.chooser.explore_every = 2
+    outs = engine.generate(mtbench_prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outs] == reference
+    assert len(engine.chooser.chosen) >= 2

@@ -78,12 +78,12 @@ def _drafter_spec(tmp_path, algorithm):
     return {}
 
 
-@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("batch", [1, 4, 8])
 @pytest.mark.parametrize("algorithm", ["ngram", "eagle", "eagle3", "standalone"])
 def test_adaptive_shapes_are_lossless(tmp_path, tiny_target_dir, algorithm, batch):
     """Shapes change every other step (exploration forced); outputs equal plain decoding."""
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() * 3 for n in (4, 7, 5, 9, 6)]  # repetitive
+    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() * 3 for n in (4, 7, 5, 9, 6, 8, 3, 5, 6)]  # repetitive
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     eng = _engine(tiny_target_dir, algorithm, batch, **_drafter_spec(tmp_path, algorithm))
     assert len(eng.chooser.menu) > 2

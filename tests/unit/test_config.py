@@ -29,7 +29,7 @@ def test_spec_defaults_follow_sglang():
     chain = SpecConfig(algorithm="eagle3", num_steps=3, topk=1, num_draft_tokens=9).resolved()
     assert chain.num_draft_tokens == 4  # topk=1 forces num_steps + 1
     assert SpecConfig(algorithm="ngram").resolved().num_draft_tokens == 12
-    assert SpecConfig(algorithm="mtp").resolved() == SpecConfig(algorithm="mtp", num_steps=1, topk=1, num_draft_tokens=2)
+    assert SpecConfig(algorithm="mtp").resolved() == SpecConfig(algorithm="mtp", num_steps=1, topk=2, num_draft_tokens=3)
     assert SpecConfig(algorithm="mtp", num_steps=3, topk=1).resolved().num_draft_tokens == 4  # a chain of 3
     with pytest.raises(ValueError, match="^algorithm"):
         SpecConfig(algorithm="medusa")
