@@ -9,8 +9,10 @@ up to the configured num_draft_tokens.
 `ShapeChooser` keeps, per batch-size bucket and shape, a moving average of the step's wall time
 (measured at warm-up, then on every step) and, per shape, of the accept length (tokens a request
 gains per step, the bonus token included). A step runs the shape with the largest
-accept_length / step_time for its bucket; every `explore_every`-th step runs a neighbour of it
-instead, so the estimates of the shapes around the best one stay current.
+accept_length / step_time for its bucket, where a drafting shape must beat plain decoding by
+`margin` (step times on a busy CPU are noisy: a near-tie is not worth a draft); every
+`explore_every`-th step runs a neighbour of it instead, so the estimates of the shapes around the
+best one stay current.
 
 This module measures nothing itself and knows nothing about models or trees: the engine reports
 each step's batch size, shape, time and accept lengths (`observe`).
@@ -77,10 +79,12 @@ class _Average:
 class ShapeChooser:
     """Per step: `choose(batch_size)` -> a shape of the menu; after it: `observe(...)`."""
 
-    def __init__(self, menu: Sequence[DraftShape], batch_buckets: Sequence[int], explore_every: int = 16) -> None:
+    def __init__(self, menu: Sequence[DraftShape], batch_buckets: Sequence[int], explore_every: int = 16,
+                 margin: float = 0.05) -> None:
         self.menu = tuple(menu)
         self.buckets = sorted(set(batch_buckets))
         self.explore_every = explore_every
+        self.margin = margin
         self.step_time = {(b, s): _Average(horizon=10) for b in self.buckets for s in self.menu}  # seconds
         self.accept = {s: _Average(horizon=40) for s in self.menu}  # tokens per request per step
         self.chosen: Counter[DraftShape] = Counter()
@@ -104,7 +108,8 @@ class ShapeChooser:
         unmeasured = [s for r, s in rates if r is None]
         if unmeasured:
             return unmeasured[0]
-        return max(rates, key=lambda rs: (rs[0], -rs[1].num_draft_tokens))[1]
+        handicap = [(r / (1.0 + self.margin) if s.drafts else r, s) for r, s in rates]
+        return max(handicap, key=lambda rs: (rs[0], -rs[1].num_draft_tokens))[1]
 
     def choose(self, batch_size: int) -> DraftShape:
         self._steps += 1

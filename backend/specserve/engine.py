@@ -41,7 +41,7 @@ from specserve.config import EngineConfig, SamplingParams
 from specserve.cpu_linear import pack_for_inference
 from specserve.cuda_graph import GraphRunner, default_batch_sizes
 from specserve.detokenize import IncrementalDetokenizer
-from specserve.drafters import Drafter
+from specserve.drafters import DraftContext, Drafter
 from specserve.drafters.factory import build_drafter
 from specserve.kv_cache import KVCache
 from specserve.model import ForwardOutput
@@ -152,7 +152,11 @@ class Engine:
         self.model.attention_backend = self._attention_backend()
         self.tokenizer = Tokenizer.from_file(f"{config.model_dir}/tokenizer.json")
         self.eos_ids = self._eos_ids()
-        self.drafter: Drafter = build_drafter(self.spec, self)
+        self.drafter: Drafter = build_drafter(self.spec, DraftContext(
+            target=self.model, model_dir=config.model_dir, num_slots=config.max_batch_size + int(self.use_graphs),
+            max_len=self.cache.max_len, max_seq_len=config.max_seq_len, dtype=config.torch_dtype, device=config.device,
+            graph_batch_sizes=self.graph_batch_sizes if self.use_graphs else (), capture_graphs=self.capture_graphs,
+        ))
         self.graphs = self._graph_runner() if self.use_graphs else None
         self._default_generator = torch.Generator().manual_seed(0)
         self._forced_shape: DraftShape | None = None  # warm-up runs each shape in turn

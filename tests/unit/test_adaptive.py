@@ -120,3 +120,13 @@ def test_a_drafter_that_costs_more_than_it_saves_is_left_idle(tmp_path, tiny_tar
     assert len(calls) <= out.num_verify_steps - plain  # only exploration steps drafted
     ref = _engine(tiny_target_dir, "none", 1).generate([list(range(10, 40))], SamplingParams(max_tokens=64, ignore_eos=True))
     assert out.token_ids == ref[0].token_ids
+
+
+def test_a_draft_must_beat_plain_decoding_by_the_margin():
+    c = ShapeChooser(shape_menu(1, 1, 2), batch_buckets=(1,), margin=0.05)
+    c.observe(1, c.menu[0], 0.010, [1])  # 100 tokens/s
+    c.observe(1, c.menu[1], 0.0100, [1.03])  # 103: a near-tie
+    assert c.best(1) == c.menu[0]
+    for _ in range(40):
+        c.observe(1, c.menu[1], 0.0100, [1.08])  # 108: a clear gain
+    assert c.best(1) == c.menu[1]

@@ -1,5 +1,5 @@
 """Drafting methods behind one interface (`Drafter`); one file per method."""
 
-from specserve.drafters.base import Drafter, NoDrafter, SequenceView
+from specserve.drafters.base import DraftContext, Drafter, NoDrafter, SequenceView
 
-__all__ = ["Drafter", "NoDrafter", "SequenceView"]
+__all__ = ["DraftContext", "Drafter", "NoDrafter", "SequenceView"]

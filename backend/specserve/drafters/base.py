@@ -9,6 +9,7 @@ tokenization; model-based drafters (EAGLE, MTP) read the target's hidden states 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -17,7 +18,28 @@ from specserve.tree import DraftTree, TreeBatch
 
 if TYPE_CHECKING:
     from specserve.adaptive import DraftShape
-    from specserve.model import ForwardOutput
+    from specserve.model import ForwardOutput, LlamaModel
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What a drafter is built from: the target and the engine's fixed sizes, not the engine.
+
+    num_slots: drafter-cache slots, the graphs' padding slot (the last) included when
+    graph_batch_sizes is set; max_len: cache entries per slot (max_seq_len plus the trees' scratch
+    area); graph_batch_sizes: the buckets a static draft runs in (empty: no static drafts);
+    capture_graphs: whether those drafts are captured as CUDA graphs.
+    """
+
+    target: LlamaModel
+    model_dir: str
+    num_slots: int
+    max_len: int
+    max_seq_len: int
+    dtype: torch.dtype
+    device: str
+    graph_batch_sizes: tuple[int, ...] = ()
+    capture_graphs: bool = False
 
 
 class SequenceView(Protocol):

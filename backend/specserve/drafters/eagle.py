@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,7 +32,7 @@ from specserve.adaptive import DraftShape
 from specserve.config import SpecConfig
 from specserve.cpu_linear import pack_for_inference
 from specserve.cuda_graph import DraftGraphs
-from specserve.drafters.base import Drafter, SequenceView
+from specserve.drafters.base import DraftContext, Drafter, SequenceView
 from specserve.drafters.beam import (
     causal_extend_mask,
     grow_trees,
@@ -46,9 +45,6 @@ from specserve.kv_cache import KVCache
 from specserve.model import ForwardOutput, rope_table
 from specserve.tree import DraftTree, TreeBatch
 
-if TYPE_CHECKING:
-    from specserve.engine import Engine
-
 
 def load_token_map(path: str | Path) -> torch.Tensor:
     """FR-Spec hot token ids: a torch-saved 1-D tensor or list (SGLang's --speculative-token-map)."""
@@ -57,13 +53,12 @@ def load_token_map(path: str | Path) -> torch.Tensor:
 
 
 class EagleDrafter(Drafter):
-    def __init__(self, spec: SpecConfig, engine: Engine) -> None:
-        cfg = engine.config
+    def __init__(self, spec: SpecConfig, ctx: DraftContext) -> None:
         self.spec = spec
         if spec.algorithm == "mtp":  # heads ship inside the target's checkpoint unless a path is given
-            self.head = load_mtp(spec.drafter_path or cfg.model_dir, engine.model, cfg.torch_dtype, cfg.device)
+            self.head = load_mtp(spec.drafter_path or ctx.model_dir, ctx.target, ctx.dtype, ctx.device)
         elif spec.drafter_path:
-            self.head = load_eagle(spec.drafter_path, engine.model, cfg.torch_dtype, cfg.device)
+            self.head = load_eagle(spec.drafter_path, ctx.target, ctx.dtype, ctx.device)
         else:
             raise ValueError(f"drafter_path: algorithm {spec.algorithm} needs a drafter directory")
         if self.head.cfg.kind != spec.algorithm:
@@ -77,24 +72,23 @@ class EagleDrafter(Drafter):
             self.head.target_head.pack()
         self.aux_layers = self.head.cfg.aux_layer_ids
         self.scratch = (spec.num_steps - 1) * spec.topk  # draft K/V entries after L per request
-        spare = engine.cache.max_len - cfg.max_seq_len
+        spare = ctx.max_len - ctx.max_seq_len
         if self.scratch > spare:
             raise ValueError(f"num_steps: (num_steps - 1) * topk = {self.scratch} exceeds {spare} scratch entries")
         layer_cfg = self.head.cfg.layer_config()
-        slots = cfg.max_batch_size + int(engine.use_graphs)  # with graphs, a padding slot (the last)
-        self.cache = KVCache(layer_cfg, slots, engine.cache.max_len, cfg.torch_dtype, cfg.device)
-        self.rope = tuple(t.to(cfg.device) for t in rope_table(layer_cfg, engine.cache.max_len, cfg.torch_dtype))
-        self.device = cfg.device
+        self.cache = KVCache(layer_cfg, ctx.num_slots, ctx.max_len, ctx.dtype, ctx.device)
+        self.rope = tuple(t.to(ctx.device) for t in rope_table(layer_cfg, ctx.max_len, ctx.dtype))
+        self.device = ctx.device
         # (slots, H): the head's output at each request's last position (its root's children)
-        self.last_hidden = torch.zeros(slots, self.head.cfg.hidden_size, dtype=cfg.torch_dtype, device=cfg.device)
+        self.last_hidden = torch.zeros(ctx.num_slots, self.head.cfg.hidden_size, dtype=ctx.dtype, device=ctx.device)
         # (slots, max_len, F): the target's features per position, read by the next catch-up
-        self.features = torch.zeros(slots, engine.cache.max_len, self.head.cfg.feature_size, dtype=cfg.torch_dtype,
-                                    device=cfg.device)
-        self.synced = [0] * slots  # per slot: positions the head's cache holds (the rest wait in `features`)
+        self.features = torch.zeros(ctx.num_slots, ctx.max_len, self.head.cfg.feature_size, dtype=ctx.dtype,
+                                    device=ctx.device)
+        self.synced = [0] * ctx.num_slots  # per slot: positions the head's cache holds (the rest wait in `features`)
         self.full_shape = DraftShape.configured(spec)
-        self.graphs = None if not engine.use_graphs else DraftGraphs(
-            self._draft_static, engine.graph_batch_sizes, self.cache.reserve(), torch.device(cfg.device),
-            engine.capture_graphs,
+        self.graphs = None if not ctx.graph_batch_sizes else DraftGraphs(
+            self._draft_static, ctx.graph_batch_sizes, self.cache.reserve(), torch.device(ctx.device),
+            ctx.capture_graphs,
         )
 
     # ---- one head forward over the draft cache ------------------------------------------------

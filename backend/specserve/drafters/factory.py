@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from specserve.config import SpecConfig
-from specserve.drafters.base import Drafter, NoDrafter
-
-if TYPE_CHECKING:
-    from specserve.engine import Engine
+from specserve.drafters.base import DraftContext, Drafter, NoDrafter
 
 
-def build_drafter(spec: SpecConfig, engine: Engine) -> Drafter:
+def build_drafter(spec: SpecConfig, ctx: DraftContext) -> Drafter:
     if spec.algorithm == "none":
         return NoDrafter()
     if spec.algorithm == "ngram":
@@ -21,9 +16,9 @@ def build_drafter(spec: SpecConfig, engine: Engine) -> Drafter:
     if spec.algorithm in ("eagle", "eagle3", "mtp"):
         from specserve.drafters.eagle import EagleDrafter
 
-        return EagleDrafter(spec, engine)
+        return EagleDrafter(spec, ctx)
     if spec.algorithm == "standalone":
         from specserve.drafters.standalone import StandaloneDrafter
 
-        return StandaloneDrafter(spec, engine)
+        return StandaloneDrafter(spec, ctx)
     raise NotImplementedError(f"algorithm: {spec.algorithm!r} is not implemented yet (see README, Status)")

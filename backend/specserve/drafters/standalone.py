@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,15 +21,12 @@ from torch import nn
 from specserve.adaptive import DraftShape
 from specserve.config import SpecConfig
 from specserve.cpu_linear import pack_for_inference
-from specserve.drafters.base import Drafter, SequenceView
+from specserve.drafters.base import DraftContext, Drafter, SequenceView
 from specserve.drafters.beam import causal_extend_mask, grow_trees, scattered_attention_inputs
 from specserve.kv_cache import KVCache
 from specserve.model import ForwardOutput, LlamaModel
 from specserve.tree import DraftTree
 from specserve.weights import load_llama
-
-if TYPE_CHECKING:
-    from specserve.engine import Engine
 
 
 def first_layers(target: LlamaModel, k: int) -> LlamaModel:
@@ -45,27 +41,26 @@ def first_layers(target: LlamaModel, k: int) -> LlamaModel:
 
 
 class StandaloneDrafter(Drafter):
-    def __init__(self, spec: SpecConfig, engine: Engine) -> None:
-        cfg = engine.config
+    def __init__(self, spec: SpecConfig, ctx: DraftContext) -> None:
         self.spec = spec
         if spec.drafter_path:
-            self.model = load_llama(spec.drafter_path, cfg.torch_dtype, cfg.device)
+            self.model = load_llama(spec.drafter_path, ctx.dtype, ctx.device)
             pack_for_inference(self.model)
-            if self.model.cfg.vocab_size != engine.model_config.vocab_size:
+            if self.model.cfg.vocab_size != ctx.target.cfg.vocab_size:
                 raise ValueError(
                     f"drafter_path: draft vocabulary {self.model.cfg.vocab_size} differs from the target's "
-                    f"{engine.model_config.vocab_size}"
+                    f"{ctx.target.cfg.vocab_size}"
                 )
         else:
-            self.model = first_layers(engine.model, spec.standalone_num_layers or engine.model_config.num_layers // 4)
+            self.model = first_layers(ctx.target, spec.standalone_num_layers or ctx.target.cfg.num_layers // 4)
         self.model.requires_grad_(False)
         scratch = (spec.num_steps - 1) * spec.topk + 1  # + the root, which sits after the target's cache_len
-        if scratch > engine.cache.max_len - cfg.max_seq_len:
+        if scratch > ctx.max_len - ctx.max_seq_len:
             raise ValueError(f"num_steps: (num_steps - 1) * topk = {scratch - 1} exceeds the scratch entries")
-        self.model.init_rope(engine.cache.max_len)
-        self.cache = KVCache(self.model.cfg, cfg.max_batch_size, engine.cache.max_len, cfg.torch_dtype, cfg.device)
-        self.cached = [0] * cfg.max_batch_size  # per slot: tokens whose K/V are in the draft cache
-        self.device = cfg.device
+        self.model.init_rope(ctx.max_len)
+        self.cache = KVCache(self.model.cfg, ctx.num_slots, ctx.max_len, ctx.dtype, ctx.device)
+        self.cached = [0] * ctx.num_slots  # per slot: tokens whose K/V are in the draft cache
+        self.device = ctx.device
 
     def on_prefill(self, seqs: Sequence[SequenceView], out: ForwardOutput) -> None:
         for s in seqs:  # a new request in this slot: its prompt is drafted on the first propose
