@@ -112,33 +112,32 @@ def test_static_engine_eagle3_slices_aux_features(tmp_path, tiny_target_dir):
     assert [o.accept_lengths for o in outs] == [o.accept_lengths for o in off]  # same drafts as eager
 
 
+@pytest.mark.parametrize("graph_mode", ["static", "off"])
 @pytest.mark.parametrize(("kind", "num_steps", "topk", "num_draft_tokens"),
                          [("eagle", 4, 2, 8), ("eagle3", 3, 1, 4), ("eagle3", 3, 4, 12)])
-def test_static_draft_builds_the_host_drafts_trees(tmp_path, tiny_target_dir, kind, num_steps, topk, num_draft_tokens):
-    """Every propose of a static engine (the on-device beam that `DraftGraphs` captures, padded to
-    its bucket) gives the trees the host beam gives for the same drafter state. Buckets 1, 2, 4
-    (cuda_graph_max_bs=4): 3 requests are padded to 4, 5 are drafted on the host."""
+def test_device_beam_builds_the_host_drafts_trees(tmp_path, tiny_target_dir, kind, num_steps, topk, num_draft_tokens,
+                                                  graph_mode):
+    """Every propose (the on-device beam: static, as `DraftGraphs` captures it, padded to its
+    bucket; or eager, keys cut to the longest request) gives the trees the host's
+    `DynamicTreeBuilder` gives for the same drafter state. Static buckets 1, 2, 4
+    (cuda_graph_max_bs=4): 3 requests are padded to 4, 5 are drafted eagerly."""
     from test_eagle import write_checkpoint
 
     path = write_checkpoint(tmp_path / kind, kind)
     spec = dict(drafter_path=str(path), num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens)
-    eng = _engine(tiny_target_dir, "static", kind, batch=5, cuda_graph_max_bs=4, **spec)
+    eng = _engine(tiny_target_dir, graph_mode, kind, batch=5, cuda_graph_max_bs=4, **spec)
     drafter, compared, above = eng.drafter, [], []
-    assert drafter.graphs is not None and drafter.graphs.batch_sizes == [1, 2, 4]
+    if graph_mode == "static":
+        assert drafter.graphs is not None and drafter.graphs.batch_sizes == [1, 2, 4]
     propose = drafter.propose
 
     def both(seqs, shape):  # noqa: ANN001, ANN202
         proposal = propose(seqs, shape)
-        graphs, drafter.graphs = drafter.graphs, None
-        host = TreeBatch.from_trees(propose(seqs, shape))  # the catch-up ran already: same drafter state
-        drafter.graphs = graphs
-        if isinstance(proposal, TreeBatch):
-            assert proposal.tokens.shape == (len(seqs), num_draft_tokens)
-            assert torch.equal(proposal.tokens, host.tokens) and torch.equal(proposal.parents, host.parents)
-            assert torch.equal(proposal.mask, host.mask)
-            compared.append(len(seqs))
-        else:
-            above.append(len(seqs))
+        host = TreeBatch.from_trees(drafter.draft_on_host(seqs, shape))  # the catch-up ran already
+        assert proposal.tokens.shape == (len(seqs), num_draft_tokens)
+        assert torch.equal(proposal.tokens, host.tokens) and torch.equal(proposal.parents, host.parents)
+        assert torch.equal(proposal.mask, host.mask)
+        (compared if len(seqs) <= 4 else above).append(len(seqs))  # in a graph bucket, or eager above them
         return proposal
 
     drafter.propose = both

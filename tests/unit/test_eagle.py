@@ -181,7 +181,7 @@ def test_draft_cache_matches_recompute_and_training_unroll(tmp_path, tiny_target
         eng.step()
     req = next(r for r in eng.running if r.request_id == rid)
     drafter = eng.drafter
-    chain = drafter.propose([req])[0].tokens.tolist()  # [root, d1, ..., d_steps]
+    chain = drafter.propose([req]).tokens[0].tolist()  # [root, d1, ..., d_steps]
 
     seq = req.token_ids[: req.cache_len]  # target positions 0..L-1 (their K/V and features exist)
     ext = torch.tensor([seq + chain[:-1]])  # + root, d1 .. d_{steps-1}: the unroll's ground-truth inputs

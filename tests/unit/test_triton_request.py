@@ -301,6 +301,9 @@ def test_engine_config_from_parameters():
     gpu = engine_config_from_parameters({"attention_backend": "torch", "disable_cuda_graph": "true", "cuda_graph_max_bs": "16"})
     assert (gpu.attention_backend, gpu.graph_mode, gpu.cuda_graph_max_bs) == ("torch", "off", 16)
     assert engine_config_from_parameters({"disable_cuda_graph": "false"}).graph_mode == "auto"
+    assert engine_config_from_parameters({"adaptive": "false"}).spec.adaptive is False
+    assert engine_config_from_parameters({"adaptive": "true"}).spec.adaptive is True
+    assert engine_config_from_parameters({"dtype": "auto", "device": "cpu"}).dtype in ("bfloat16", "float32")
 
 
 @pytest.mark.parametrize(
@@ -308,7 +311,8 @@ def test_engine_config_from_parameters():
     [({"max_batch_size": "x"}, "max_batch_size"), ({"algorithm": "magic"}, "algorithm"),
      ({"num_steps": "two"}, "num_steps"), ({"dtype": "int8"}, "dtype"), ({"typo_key": "1"}, "typo_key"),
      ({"attention_backend": "xformers"}, "attention_backend"), ({"disable_cuda_graph": "maybe"}, "disable_cuda_graph"),
-     ({"cuda_graph_max_bs": "-1"}, "cuda_graph_max_bs"), ({"disable_by_batch_size": "-2"}, "disable_by_batch_size")],
+     ({"cuda_graph_max_bs": "-1"}, "cuda_graph_max_bs"), ({"disable_by_batch_size": "-2"}, "disable_by_batch_size"),
+     ({"adaptive": "sometimes"}, "adaptive")],
 )
 def test_engine_config_errors(params, field):
     with pytest.raises(ValueError, match=rf"^{field}:"):

@@ -12,11 +12,13 @@ head catches up over everything it has not seen at the start of the next propose
 overwriting the scratch area, so the drafter's cache holds target features only. Steps that decode
 without drafts therefore cost the drafter nothing.
 propose: after the catch-up, step 0 takes topk children of the root from `last_hidden`;
-`beam.grow_trees` runs the num_steps - 1 draft forwards over the beam (rope position L + step - 1,
-K/V in a scratch area after L that only the node's descendants see), each node carrying its
-parent's hidden state. When the engine uses graphs (`graph_mode` static, or auto on CUDA)
-`_draft_static` runs the configured shape's draft with `beam.grow_trees_on_device`, captured once
-per batch size by `cuda_graph.DraftGraphs`; smaller shapes are drafted on the host.
+`beam.grow_trees_on_device` runs the num_steps - 1 draft forwards over the beam (rope position
+L + step - 1, K/V in a scratch area after L that only the node's descendants see), each node
+carrying its parent's hidden state, and picks the beam and the final tree by tensor ops. When the
+engine uses graphs (`graph_mode` static, or auto on CUDA) the configured shape's draft runs with
+keys over the whole slot, captured once per batch size by `cuda_graph.DraftGraphs`; other shapes
+run eagerly. `draft_on_host` is the same draft with the host's `DynamicTreeBuilder`: the tests'
+reference.
 
 The drafter does not verify, sample or touch the target's cache.
 """
@@ -165,29 +167,43 @@ class EagleDrafter(Drafter):
         tokens = self.head.to_target_ids(idx)
         return (probs.cpu(), tokens.cpu()) if on_host else (probs, tokens)
 
-    def _draft_static(self, slots: torch.Tensor, base: torch.Tensor, roots: torch.Tensor) -> TreeBatch:
-        """The whole draft from tensors only, keys over the whole cache slot: what `DraftGraphs`
-        captures. slots, base (= cache_len), roots (B,) -> B trees of equal size."""
-        h = self.last_hidden[slots]  # (B, H)
+    def _draft(self, slots: list[int] | torch.Tensor, base: torch.Tensor, roots: torch.Tensor, shape: DraftShape,
+               key_len: int) -> TreeBatch:
+        """The whole draft from tensors, the beam picked by tensor ops (`grow_trees_on_device`): no
+        per-request Python, no host sync. slots: host ints (eager) or a (B,) tensor (`DraftGraphs`,
+        key_len = the whole slot); base (= cache_len), roots (B,) -> B trees of equal size."""
+        h = self.last_hidden[slots]  # (B, H): gives the roots' children
         probs, tokens = self._topk(h, on_host=False)
 
         def step(beam_tokens, parent_h, positions, write_pos, mask, key_len):  # noqa: ANN001, ANN202
             hs = self._forward(beam_tokens, parent_h, positions, write_pos, mask, key_len, slots)
             return (hs, *self._topk(hs, on_host=False))
 
-        sp = self.spec
-        return grow_trees_on_device(roots, base, probs, tokens, h, step, sp.num_steps, sp.topk, sp.num_draft_tokens,
-                                    key_len=self.cache.max_len)
+        return grow_trees_on_device(roots, base, probs, tokens, h, step, shape.num_steps, shape.topk,
+                                    shape.num_draft_tokens, key_len=key_len)
 
-    def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree] | TreeBatch:
+    def _draft_static(self, slots: torch.Tensor, base: torch.Tensor, roots: torch.Tensor) -> TreeBatch:
+        """The configured shape's draft with keys over the whole cache slot: what `DraftGraphs` captures."""
+        return self._draft(slots, base, roots, self.full_shape, self.cache.max_len)
+
+    def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> TreeBatch:
         shape = shape or self.full_shape
         self._catch_up(seqs)
-        host_slots = [s.slot for s in seqs]
+        host_slots, cache_lens = [s.slot for s in seqs], [s.cache_len for s in seqs]
+        roots = [s.token_ids[-1] for s in seqs]
         if self.graphs is not None and shape == self.full_shape:
-            batch = self.graphs(host_slots, [s.cache_len for s in seqs], [s.token_ids[-1] for s in seqs])
+            batch = self.graphs(host_slots, cache_lens, roots)
             if batch is not None:  # None: more requests than the largest bucket, drafted below
                 return batch
-        h = self.last_hidden[host_slots]  # (B, H): gives the roots' children
+        key_len = max(cache_lens) + max((shape.num_steps - 1) * shape.topk, 1)  # prefix + the beam's scratch
+        return self._draft(host_slots, torch.tensor(cache_lens, device=self.device),
+                           torch.tensor(roots, device=self.device), shape, key_len)
+
+    def draft_on_host(self, seqs: Sequence[SequenceView], shape: DraftShape) -> list[DraftTree]:
+        """The same draft with the beam picked on the host by `DynamicTreeBuilder`: the reference
+        the tests hold `propose` to (call it after a propose, so the head has caught up)."""
+        host_slots = [s.slot for s in seqs]
+        h = self.last_hidden[host_slots]
         probs, tokens = self._topk(h)
 
         def step(beam_tokens, parent_h, positions, write_pos, mask, key_len):  # noqa: ANN001, ANN202
