@@ -44,7 +44,7 @@ def main() -> None:
     base = Engine(config)
     prompts = [base.tokenizer.encode(render_chat(config.model_dir, q), add_special_tokens=False).ids
                for q in load_questions("mtbench", args.num_prompts)]
-    none = run_engine(base, prompts, args.max_new_tokens, "none")
+    none = run_engine(base, prompts, args.max_new_tokens)
     del base
     rows = []
     for algorithm in args.algorithms.split(","):
@@ -52,8 +52,7 @@ def main() -> None:
             sizes = [args.num_steps + 1] if topk == 1 else [int(n) for n in args.num_draft_tokens.split(",")]
             for n in sizes:
                 spec = spec_for(algorithm, args.num_steps, topk, n)
-                run = run_engine(Engine(replace(config, spec=spec)), prompts, args.max_new_tokens,
-                                 f"{algorithm} topk={topk} n={n}")
+                run = run_engine(Engine(replace(config, spec=spec)), prompts, args.max_new_tokens)
                 rows.append({"algorithm": algorithm, "num_steps": args.num_steps, "topk": topk, "num_draft_tokens": n,
                              "accept_length": round(run["accept_length"], 3),
                              "tokens_per_s": round(run["tokens_per_s"], 2),

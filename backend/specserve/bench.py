@@ -1,9 +1,9 @@
 """`specserve bench`: side-by-side tokens/s on the same prompts, dtype and token budget.
 
-One run measures, in this order: HF transformers `generate()` (batch 1, greedy), our engine with
-algorithm=none (the baseline every speed-up is a ratio of), and each speculative algorithm asked
-for (`runs`, one row each) — checking that its greedy output equals `none`'s token for token
-(`lossless`).
+One run measures HF transformers `generate()` (batch 1, greedy), our engine with algorithm=none
+(the baseline every speed-up is a ratio of) and each speculative algorithm asked for (`runs`, one
+row each), interleaved chunk by chunk of prompts — checking that each algorithm's greedy output
+equals `none`'s token for token (`lossless`).
 It also estimates the memory-bandwidth limit for batch 1 (weight bytes per token ÷ copy bandwidth).
 """
 
@@ -64,60 +64,82 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     return total
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int, desc: str) -> dict:
-    params = SamplingParams(max_tokens=max_new_tokens)
-    engine.generate([prompts[0]], params)  # warm-up on a real prompt and budget, untimed
-    engine.profile = StepProfile()
-    engine.chooser.chosen.clear()
-    start = time.perf_counter()
-    bar = tqdm(total=len(prompts), desc=desc, unit="prompt")
-    ids = [engine.add_request(p, params) for p in prompts]
-    merged: dict[str, list[int]] = {i: [] for i in ids}
-    finals = {}
-    while engine.has_work():
-        for out in engine.step():
-            merged[out.request_id] += out.token_ids
-            if out.finished:
-                finals[out.request_id] = out
-                bar.update()
-    seconds = time.perf_counter() - start
-    bar.close()
-    outs = [merged[i] for i in ids]
-    tokens = sum(len(o) for o in outs)
-    steps = sum(finals[i].num_verify_steps for i in ids)
-    accepted = sum(finals[i].num_accepted_tokens for i in ids)
-    return {
-        "tokens": tokens,
-        "seconds": seconds,
-        "tokens_per_s": tokens / seconds,
-        "accept_length": (accepted + steps) / max(steps, 1),
-        "outputs": outs,
-        "profile_ms": engine.profile.per_step_ms(),
-        "shapes": engine.chooser.summary(),
-    }
+class EngineRun:
+    """One engine under test; `run` times it on a chunk of prompts and accumulates its outputs."""
 
+    def __init__(self, engine: Engine, max_new_tokens: int) -> None:
+        self.engine, self.params = engine, SamplingParams(max_tokens=max_new_tokens)
+        self.outputs: list[list[int]] = []
+        self.seconds = 0.0
+        self.steps = self.accepted = 0
 
-def run_hf(model, prompts: list[list[int]], max_new_tokens: int, eos: tuple[int, ...], desc: str,
-           **generate_kwargs: object) -> dict:
-    """HF `generate()` at batch 1, greedy; extra kwargs e.g. prompt_lookup_num_tokens."""
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0],
-                  **generate_kwargs)
-    with torch.inference_mode():
-        model.generate(torch.tensor([prompts[0]]), **kwargs)  # warm-up on a real prompt and budget, untimed
+    def warm_up(self, prompt: list[int]) -> None:
+        """A real prompt and budget, untimed; then the profile and shape counts start afresh."""
+        self.engine.generate([prompt], self.params)
+        self.engine.profile = StepProfile()
+        self.engine.chooser.chosen.clear()
+
+    def run(self, prompts: list[list[int]]) -> None:
         start = time.perf_counter()
-        outs = []
-        for p in tqdm(prompts, desc=desc, unit="prompt"):
-            ids = model.generate(torch.tensor([p]), **kwargs)[0, len(p):].tolist()
-            outs.append(ids)
-        seconds = time.perf_counter() - start
-    tokens = sum(len(o) for o in outs)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "outputs": outs}
+        outs = self.engine.generate(prompts, self.params)  # continuous batching over the chunk
+        self.seconds += time.perf_counter() - start
+        self.outputs += [o.token_ids for o in outs]
+        self.steps += sum(o.num_verify_steps for o in outs)
+        self.accepted += sum(o.num_accepted_tokens for o in outs)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(len(o) for o in self.outputs) / self.seconds
+
+    @property
+    def accept_length(self) -> float:
+        return (self.accepted + self.steps) / max(self.steps, 1)
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """One engine alone over all prompts at once (continuous batching), after a warm-up:
+    tokens_per_s, accept_length and the outputs (for scripts that compare runs themselves)."""
+    run = EngineRun(engine, max_new_tokens)
+    run.warm_up(prompts[0])
+    run.run(prompts)
+    return {"tokens_per_s": run.tokens_per_s, "accept_length": run.accept_length, "outputs": run.outputs}
+
+
+class HFRun:
+    """HF `generate()` at batch 1, greedy; extra kwargs e.g. prompt_lookup_num_tokens."""
+
+    def __init__(self, model: torch.nn.Module, max_new_tokens: int, eos: tuple[int, ...], **generate_kwargs: object) -> None:
+        self.model = model
+        self.kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0],
+                           **generate_kwargs)
+        self.outputs: list[list[int]] = []
+        self.seconds = 0.0
+
+    def _generate(self, prompt: list[int]) -> list[int]:
+        with torch.inference_mode():
+            return self.model.generate(torch.tensor([prompt]), **self.kwargs)[0, len(prompt):].tolist()
+
+    def warm_up(self, prompt: list[int]) -> None:
+        self._generate(prompt)
+
+    def run(self, prompts: list[list[int]]) -> None:
+        for p in prompts:
+            start = time.perf_counter()
+            self.outputs.append(self._generate(p))
+            self.seconds += time.perf_counter() - start
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(len(o) for o in self.outputs) / self.seconds
 
 
 def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_tokens: int, batch_size: int,
               hf_baseline: bool = True, specs: list[SpecConfig] | None = None, profile: bool = False) -> dict:
     """specs: the algorithms to compare with none (default: config.spec alone). profile: add each
-    run's per-step phase times (`profile_ms`) and the shapes its steps chose (`shapes`)."""
+    run's per-step phase times (`profile_ms`). Every run also reports the shapes its steps chose.
+
+    The runs are interleaved: each chunk of `batch_size` prompts goes through HF, `none` and every
+    algorithm in turn, so a slow spell of a shared machine weighs on all of them alike."""
     specs = [s for s in (specs or [config.spec]) if s.algorithm != "none"]
     questions = load_questions(dataset, num_prompts)
     base_engine = Engine(replace(config, spec=SpecConfig(algorithm="none")))
@@ -132,60 +154,68 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         "dtype": config.dtype,
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
         "hardware": describe(),
+        "interleaved": True,
     }
     hf = lookup = None
     if hf_baseline:
         from transformers import AutoModelForCausalLM
 
         hf_model = AutoModelForCausalLM.from_pretrained(config.model_dir, dtype=config.torch_dtype).eval()
-        hf = run_hf(hf_model, prompts, max_new_tokens, base_engine.eos_ids, "hf generate")
-        report["hf_tokens_per_s"] = round(hf["tokens_per_s"], 2)
+        hf = HFRun(hf_model, max_new_tokens, base_engine.eos_ids)
         if any(s.algorithm == "ngram" for s in specs):  # HF's own n-gram drafting, the like-for-like baseline
-            lookup = run_hf(hf_model, prompts, max_new_tokens, base_engine.eos_ids, "hf prompt lookup",
-                            prompt_lookup_num_tokens=10)
-            report["hf_prompt_lookup_tokens_per_s"] = round(lookup["tokens_per_s"], 2)
-        del hf_model
-    base = run_engine(base_engine, prompts, max_new_tokens, "none")
-    report["baseline_tokens_per_s"] = round(base["tokens_per_s"], 2)
-    if profile:
-        report["baseline_profile_ms"] = base["profile_ms"]
+            lookup = HFRun(hf_model, max_new_tokens, base_engine.eos_ids, prompt_lookup_num_tokens=10)
+    base = EngineRun(base_engine, max_new_tokens)
+    runs = {spec.algorithm: EngineRun(Engine(replace(config, spec=spec)), max_new_tokens) for spec in specs}
+    timed: dict[str, EngineRun | HFRun] = {"none": base, **runs}
     if hf is not None:
-        report["none_vs_hf"] = round(base["tokens_per_s"] / hf["tokens_per_s"], 3)
-        report["hf_same_output"] = sum(a == b for a, b in zip(hf["outputs"], base["outputs"])) / len(prompts)
+        timed["hf generate"] = hf
+    if lookup is not None:
+        timed["hf prompt lookup"] = lookup
+    for r in timed.values():
+        r.warm_up(prompts[0])
+    for i in tqdm(range(0, len(prompts), batch_size), desc="chunks of prompts", unit="chunk"):
+        for r in timed.values():
+            r.run(prompts[i : i + batch_size])
+
+    report["baseline_tokens_per_s"] = round(base.tokens_per_s, 2)
+    if profile:
+        report["baseline_profile_ms"] = base.engine.profile.per_step_ms()
+    if hf is not None:
+        report["hf_tokens_per_s"] = round(hf.tokens_per_s, 2)
+        report["none_vs_hf"] = round(base.tokens_per_s / hf.tokens_per_s, 3)
+        report["hf_same_output"] = sum(a == b for a, b in zip(hf.outputs, base.outputs)) / len(prompts)
+    if lookup is not None:
+        report["hf_prompt_lookup_tokens_per_s"] = round(lookup.tokens_per_s, 2)
     if batch_size == 1:
         weight_bytes = weight_bytes_per_token(base_engine.model)
         bw, read_bw = copy_bandwidth_gbs(), read_bandwidth_gbs()
         report["weight_bytes"] = weight_bytes
         report["copy_bandwidth_gbs"] = round(bw, 2)
         report["bandwidth_limit_tokens_per_s"] = round(bw * 1e9 / weight_bytes, 2)
-        report["fraction_of_bandwidth_limit"] = round(base["tokens_per_s"] / report["bandwidth_limit_tokens_per_s"], 3)
+        report["fraction_of_bandwidth_limit"] = round(base.tokens_per_s / report["bandwidth_limit_tokens_per_s"], 3)
         report["read_bandwidth_gbs"] = round(read_bw, 2)
         report["read_bandwidth_limit_tokens_per_s"] = round(read_bw * 1e9 / weight_bytes, 2)
-    del base_engine
     report["runs"] = {}
-    for spec in specs:
-        engine = Engine(replace(config, spec=spec))
-        resolved, engine_menu = engine.spec, engine.chooser.menu
-        run = run_engine(engine, prompts, max_new_tokens, spec.algorithm)
-        del engine
+    for algorithm, run in runs.items():
+        resolved = run.engine.spec
         row = {
             "num_steps": resolved.num_steps, "topk": resolved.topk, "num_draft_tokens": resolved.num_draft_tokens,
-            "tokens_per_s": round(run["tokens_per_s"], 2),
-            "accept_length": round(run["accept_length"], 3),
-            "speedup": round(run["tokens_per_s"] / base["tokens_per_s"], 3),
-            "lossless": run["outputs"] == base["outputs"],
-            "same_output_fraction": sum(a == b for a, b in zip(run["outputs"], base["outputs"])) / len(prompts),
-            "tokens": run["tokens"],
-            "adaptive": len(engine_menu) > 1,
-            "shapes": run["shapes"],
+            "tokens_per_s": round(run.tokens_per_s, 2),
+            "accept_length": round(run.accept_length, 3),
+            "speedup": round(run.tokens_per_s / base.tokens_per_s, 3),
+            "lossless": run.outputs == base.outputs,
+            "same_output_fraction": sum(a == b for a, b in zip(run.outputs, base.outputs)) / len(prompts),
+            "tokens": sum(len(o) for o in run.outputs),
+            "adaptive": len(run.engine.chooser.menu) > 1,
+            "shapes": run.engine.chooser.summary(),
         }
         if profile:
-            row["profile_ms"] = run["profile_ms"]
-        if lookup is not None and spec.algorithm == "ngram":
-            row["vs_hf_prompt_lookup"] = round(run["tokens_per_s"] / lookup["tokens_per_s"], 3)
+            row["profile_ms"] = run.engine.profile.per_step_ms()
+        if lookup is not None and algorithm == "ngram":
+            row["vs_hf_prompt_lookup"] = round(run.tokens_per_s / lookup.tokens_per_s, 3)
         if hf is not None:
-            row["vs_hf"] = round(run["tokens_per_s"] / hf["tokens_per_s"], 3)
-        report["runs"][spec.algorithm] = row
+            row["vs_hf"] = round(run.tokens_per_s / hf.tokens_per_s, 3)
+        report["runs"][algorithm] = row
     return report
 
 

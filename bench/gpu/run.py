@@ -172,7 +172,7 @@ def bench_variants(model_dir: str, device: torch.device, algorithms: list[str], 
                           token_map=str(REPO_ROOT / TOKEN_MAPS[alg]) if alg in TOKEN_MAPS else None)
         for mode in (["auto", "off"] if graphs else ["off"]):
             engine = Engine(replace(base, spec=spec, graph_mode=mode))
-            run = run_engine(engine, prompts, max_new_tokens, f"{alg} graphs={mode}")
+            run = run_engine(engine, prompts, max_new_tokens)
             rows.append({"algorithm": alg, "cuda_graph": mode == "auto" and device.type == "cuda",
                          "attention": engine.attention, "tokens_per_s": run["tokens_per_s"],
                          "accept_length": run["accept_length"]})

@@ -1,0 +1,28 @@
+"""`specserve bench`'s report on the tiny target: the JSON contract benchmarks read, interleaved runs."""
+
+from __future__ import annotations
+
+import json
+
+from specserve.bench import format_profile, run_bench
+from specserve.config import EngineConfig, SpecConfig
+
+
+def test_report_has_the_contract_fields_and_the_profile(tmp_path, tiny_target_dir):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p}) for p in ("a b a b a b", "one two one two", "x y z")))
+    config = EngineConfig(model_dir=str(tiny_target_dir), dtype="float32", max_batch_size=2, max_seq_len=256)
+    report = run_bench(config, str(data), num_prompts=3, max_new_tokens=8, batch_size=2, hf_baseline=False,
+                       specs=[SpecConfig(algorithm="ngram", num_draft_tokens=4)], profile=True)
+    assert report["interleaved"] and report["num_prompts"] == 3 and report["hardware"]["cores"] >= 1
+    assert report["baseline_tokens_per_s"] > 0
+    row = report["runs"]["ngram"]
+    for key in ("tokens_per_s", "accept_length", "speedup", "lossless", "same_output_fraction"):
+        assert key in row
+    assert row["lossless"] and row["tokens"] == 3 * 8  # fp32: the same tokens as none
+    assert not row["adaptive"] and row["shapes"]["chosen"] == {"3/1/4": row["profile_ms"]["steps"]}
+    prof = report["baseline_profile_ms"]
+    assert prof["steps"] > 0 and abs(prof["total"] - sum(prof[k] for k in
+                                     ("draft", "forward", "verify", "drafter_update", "bookkeeping"))) < 0.01
+    table = format_profile(report)
+    assert table.splitlines()[1].startswith("none") and table.splitlines()[2].startswith("ngram")
