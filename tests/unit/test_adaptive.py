@@ -53,10 +53,13 @@ def test_exploration_visits_the_neighbours_of_the_best_shape():
     c = _chooser(explore_every=4)
     for shape in c.menu:
         c.observe(1, shape, 0.010 * shape.num_draft_tokens, [1.8])
-    picks = [c.choose(1) for _ in range(16)]
-    assert picks.count(c.menu[0]) == 12  # plain decoding is best
+    picks = [c.choose(1) for _ in range(32)]
+    assert picks.count(c.menu[0]) == 30  # plain decoding is best: explored every 16th step
     assert set(picks) == {c.menu[0], c.menu[1]}  # its only neighbour
-    assert sum(c.chosen.values()) == 16
+    c.observe(1, c.menu[2], 0.001, [3.0])  # now a drafting shape is best: explored every 4th step
+    picks = [c.choose(1) for _ in range(16)]
+    assert picks.count(c.menu[2]) == 12 and set(picks) == {c.menu[1], c.menu[2], c.menu[3]}
+    assert sum(c.chosen.values()) == 48
 
 
 def test_off_menu_shapes_are_ignored():
