@@ -71,9 +71,8 @@ class _Average:
         self.count += 1
         self.value += (x - self.value) / min(self.count, self.horizon)
 
-    def weaken(self) -> None:
-        """Keep the value as a prior that the next sample mostly replaces."""
-        self.count = min(self.count, 1)
+    def reset(self) -> None:
+        self.count, self.value = 0, 0.0
 
 
 class ShapeChooser:
@@ -134,9 +133,10 @@ class ShapeChooser:
             self.accept[shape].add(sum(accept_lengths) / len(accept_lengths))
 
     def forget_acceptance(self) -> None:
-        """After warm-up on a synthetic prompt: its accept lengths become weak priors."""
+        """After warm-up on a synthetic prompt: its accept lengths say nothing about real text
+        (a repetitive prompt flatters NGRAM), so each drafting shape is measured afresh once."""
         for a in self.accept.values():
-            a.weaken()
+            a.reset()
         self.chosen.clear()
 
     def summary(self) -> dict:

@@ -133,3 +133,16 @@ def test_a_draft_must_beat_plain_decoding_by_the_margin():
     for _ in range(40):
         c.observe(1, c.menu[1], 0.0100, [1.08])  # 108: a clear gain
     assert c.best(1) == c.menu[1]
+
+
+def test_warm_up_acceptance_is_forgotten_and_each_draft_measured_afresh():
+    c = _chooser()
+    for shape in c.menu:
+        c.observe(1, shape, 0.010, [4])  # a repetitive warm-up prompt: every draft looks great
+    c.forget_acceptance()
+    picks = []
+    for _ in range(3):
+        picks.append(c.choose(1))
+        c.observe(1, picks[-1], 0.010, [1])  # real text: drafts accept nothing
+    assert picks == list(c.menu[1:4])  # each drafting shape once, smallest first, before any estimate is used
+    assert c.best(1) == c.menu[0]
