@@ -12,7 +12,8 @@ gains per step, the bonus token included). A step runs the shape with the larges
 accept_length / step_time for its bucket, where a drafting shape must beat plain decoding by
 `margin` (step times on a busy CPU are noisy: a near-tie is not worth a draft); every
 `explore_every`-th step runs a neighbour of it instead, so the estimates of the shapes around the
-best one stay current (every 4 x `explore_every` steps while plain decoding is best).
+best one stay current (every 4 x `explore_every` steps while plain decoding is best; neighbours
+estimated below `explore_within` of the best are not tried).
 
 This module measures nothing itself and knows nothing about models or trees: the engine reports
 each step's batch size, shape, time and accept lengths (`observe`).
@@ -79,11 +80,12 @@ class ShapeChooser:
     """Per step: `choose(batch_size)` -> a shape of the menu; after it: `observe(...)`."""
 
     def __init__(self, menu: Sequence[DraftShape], batch_buckets: Sequence[int], explore_every: int = 16,
-                 margin: float = 0.05) -> None:
+                 margin: float = 0.05, explore_within: float = 0.8) -> None:
         self.menu = tuple(menu)
         self.buckets = sorted(set(batch_buckets))
         self.explore_every = explore_every
         self.margin = margin
+        self.explore_within = explore_within
         self.step_time = {(b, s): _Average(horizon=10) for b in self.buckets for s in self.menu}  # seconds
         self.accept = {s: _Average(horizon=40) for s in self.menu}  # tokens per request per step
         self.chosen: Counter[DraftShape] = Counter()
@@ -118,7 +120,11 @@ class ShapeChooser:
         if self._steps >= period:
             self._steps = 0
             i = self.menu.index(shape)
-            neighbours = [self.menu[j] for j in (i - 1, i + 1) if 0 <= j < len(self.menu)]
+            best_rate = self.rate(batch_size, shape) or 0.0
+            # only neighbours estimated within `explore_within` of the best: at large batches a draft
+            # can cost twice a plain step, and its catch-up grows with the steps it skipped
+            neighbours = [self.menu[j] for j in (i - 1, i + 1) if 0 <= j < len(self.menu)
+                          and (self.rate(batch_size, self.menu[j]) or best_rate) >= self.explore_within * best_rate]
             self._explored += 1
             shape = neighbours[self._explored % len(neighbours)] if neighbours else shape
         self.chosen[shape] += 1

@@ -56,10 +56,12 @@ def test_exploration_visits_the_neighbours_of_the_best_shape():
     picks = [c.choose(1) for _ in range(32)]
     assert picks.count(c.menu[0]) == 30  # plain decoding is best: explored every 16th step
     assert set(picks) == {c.menu[0], c.menu[1]}  # its only neighbour
-    c.observe(1, c.menu[2], 0.001, [3.0])  # now a drafting shape is best: explored every 4th step
-    picks = [c.choose(1) for _ in range(16)]
+    assert sum(c.chosen.values()) == 32
+    c = _chooser(explore_every=4)
+    for shape, seconds, accept in zip(c.menu, (0.010, 0.020, 0.030, 0.040), (1, 1.95, 3.6, 4.4)):
+        c.observe(1, shape, seconds, [accept])  # 100, 97.5, 120, 110 tokens/s: a drafting shape is best
+    picks = [c.choose(1) for _ in range(16)]  # explored every 4th step, both neighbours within 80 %
     assert picks.count(c.menu[2]) == 12 and set(picks) == {c.menu[1], c.menu[2], c.menu[3]}
-    assert sum(c.chosen.values()) == 48
 
 
 def test_off_menu_shapes_are_ignored():
@@ -146,3 +148,12 @@ def test_warm_up_acceptance_is_forgotten_and_each_draft_measured_afresh():
         c.observe(1, picks[-1], 0.010, [1])  # real text: drafts accept nothing
     assert picks == list(c.menu[1:4])  # each drafting shape once, smallest first, before any estimate is used
     assert c.best(1) == c.menu[0]
+
+
+def test_neighbours_far_below_the_best_are_not_explored():
+    c = _chooser(explore_every=1)
+    c.observe(1, c.menu[0], 0.010, [1])  # 100 tokens/s
+    c.observe(1, c.menu[1], 0.030, [1.2])  # 40: a draft step costs 3x at this batch size
+    for shape in c.menu[2:]:
+        c.observe(1, shape, 0.030, [1.2])
+    assert {c.choose(1) for _ in range(20)} == {c.menu[0]}
