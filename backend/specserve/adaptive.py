@@ -10,10 +10,12 @@ up to the configured num_draft_tokens.
 (measured at warm-up, then on every step) and, per shape, of the accept length (tokens a request
 gains per step, the bonus token included). A step runs the shape with the largest
 accept_length / step_time for its bucket, where a drafting shape must beat plain decoding by
-`margin` (step times on a busy CPU are noisy: a near-tie is not worth a draft); every
-`explore_every`-th step runs a neighbour of it instead, so the estimates of the shapes around the
-best one stay current (every 4 x `explore_every` steps while plain decoding is best; neighbours
-estimated below `explore_within` of the best are not tried).
+`margin` (step times on a busy CPU are noisy: a near-tie is not worth a draft). A drafting
+shape's acceptance counts as unmeasured until `min_samples` steps have run it: one unlucky step
+must not lock a good shape out. Every `explore_every`-th step runs another shape instead, so the
+estimates around the best one stay current: its neighbours on the menu and the runner-up, in turn
+(every 4 x `explore_every` steps while plain decoding is best; shapes estimated below
+`explore_within` of the best are not tried).
 
 This module measures nothing itself and knows nothing about models or trees: the engine reports
 each step's batch size, shape, time and accept lengths (`observe`).
@@ -80,12 +82,13 @@ class ShapeChooser:
     """Per step: `choose(batch_size)` -> a shape of the menu; after it: `observe(...)`."""
 
     def __init__(self, menu: Sequence[DraftShape], batch_buckets: Sequence[int], explore_every: int = 16,
-                 margin: float = 0.05, explore_within: float = 0.8) -> None:
+                 margin: float = 0.05, explore_within: float = 0.8, min_samples: int = 3) -> None:
         self.menu = tuple(menu)
         self.buckets = sorted(set(batch_buckets))
         self.explore_every = explore_every
         self.margin = margin
         self.explore_within = explore_within
+        self.min_samples = min_samples
         self.step_time = {(b, s): _Average(horizon=10) for b in self.buckets for s in self.menu}  # seconds
         self.accept = {s: _Average(horizon=40) for s in self.menu}  # tokens per request per step
         self.chosen: Counter[DraftShape] = Counter()
@@ -101,7 +104,7 @@ class ShapeChooser:
         t, a = self.step_time[(self.bucket(batch_size), shape)], self.accept[shape]
         if not shape.drafts:
             return 1.0 / t.value if t.count else None
-        return a.value / t.value if t.count and a.count else None
+        return a.value / t.value if t.count and a.count >= self.min_samples else None
 
     def best(self, batch_size: int) -> DraftShape:
         """The measured shape with the highest rate; unmeasured shapes first, smallest first."""
@@ -119,16 +122,24 @@ class ShapeChooser:
         period = self.explore_every * (1 if shape.drafts else 4)
         if self._steps >= period:
             self._steps = 0
-            i = self.menu.index(shape)
-            best_rate = self.rate(batch_size, shape) or 0.0
-            # only neighbours estimated within `explore_within` of the best: at large batches a draft
-            # can cost twice a plain step, and its catch-up grows with the steps it skipped
-            neighbours = [self.menu[j] for j in (i - 1, i + 1) if 0 <= j < len(self.menu)
-                          and (self.rate(batch_size, self.menu[j]) or best_rate) >= self.explore_within * best_rate]
+            candidates = self._explore_candidates(batch_size, shape)
             self._explored += 1
-            shape = neighbours[self._explored % len(neighbours)] if neighbours else shape
+            shape = candidates[self._explored % len(candidates)] if candidates else shape
         self.chosen[shape] += 1
         return shape
+
+    def _explore_candidates(self, batch_size: int, best: DraftShape) -> list[DraftShape]:
+        """The best shape's neighbours on the menu and the runner-up, if estimated within
+        `explore_within` of the best: at large batches a draft can cost twice a plain step, and its
+        catch-up grows with the steps it skipped."""
+        best_rate = self.rate(batch_size, best) or 0.0
+        i = self.menu.index(best)
+        others = [(self.rate(batch_size, s) or best_rate, s) for s in self.menu if s != best]
+        runner_up = max(others, key=lambda rs: rs[0])[1] if others else None
+        picks = [self.menu[j] for j in (i - 1, i + 1) if 0 <= j < len(self.menu)]
+        if runner_up is not None and runner_up not in picks:
+            picks.append(runner_up)
+        return [s for s in picks if (self.rate(batch_size, s) or best_rate) >= self.explore_within * best_rate]
 
     def observe(self, batch_size: int, shape: DraftShape, seconds: float, accept_lengths: Sequence[int]) -> None:
         """One step's wall time and per-request accept lengths; shapes off the menu are ignored."""

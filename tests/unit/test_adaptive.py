@@ -19,8 +19,9 @@ def test_menu_is_the_configured_tree_at_smaller_budgets():
     assert [s.num_draft_tokens for s in shape_menu(11, 1, 12)] == [1, 2, 3, 4, 6, 8, 12]
 
 
-def _chooser(explore_every=1000):
-    return ShapeChooser(shape_menu(3, 1, 4), batch_buckets=(1, 2, 4), explore_every=explore_every)
+def _chooser(explore_every=1000, min_samples=1):
+    return ShapeChooser(shape_menu(3, 1, 4), batch_buckets=(1, 2, 4), explore_every=explore_every,
+                        min_samples=min_samples)
 
 
 def test_picks_the_shape_with_most_tokens_per_second_and_plain_decoding_when_drafts_do_not_pay():
@@ -119,16 +120,20 @@ def test_a_drafter_that_costs_more_than_it_saves_is_left_idle(tmp_path, tiny_tar
     eng.drafter.propose = slow
     eng._warm_up()  # remeasure with the slow drafter
     calls.clear()
-    out = eng.generate([list(range(10, 40))], SamplingParams(max_tokens=64, ignore_eos=True))[0]
+    params = SamplingParams(max_tokens=160, ignore_eos=True)
+    out = eng.generate([list(range(10, 40))], params)[0]
     plain = eng.chooser.chosen[eng.chooser.menu[0]]
+    drafting_shapes = len(eng.chooser.menu) - 1
+    # each drafting shape's acceptance is measured min_samples times, then only exploration drafts
+    assert out.num_verify_steps - plain <= eng.chooser.min_samples * drafting_shapes + out.num_verify_steps // 16
     assert plain >= 0.8 * out.num_verify_steps
-    assert len(calls) <= out.num_verify_steps - plain  # only exploration steps drafted
-    ref = _engine(tiny_target_dir, "none", 1).generate([list(range(10, 40))], SamplingParams(max_tokens=64, ignore_eos=True))
+    assert len(calls) <= out.num_verify_steps - plain  # only those steps drafted
+    ref = _engine(tiny_target_dir, "none", 1).generate([list(range(10, 40))], params)
     assert out.token_ids == ref[0].token_ids
 
 
 def test_a_draft_must_beat_plain_decoding_by_the_margin():
-    c = ShapeChooser(shape_menu(1, 1, 2), batch_buckets=(1,), margin=0.05)
+    c = ShapeChooser(shape_menu(1, 1, 2), batch_buckets=(1,), margin=0.05, min_samples=1)
     c.observe(1, c.menu[0], 0.010, [1])  # 100 tokens/s
     c.observe(1, c.menu[1], 0.0100, [1.03])  # 103: a near-tie
     assert c.best(1) == c.menu[0]
@@ -138,16 +143,40 @@ def test_a_draft_must_beat_plain_decoding_by_the_margin():
 
 
 def test_warm_up_acceptance_is_forgotten_and_each_draft_measured_afresh():
-    c = _chooser()
+    c = _chooser(min_samples=2)
     for shape in c.menu:
         c.observe(1, shape, 0.010, [4])  # a repetitive warm-up prompt: every draft looks great
     c.forget_acceptance()
     picks = []
-    for _ in range(3):
+    for _ in range(6):
         picks.append(c.choose(1))
         c.observe(1, picks[-1], 0.010, [1])  # real text: drafts accept nothing
-    assert picks == list(c.menu[1:4])  # each drafting shape once, smallest first, before any estimate is used
+    # each drafting shape min_samples times, smallest first, before any estimate is used
+    assert picks == [c.menu[1]] * 2 + [c.menu[2]] * 2 + [c.menu[3]] * 2
     assert c.best(1) == c.menu[0]
+
+
+def test_one_unlucky_step_does_not_lock_a_shape_out():
+    c = _chooser(min_samples=3)
+    none, four = c.menu[0], c.menu[3]
+    c.observe(1, none, 0.010, [1])  # 100 tokens/s
+    for shape in c.menu[1:3]:
+        for _ in range(3):
+            c.observe(1, shape, 0.020, [1])  # 50 tokens/s
+    c.observe(1, four, 0.015, [1])  # its first request rejects everything: 67 tokens/s so far
+    assert c.best(1) == four  # still unmeasured: tried again
+    c.observe(1, four, 0.015, [3])
+    c.observe(1, four, 0.015, [3])  # 2.33 / 15 ms = 156 tokens/s
+    assert c.best(1) == four
+
+
+def test_exploration_reaches_the_runner_up_beyond_the_neighbours():
+    c = _chooser(explore_every=2)
+    for shape, seconds, accept in zip(c.menu, (0.010, 0.020, 0.030, 0.020), (1, 1.0, 1.0, 1.8)):
+        c.observe(1, shape, seconds, [accept])  # 100, 50, 33, 90 tokens/s: plain is best, 4 a close second
+    picks = [c.choose(1) for _ in range(32)]
+    assert c.menu[3] in picks  # not plain decoding's neighbour, but within 80 % of it
+    assert c.menu[1] not in picks and c.menu[2] not in picks  # estimated far below: not tried
 
 
 def test_neighbours_far_below_the_best_are_not_explored():
