@@ -87,7 +87,13 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding parameters. temperature == 0 means greedy."""
+    """Per-request decoding parameters. temperature == 0 means greedy.
+
+    Penalties as vLLM applies them, before temperature: repetition_penalty divides positive
+    (multiplies negative) logits of every token already in the prompt or the output;
+    frequency_penalty subtracts per occurrence in the output, presence_penalty once per token
+    that occurred in the output.
+    """
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -97,6 +103,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     min_tokens: int = 0
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # per output token: its log-probability and this many top alternatives
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -111,6 +121,18 @@ class SamplingParams:
             raise ValueError(f"min_tokens: must be in [0, max_tokens], got {self.min_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop: every stop string must be a non-empty string")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name}: must be in [-2, 2], got {value!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs: must be in [0, 20], got {self.logprobs!r}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -181,6 +203,9 @@ class EngineConfig:
 
     max_batch_size: KV-cache slots, i.e. requests decoded together; more wait in a queue.
     max_seq_len: prompt + generated tokens per request (the cache is slots × max_seq_len).
+    max_queue_size: requests that may wait for a slot; beyond it `add_request` refuses (0 = no bound).
+    request_timeout_s: a request still unfinished this long after it arrived ends with
+    finish_reason "timeout" (0 = never).
     """
 
     model_dir: str
@@ -194,6 +219,8 @@ class EngineConfig:
     graph_mode: str = "auto"  # auto: CUDA graphs on CUDA | off | static: bucketed forward, no capture
     cuda_graph_max_bs: int = 0  # largest captured batch size (0 = max_batch_size)
     profile: bool = False  # on CUDA, synchronize around each step phase so StepProfile is exact
+    max_queue_size: int = 0
+    request_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -210,6 +237,10 @@ class EngineConfig:
             raise ValueError(f"graph_mode: must be one of {', '.join(GRAPH_MODES)}, got {self.graph_mode!r}")
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs: must be >= 0, got {self.cuda_graph_max_bs}")
+        if self.max_queue_size < 0:
+            raise ValueError(f"max_queue_size: must be >= 0, got {self.max_queue_size}")
+        if self.request_timeout_s < 0:
+            raise ValueError(f"request_timeout_s: must be >= 0, got {self.request_timeout_s}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -45,8 +45,16 @@ from specserve.drafters import DraftContext, Drafter
 from specserve.drafters.factory import build_drafter
 from specserve.kv_cache import KVCache
 from specserve.model import ForwardOutput
-from specserve.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, RequestOutput
-from specserve.sampling import draw_uniforms, suppress_eos, target_probs
+from specserve.outputs import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    FINISH_TIMEOUT,
+    EngineLoad,
+    RequestOutput,
+)
+from specserve.sampling import apply_penalties, draw_uniforms, suppress_eos, target_probs, token_logprobs
 from specserve.tree import DraftTree, TreeBatch
 from specserve.weights import load_llama
 
@@ -57,6 +65,10 @@ WARM_UP_TEXT = (
     "The quick brown fox jumps over the lazy dog. Speculative decoding drafts a few tokens cheaply and "
     "verifies them with one forward of the target model, so the output stays exactly the same. "
 )
+
+
+class QueueFull(RuntimeError):
+    """`add_request` while `max_queue_size` requests already wait: try again later."""
 
 
 @dataclass
@@ -92,6 +104,7 @@ class Request:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
+    arrival: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(default_factory=list)  # prompt + generated; last = tree root
     slot: int = -1
     cache_len: int = 0  # tokens whose K/V are in the slot (all of token_ids but the root)
@@ -102,6 +115,8 @@ class Request:
     pending_ids: list[int] = field(default_factory=list)  # generated since the last output
     pending_accept_lengths: list[int] = field(default_factory=list)
     pending_tree_sizes: list[int] = field(default_factory=list)
+    pending_logprobs: list[dict[int, tuple[float, int]]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
 
     @property
     def num_output_tokens(self) -> int:
@@ -122,8 +137,11 @@ class Request:
             num_verify_steps=self.num_verify_steps,
             accept_lengths=self.pending_accept_lengths,
             tree_sizes=self.pending_tree_sizes,
+            logprobs=self.pending_logprobs if self.params.logprobs is not None else None,
+            cumulative_logprob=self.cumulative_logprob,
         )
         self.pending_ids, self.pending_accept_lengths, self.pending_tree_sizes = [], [], []
+        self.pending_logprobs = []
         return out
 
 
@@ -165,6 +183,7 @@ class Engine:
         self._lock = threading.Lock()
         self._inbox: deque[Request] = deque()
         self._aborts: set[str] = set()
+        self._outputs: list[RequestOutput] = []  # the step's outputs so far: `fail_running` still sends them
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.profile = StepProfile()
@@ -210,7 +229,8 @@ class Engine:
     # ---- called from any thread -------------------------------------------------------------
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Queue a request; raises ValueError naming the field if it can never run."""
+        """Queue a request; raises ValueError naming the field if it can never run, QueueFull while
+        `max_queue_size` requests wait."""
         if len(prompt_ids) == 0:
             raise ValueError("prompt: is empty")
         if len(prompt_ids) >= self.config.max_seq_len:
@@ -219,6 +239,9 @@ class Engine:
             )
         if any(not 0 <= t < self.model_config.vocab_size for t in prompt_ids):
             raise ValueError("prompt: token id outside the vocabulary")
+        limit = self.config.max_queue_size
+        if limit and len(self._inbox) + len(self.waiting) >= limit:
+            raise QueueFull(f"max_queue_size: {limit} requests are already waiting for a slot; retry later")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         req = Request(
@@ -241,11 +264,17 @@ class Engine:
         with self._lock:
             return bool(self._inbox or self._aborts or self.waiting or self.running)
 
+    def load(self) -> EngineLoad:
+        with self._lock:
+            waiting = len(self._inbox) + len(self.waiting)
+        return EngineLoad(waiting=waiting, running=len(self.running), kv_slots_used=len(self.running))
+
     # ---- the engine thread ------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        outputs = self._take_inbox()
+        self._outputs = outputs = self._take_inbox()
+        outputs += self._expire()
         admitted = self._admit()
         decoding = [r for r in self.running if r not in admitted]
         if admitted:
@@ -260,6 +289,7 @@ class Engine:
                 self._release(req)
         if decoding:
             self.profile.total += time.perf_counter() - start
+        self._outputs = []
         return outputs
 
     @torch.inference_mode()
@@ -287,8 +317,9 @@ class Engine:
                  len(self.chooser.menu), self.chooser.buckets, time.perf_counter() - start)
 
     def fail_running(self, error: str) -> list[RequestOutput]:
-        """After an exception inside a step: end every running request with an error output."""
-        outputs = []
+        """After an exception inside a step: the outputs that step had made (aborts, timeouts), and an
+        error output ending every running request."""
+        outputs, self._outputs = self._outputs, []
         for req in list(self.running):
             req.finish_reason = FINISH_ERROR
             out = req.output()
@@ -306,6 +337,23 @@ class Engine:
         for req in [r for r in (*self.waiting, *self.running) if r.request_id in aborts]:
             req.finish_reason = FINISH_ABORT
             outputs.append(req.output())
+            if req in self.waiting:
+                self.waiting.remove(req)
+            else:
+                self._release(req)
+        return outputs
+
+    def _expire(self) -> list[RequestOutput]:
+        """End the requests older than request_timeout_s, waiting or running."""
+        timeout = self.config.request_timeout_s
+        if not timeout:
+            return []
+        now, outputs = time.monotonic(), []
+        for req in [r for r in (*self.waiting, *self.running) if now - r.arrival > timeout]:
+            req.finish_reason = FINISH_TIMEOUT
+            out = req.output()
+            out.error = f"request timed out after {timeout:g} s (request_timeout_s)"
+            outputs.append(out)
             if req in self.waiting:
                 self.waiting.remove(req)
             else:
@@ -347,9 +395,9 @@ class Engine:
         for r, n in zip(reqs, lens):
             r.cache_len = n
         roots = TreeBatch.from_trees([DraftTree.root_only(r.token_ids[-1]) for r in reqs]).to(dev)
-        _, emitted = self._verify(reqs, roots, out.logits)
-        for r, tokens in zip(reqs, emitted):
-            self._append_tokens(r, tokens)
+        _, emitted, logprobs = self._verify(reqs, roots, out.logits)
+        for r, tokens, lp in zip(reqs, emitted, logprobs):
+            self._append_tokens(r, tokens, lp)
         self.drafter.on_prefill(reqs, out)
 
     def _fit_trees(self, reqs: list[Request], proposal: list[DraftTree] | TreeBatch) -> TreeBatch:
@@ -400,13 +448,13 @@ class Engine:
             out = self.model(batch.tokens, attn, self.cache, aux_layers=self.drafter.aux_layers)
         t2 = clock()
         p.forward += t2 - t1
-        result, emitted = self._verify(reqs, batch, out.logits)
+        result, emitted, logprobs = self._verify(reqs, batch, out.logits)
         if not batch.is_root_only:
             K.compact_kv(self.cache.data, slots, cache_lens, result.accepted_nodes, result.accept_length)
         t3 = clock()
         p.verify += t3 - t2
         p.steps += 1
-        for r, num_nodes, tokens in zip(reqs, batch.num_nodes.tolist(), emitted):
+        for r, num_nodes, tokens, lp in zip(reqs, batch.num_nodes.tolist(), emitted, logprobs):
             n = len(tokens)  # accept_length: root + accepted drafts; the bonus is the next root
             r.cache_len += n
             r.num_verify_steps += 1
@@ -414,7 +462,7 @@ class Engine:
             r.num_accepted_tokens += n - 1
             r.pending_accept_lengths.append(n)
             r.pending_tree_sizes.append(num_nodes)
-            self._append_tokens(r, tokens)
+            self._append_tokens(r, tokens, lp)
         live = [i for i, r in enumerate(reqs) if r.finish_reason is None]
         if live:
             t4 = clock()
@@ -436,15 +484,17 @@ class Engine:
 
     def _verify(
         self, reqs: list[Request], batch: TreeBatch, logits: torch.Tensor
-    ) -> tuple[K.VerifyResult, list[list[int]]]:
-        """logits (B, N, V) at the tree nodes -> the verify result and, per row, the tokens it emits
-        (its accepted drafts, then the bonus token; as many as its accept_length).
+    ) -> tuple[K.VerifyResult, list[list[int]], list[list[dict[int, tuple[float, int]]] | None]]:
+        """logits (B, N, V) at the tree nodes -> the verify result; per row, the tokens it emits
+        (its accepted drafts, then the bonus token; as many as its accept_length) and, for rows
+        that asked for logprobs, each token's (see `sampling.token_logprobs`).
 
         Greedy rows and sampled rows go to their own kernel call; results are merged by row.
         """
         b, n = batch.tokens.shape
         for i, r in enumerate(reqs):
             suppress_eos(logits[i], batch.depth[i], self.eos_ids, r.params.min_tokens - r.num_output_tokens)
+            apply_penalties(logits[i], r.params, r.token_ids, len(r.prompt_ids), batch.tokens[i], batch.mask[i])
         dev = logits.device
         accepted = torch.full((b, n), -1, dtype=torch.int64, device=dev)
         accept_length = torch.zeros(b, dtype=torch.int64, device=dev)
@@ -466,13 +516,24 @@ class Engine:
         path_tokens = torch.gather(batch.tokens, 1, accepted.clamp(min=0))  # (B, N): token of accepted node j
         # the step's one host sync: what was accepted decides what comes next
         paths, lengths, bonuses = path_tokens.tolist(), accept_length.tolist(), bonus.tolist()
-        return result, [p[1:k] + [t] for p, k, t in zip(paths, lengths, bonuses)]
+        emitted = [p[1:k] + [t] for p, k, t in zip(paths, lengths, bonuses)]
+        # token j of a row was drawn at its accepted node j (node 0 = the root)
+        logprobs = [
+            token_logprobs(logits[i, accepted[i, : len(tokens)]], tokens, r.params.logprobs)
+            if r.params.logprobs is not None else None
+            for i, (r, tokens) in enumerate(zip(reqs, emitted))
+        ]
+        return result, emitted, logprobs
 
-    def _append_tokens(self, req: Request, tokens: list[int]) -> None:
+    def _append_tokens(self, req: Request, tokens: list[int],
+                       logprobs: list[dict[int, tuple[float, int]]] | None = None) -> None:
         p = req.params
-        for tok in tokens:
+        for j, tok in enumerate(tokens):
             req.token_ids.append(tok)
             req.pending_ids.append(tok)
+            if logprobs is not None:
+                req.pending_logprobs.append(logprobs[j])
+                req.cumulative_logprob += logprobs[j][tok][0]
             hit_stop = req.detokenizer.add(tok)
             if hit_stop or (tok in self.eos_ids and not p.ignore_eos):  # EOS is masked before min_tokens
                 req.finish_reason = FINISH_STOP
@@ -501,4 +562,7 @@ def merge_outputs(acc: RequestOutput | None, out: RequestOutput) -> RequestOutpu
     out.token_ids = acc.token_ids + out.token_ids
     out.text = acc.text + out.text
     out.accept_lengths = acc.accept_lengths + out.accept_lengths
+    out.tree_sizes = acc.tree_sizes + out.tree_sizes
+    if acc.logprobs is not None and out.logprobs is not None:
+        out.logprobs = acc.logprobs + out.logprobs
     return out

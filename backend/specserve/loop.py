@@ -3,10 +3,18 @@
 Servers call `submit` from any thread; the loop thread steps the engine while there is work and
 sleeps otherwise. The loop thread also *builds* the engine (`EngineLoop(factory)`), so all torch
 work of a server runs on one thread: on a small CPU, torch ops issued from a second thread after
-the first one had used OpenMP ran ~1.5x slower (two OpenMP teams oversubscribe the cores and
-libgomp falls back to throttled spinning; measured decode 61-70 ms vs 40-48 ms). Before each step it polls the submitters' `is_cancelled` hooks and aborts those
-requests. An exception inside a step fails the requests of that step (each gets an error output)
-and the loop keeps serving. This module knows nothing about Triton.
+the first one had used OpenMP ran much slower (two OpenMP teams oversubscribe the cores).
+
+Health. An exception inside a step fails the requests of that step (each gets an error output,
+and the aborts and timeouts the step had already ended still go out) and the loop keeps serving.
+`max_failed_steps` failures in a row, or an exception outside a step, stop the loop: every open
+request gets a final error output, `submit` refuses with `EngineStopped`, and `on_stopped` tells
+the server (which marks the model not ready).
+
+A second thread polls the submitters' `is_cancelled` hooks (a round trip to Triton each) every
+`poll_interval_s` and aborts those requests, so the engine thread never waits on them.
+`on_step` receives the engine's load after every step (the serving gauges). This module knows
+nothing about Triton.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from dataclasses import dataclass
 
 from specserve.config import SamplingParams
 from specserve.engine import Engine
-from specserve.outputs import RequestOutput
+from specserve.outputs import FINISH_ERROR, EngineLoad, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +40,24 @@ class _Subscriber:
     is_cancelled: Callable[[], bool] | None
 
 
+class EngineStopped(RuntimeError):
+    """`submit` after the loop stopped (the engine failed for good)."""
+
+
 class EngineLoop:
-    def __init__(self, engine_factory: Callable[[], Engine]) -> None:
+    def __init__(
+        self,
+        engine_factory: Callable[[], Engine],
+        on_step: Callable[[EngineLoad], None] | None = None,
+        on_stopped: Callable[[str], None] | None = None,
+        max_failed_steps: int = 3,
+        poll_interval_s: float = 0.05,
+    ) -> None:
         """Start the loop thread, build the engine on it, and return once it is ready.
 
         engine_factory: builds (and may warm up) the engine; its exceptions are re-raised here.
+        on_step: called on the loop thread with the engine's load after each step and when idle.
+        on_stopped: called once, on the loop thread, with the reason, if the loop stops by failure.
         """
         self._subs: dict[str, _Subscriber] = {}
         self._lock = threading.Lock()
@@ -44,12 +65,18 @@ class EngineLoop:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
+        self._on_step, self._on_stopped = on_step, on_stopped
+        self.max_failed_steps = max_failed_steps
+        self.poll_interval_s = poll_interval_s
+        self.stopped_reason: str | None = None  # set when the loop stopped by failure
         self._thread = threading.Thread(target=self._start, args=(engine_factory,), name="specserve-engine",
                                         daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._startup_error is not None:
             raise self._startup_error
+        self._poller = threading.Thread(target=self._poll_cancelled, name="specserve-cancel-poll", daemon=True)
+        self._poller.start()
 
     def _start(self, engine_factory: Callable[[], Engine]) -> None:
         try:
@@ -59,7 +86,11 @@ class EngineLoop:
             self._ready.set()
             return
         self._ready.set()
-        self._run()
+        try:
+            self._run()
+        except BaseException as e:  # noqa: BLE001 - a dead loop must not leave clients hanging
+            log.error("engine loop stopped:\n%s", traceback.format_exc())
+            self._fail_all(f"engine stopped: {type(e).__name__}: {e}")
 
     def submit(
         self,
@@ -69,8 +100,11 @@ class EngineLoop:
         is_cancelled: Callable[[], bool] | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Queue a request; raises ValueError (naming the field) when it can never run."""
+        """Queue a request; raises ValueError (naming the field) when it can never run, QueueFull
+        when the engine's queue is full, EngineStopped after the loop stopped."""
         with self._lock:
+            if self.stopped_reason is not None:
+                raise EngineStopped(self.stopped_reason)
             rid = self.engine.add_request(prompt_ids, params, request_id)
             self._subs[rid] = _Subscriber(on_output, is_cancelled)
         self._wake.set()
@@ -86,7 +120,7 @@ class EngineLoop:
             return len(self._subs)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort everything, let the loop send the final outputs, then join the thread."""
+        """Abort everything, let the loop send the final outputs, then join the threads."""
         with self._lock:
             pending = list(self._subs)
         for rid in pending:
@@ -94,29 +128,61 @@ class EngineLoop:
         self._wake.set()
         self._stop.set()
         self._thread.join(timeout)
+        self._poller.join(timeout)
 
     def _run(self) -> None:
+        failures = 0
+        busy = False
         while True:
             if not self.engine.has_work():
+                if busy and self._on_step is not None:
+                    self._on_step(self.engine.load())  # back to idle: gauges to zero
+                busy = False
                 if self._stop.is_set():
                     return
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
                 continue
-            self._poll_cancelled()
+            busy = True
             try:
                 outputs = self.engine.step()
+                failures = 0
             except Exception as e:  # noqa: BLE001 - one bad step must not stop the server
-                log.error("engine step failed:\n%s", traceback.format_exc())
+                failures += 1
+                log.error("engine step failed (%d in a row):\n%s", failures, traceback.format_exc())
                 outputs = self.engine.fail_running(f"engine error: {type(e).__name__}: {e}")
+                if failures >= self.max_failed_steps:
+                    self._deliver(outputs)
+                    raise RuntimeError(f"{failures} engine steps failed in a row; last: {type(e).__name__}: {e}") from e
             self._deliver(outputs)
+            if self._on_step is not None:
+                self._on_step(self.engine.load())
+
+    def _fail_all(self, reason: str) -> None:
+        """The loop is gone: end every open request with an error output and refuse new ones."""
+        with self._lock:
+            self.stopped_reason = reason
+            subs, self._subs = self._subs, {}
+        for rid, sub in subs.items():
+            out = RequestOutput(rid, [], "", finished=True, finish_reason=FINISH_ERROR, error=reason)
+            try:
+                sub.on_output(out)
+            except Exception:  # noqa: BLE001 - keep ending the others
+                log.error("output callback failed for %s:\n%s", rid, traceback.format_exc())
+        if self._on_stopped is not None:
+            self._on_stopped(reason)
 
     def _poll_cancelled(self) -> None:
-        with self._lock:
-            subs = list(self._subs.items())
-        for rid, sub in subs:
-            if sub.is_cancelled is not None and sub.is_cancelled():
-                self.engine.abort(rid)
+        while not self._stop.wait(self.poll_interval_s):
+            with self._lock:
+                subs = list(self._subs.items())
+            for rid, sub in subs:
+                try:
+                    cancelled = sub.is_cancelled is not None and sub.is_cancelled()
+                except Exception:  # noqa: BLE001 - a closed sender: its request ends on its own
+                    cancelled = False
+                if cancelled:
+                    self.abort(rid)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

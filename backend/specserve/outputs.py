@@ -1,4 +1,4 @@
-"""What the engine hands back to its callers after each step: one delta per request."""
+"""What the engine hands back to its callers: one delta per request after each step, and its load."""
 
 from __future__ import annotations
 
@@ -8,6 +8,16 @@ FINISH_STOP = "stop"  # EOS or a stop string
 FINISH_LENGTH = "length"  # max_tokens reached (or the context is full)
 FINISH_ABORT = "abort"  # cancelled by the client
 FINISH_ERROR = "error"  # the engine failed on this request; `error` says why
+FINISH_TIMEOUT = "timeout"  # request_timeout_s passed before it finished; `error` says so
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """How busy the engine is, as the serving gauges show it."""
+
+    waiting: int  # queued for a slot (new arrivals included)
+    running: int  # holding a KV slot
+    kv_slots_used: int
 
 
 @dataclass
@@ -32,6 +42,9 @@ class RequestOutput:
     num_verify_steps: int = 0
     accept_lengths: list[int] = field(default_factory=list)  # accepted drafts + 1, per step in this delta
     tree_sizes: list[int] = field(default_factory=list)  # nodes verified (root included; 1 = no draft), per step
+    # with SamplingParams.logprobs: per token of token_ids, {token id: (logprob, rank)} (it and the top alternatives)
+    logprobs: list[dict[int, tuple[float, int]]] | None = None
+    cumulative_logprob: float = 0.0  # over the whole output so far (with SamplingParams.logprobs)
 
     @property
     def accept_length(self) -> float:

@@ -24,6 +24,30 @@ def suppress_eos(logits: torch.Tensor, depth: torch.Tensor, eos_ids: tuple[int, 
     logits[rows.nonzero(), list(eos_ids)] = float("-inf")
 
 
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt_tokens: int,
+                    tree_tokens: torch.Tensor, sees: torch.Tensor) -> None:
+    """In place: the repetition, frequency and presence penalties at every node of one request's tree.
+
+    Node i's context is the request's tokens so far (the root last) followed by the drafts on its
+    path, so each node is penalised exactly as plain decoding would be at that point.
+    logits: (N, V) float32; token_ids: prompt + output so far, the root last; tree_tokens: (N,),
+    node 0 the root; sees: (N, N) bool, sees[i, j] when node j is on node i's path (itself included).
+    """
+    if not params.has_penalties:
+        return
+    n, vocab = logits.shape
+    ids = torch.tensor(token_ids, device=logits.device)
+    # (N, V): output-token counts per node: the output so far plus the drafts on the node's path
+    counts = torch.bincount(ids[num_prompt_tokens:], minlength=vocab).to(logits.dtype).expand(n, vocab).clone()
+    counts.scatter_add_(1, tree_tokens[None, 1:].expand(n, -1), sees[:, 1:].to(logits.dtype))
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[:, ids] = True  # the prompt counts for the repetition penalty
+        penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits.copy_(torch.where(seen, penalised, logits))
+    logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """(N, V) logits -> (N, V) float32 probabilities after temperature, top-k and top-p."""
     logits = logits.float() / params.temperature
@@ -39,6 +63,25 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[dict[int, tuple[float, int]]]:
+    """Per emitted token, {token id: (log-probability, rank)} for it and the top_n alternatives.
+
+    logits: (K, V), row k the (penalised, EOS-suppressed, temperature-free) logits the k-th token
+    was drawn from; rank 1 is the most likely token.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (K, V)
+    chosen = torch.tensor(tokens, device=logits.device)
+    chosen_logp = logp.gather(1, chosen[:, None])  # (K, 1)
+    ranks = (logp > chosen_logp).sum(-1) + 1  # (K,)
+    top_logp, top_ids = logp.topk(top_n, dim=-1) if top_n else (logp[:, :0], chosen[:, None][:, :0])
+    out = []
+    for k, token in enumerate(tokens):
+        entry = {int(t): (float(lp), i + 1) for i, (t, lp) in enumerate(zip(top_ids[k].tolist(), top_logp[k].tolist()))}
+        entry[token] = (float(chosen_logp[k, 0]), int(ranks[k]))
+        out.append(entry)
+    return out
 
 
 def draw_uniforms(n: int, generator: torch.Generator | None) -> torch.Tensor:

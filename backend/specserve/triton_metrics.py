@@ -17,10 +17,17 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from specserve.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
+from specserve.outputs import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    FINISH_TIMEOUT,
+    EngineLoad,
+)
 
 PREFIX = "specserve:"
-FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR)
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR, FINISH_TIMEOUT)
 
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0]
 TPOT_BUCKETS = [0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
@@ -111,6 +118,14 @@ class ServingMetrics:
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated (streamed) so far.")
         self.draft_tokens = counter("spec_decode_num_draft_tokens_total", "Draft tokens proposed and verified.")
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens_total", "Draft tokens accepted.")
+        def gauge(name: str, description: str) -> Any:
+            family = pb_utils.MetricFamily(PREFIX + name, description, pb_utils.MetricFamily.GAUGE)
+            self._families.append(family)
+            return family.Metric(labels=labels)
+
+        self.requests_waiting = gauge("num_requests_waiting", "Requests queued for a KV slot.")
+        self.requests_running = gauge("num_requests_running", "Requests holding a KV slot (decoding).")
+        self.kv_slots_used = gauge("kv_slots_used", "KV-cache slots in use.")
         family = pb_utils.MetricFamily(
             PREFIX + "request_finished_total", "Finished requests by finish reason.", pb_utils.MetricFamily.COUNTER
         )
@@ -130,6 +145,12 @@ class ServingMetrics:
             self.accept_length.observe(float(n))
         for n in tree_sizes:
             self.tree_size.observe(float(n))
+
+    def set_load(self, load: EngineLoad) -> None:
+        """After each engine step (on the engine thread)."""
+        self.requests_waiting.set(float(load.waiting))
+        self.requests_running.set(float(load.running))
+        self.kv_slots_used.set(float(load.kv_slots_used))
 
     def on_finish(self, stats: RequestStats) -> None:
         self.finished.get(stats.finish_reason, self.finished[FINISH_ERROR]).increment(1.0)

@@ -8,8 +8,10 @@ finalize aborts what is left and joins both threads.
 Every request ends with exactly one FINAL: after its last delta (stream=true), after its single
 data response (stream=false: one response with the whole text, then a flag-only FINAL, which is
 what HTTP /generate needs), or with an error (INVALID_ARG for bad input, CANCELLED when the client
-cancelled, UNAVAILABLE at shutdown, INTERNAL for engine errors). Parsing lives in
-`triton_request`, metrics in `triton_metrics`.
+cancelled, UNAVAILABLE at shutdown, when `max_queue_size` requests already wait, after
+`request_timeout_s` or once the engine has stopped, INTERNAL for engine errors). When the engine
+loop stops for good (see `loop`), the model unloads itself, so Triton reports it not ready.
+Parsing lives in `triton_request`, metrics in `triton_metrics`.
 """
 
 from __future__ import annotations
@@ -20,15 +22,16 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import triton_python_backend_utils as pb_utils
 
 from specserve.config import SamplingParams
-from specserve.engine import Engine
-from specserve.loop import EngineLoop
-from specserve.outputs import FINISH_ABORT, FINISH_ERROR, RequestOutput
+from specserve.engine import Engine, QueueFull
+from specserve.loop import EngineLoop, EngineStopped
+from specserve.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_TIMEOUT, RequestOutput
 from specserve.triton_metrics import RequestStats, ServingMetrics
 from specserve.triton_request import (
     GenerateRequest,
@@ -36,6 +39,7 @@ from specserve.triton_request import (
     RequestError,
     ResponseDelta,
     engine_config_from_parameters,
+    logprobs_entries,
     model_parameters,
     output_arrays,
     parse_decoupled_inputs,
@@ -59,8 +63,10 @@ def _error(message: str, code: int) -> Any:
 class _ResponseStream:
     """One request's responses; `handle` runs on the response thread, in delta order."""
 
-    def __init__(self, sender: Any, request: GenerateRequest, metrics: ServingMetrics, closing: threading.Event) -> None:
+    def __init__(self, sender: Any, request: GenerateRequest, metrics: ServingMetrics, closing: threading.Event,
+                 decode_token: Callable[[int], str]) -> None:
         self.sender = sender
+        self.decode_token = decode_token
         self.request = request
         self.metrics = metrics
         self.closing = closing
@@ -68,6 +74,7 @@ class _ResponseStream:
         self.first_token: float | None = None
         self.text: list[str] = []  # stream=false: accumulated deltas
         self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, tuple[float, int]]] = []
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.final_sent = False
@@ -85,10 +92,11 @@ class _ResponseStream:
         self.num_draft_tokens, self.num_accepted_tokens = out.num_draft_tokens, out.num_accepted_tokens
         if not out.finished:
             if self.request.stream:
-                self.sender.send(_response(self._delta(out, out.text, out.token_ids)))
+                self.sender.send(_response(self._delta(out, out.text, out.token_ids, out.logprobs)))
             else:
                 self.text.append(out.text)
                 self.token_ids.extend(out.token_ids)
+                self.logprobs.extend(out.logprobs or [])
             return
         try:
             self._finish(out)
@@ -110,30 +118,35 @@ class _ResponseStream:
                 self._send_final(_error("server shutting down", pb_utils.TritonError.UNAVAILABLE))
             else:
                 self._send_final(_error("request cancelled", pb_utils.TritonError.CANCELLED))
+        elif out.finish_reason == FINISH_TIMEOUT:
+            self._send_final(_error(out.error or "request timed out", pb_utils.TritonError.UNAVAILABLE))
         elif out.finish_reason == FINISH_ERROR:
             self._send_final(_error(out.error or "engine error", pb_utils.TritonError.INTERNAL))
         elif self.request.stream:
-            self._send_final(_response(self._delta(out, out.text, out.token_ids)))
+            self._send_final(_response(self._delta(out, out.text, out.token_ids, out.logprobs)))
         else:  # the one data response /generate needs, then a flag-only FINAL
             text = (self.request.echo_text or "") + "".join(self.text) + out.text
-            self.sender.send(_response(self._delta(out, text, self.token_ids + out.token_ids)))
+            logprobs = None if out.logprobs is None else self.logprobs + out.logprobs
+            self.sender.send(_response(self._delta(out, text, self.token_ids + out.token_ids, logprobs)))
             self._send_final(None)
 
     def _send_final(self, response: Any | None) -> None:
         self.sender.send(response, flags=FINAL)
         self.final_sent = True
 
-    @staticmethod
-    def _delta(out: RequestOutput, text: str, token_ids: list[int]) -> ResponseDelta:
+    def _delta(self, out: RequestOutput, text: str, token_ids: list[int],
+               logprobs: list[dict[int, tuple[float, int]]] | None) -> ResponseDelta:
         return ResponseDelta(
             text=text,
             token_ids=token_ids,
             finish_reason=out.finish_reason,
             num_input_tokens=out.num_prompt_tokens,
-            num_output_tokens=out.num_output_tokens,
+            num_output_tokens=len(token_ids),
             num_draft_tokens=out.num_draft_tokens,
             num_accepted_tokens=out.num_accepted_tokens,
             num_verify_steps=out.num_verify_steps,
+            logprobs=None if logprobs is None else logprobs_entries(logprobs, self.decode_token),
+            cumulative_logprob=out.cumulative_logprob,
         )
 
     def abandon(self, message: str) -> None:
@@ -191,9 +204,10 @@ class TritonPythonModel:
             engine.generate([warmup_ids], SamplingParams(max_tokens=2))  # warm-up
             return engine
 
+        self.model_name = args["model_name"]
         self.closing = threading.Event()
         self.responses = _ResponseThread()
-        self.loop = EngineLoop(build_engine)
+        self.loop = EngineLoop(build_engine, on_step=self.metrics.set_load, on_stopped=self._unload)
         pb_utils.Logger.log_info(
             f"{args['model_name']}: {engine_config.spec.algorithm} on {engine_config.device}, "
             f"{engine_config.max_batch_size} slots x {engine_config.max_seq_len} tokens, "
@@ -210,7 +224,7 @@ class TritonPythonModel:
         try:
             inputs = {t.name(): t.as_numpy() for t in request.inputs()}
             prompt_ids, generate = parse_decoupled_inputs(inputs, self.limits, self.tokenizer)
-            stream = _ResponseStream(sender, generate, self.metrics, self.closing)
+            stream = _ResponseStream(sender, generate, self.metrics, self.closing, self.tokenizer.decode_token)
             self.loop.submit(
                 prompt_ids,
                 generate.params,
@@ -219,9 +233,24 @@ class TritonPythonModel:
             )
         except (RequestError, ValueError) as e:  # the engine raises ValueError naming the field too
             sender.send(_error(str(e), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
+        except (QueueFull, EngineStopped) as e:
+            sender.send(_error(str(e), pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
         except Exception as e:  # noqa: BLE001 - FINAL on every path
             log.error("submit failed:\n%s", traceback.format_exc())
             sender.send(_error(f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL), flags=FINAL)
+
+    def _unload(self, reason: str) -> None:
+        """The engine loop stopped for good: unload this model (not ready) from a thread of its own,
+        as Triton calls `finalize`, which joins the loop thread this runs on."""
+        pb_utils.Logger.log_error(f"{self.model_name}: {reason}; unloading the model")
+
+        def unload() -> None:
+            try:
+                pb_utils.unload_model(self.model_name)
+            except Exception:  # noqa: BLE001 - a server without explicit model control keeps it loaded
+                log.error("could not unload %s:\n%s", self.model_name, traceback.format_exc())
+
+        threading.Thread(target=unload, name="specserve-unload", daemon=True).start()
 
     def finalize(self) -> None:
         self.closing.set()

@@ -35,6 +35,9 @@ class RequestError(ValueError):
     """A client error; the message starts with the field it is about."""
 
 
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs allows
+
+
 # ---- the contract ---------------------------------------------------------------------------
 
 # name -> Triton datatype; every one is optional in config.pbtxt (missing text_input is our error).
@@ -58,8 +61,18 @@ CONTRACT_INPUTS: dict[str, str] = {
     "beam_width": "INT32",
     "end_id": "INT32",  # accepted for TRT-LLM payloads; the model's EOS ids are always used
     "pad_id": "INT32",  # accepted for TRT-LLM payloads; nothing is padded in a stream
-    "return_num_input_tokens": "BOOL",  # vLLM-backend flags; these outputs are always returned
+    "frequency_penalty": "FP32",
+    "presence_penalty": "FP32",
+    "repetition_penalty": "FP32",
+    # vLLM-backend flags: finish_reason and the token counts are always returned, logprobs and
+    # cumulative_logprob carry "null" / 0 unless asked for; TRT-LLM's return_perf_metrics: the
+    # speculative counters (total_draft_tokens ...) are always returned
+    "return_num_input_tokens": "BOOL",
     "return_num_output_tokens": "BOOL",
+    "return_finish_reason": "BOOL",
+    "return_logprobs": "BOOL",
+    "return_cumulative_logprob": "BOOL",
+    "return_perf_metrics": "BOOL",
 }
 # preprocessing -> specdec
 INTERNAL_INPUTS: dict[str, str] = {"input_ids": "INT32", "request_config": "BYTES"}
@@ -69,7 +82,9 @@ OUTPUTS: dict[str, str] = {
     "output_ids": "INT32",
     "finish_reason": "BYTES",
     "num_input_tokens": "UINT32",
-    "num_output_tokens": "UINT32",
+    "num_output_tokens": "UINT32",  # in this response (as vLLM's backend counts them)
+    "logprobs": "BYTES",  # JSON as vLLM's backend: per token {id: {logprob, rank, decoded_token}}, or null
+    "cumulative_logprob": "FP32",
     "total_draft_tokens": "INT32",
     "total_accepted_draft_tokens": "INT32",
     "acceptance_rate": "FP32",
@@ -222,6 +237,17 @@ def _json_stop(key: str, v: Any) -> tuple[str, ...]:
     raise RequestError(f"sampling_parameters.{key}: expected a string or a list of strings, got {v!r}")
 
 
+def _json_logprobs(key: str, v: Any) -> int | None:
+    """vLLM: the number of top alternatives per token (0 = the chosen token's only); OpenAI's
+    chat API sends a boolean (true = 0 alternatives), false = none."""
+    if isinstance(v, bool):
+        return 0 if v else None
+    n = _json_int(key, v)
+    if not 0 <= n <= MAX_LOGPROBS:
+        raise RequestError(f"sampling_parameters.{key}: must be in [0, {MAX_LOGPROBS}], got {n}")
+    return n
+
+
 _JSON_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "max_tokens": _json_int,
     "min_tokens": _json_int,
@@ -231,14 +257,15 @@ _JSON_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "seed": _json_int,
     "ignore_eos": _json_bool,
     "stop": _json_stop,
+    "presence_penalty": _json_float,
+    "frequency_penalty": _json_float,
+    "repetition_penalty": _json_float,
+    "logprobs": _json_logprobs,
 }
 # vLLM keys we accept only at their default (the engine has no such feature).
 _JSON_DEFAULT_ONLY: dict[str, Any] = {
     "n": 1,
     "best_of": 1,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
     "min_p": 0.0,
     "use_beam_search": False,
     "include_stop_str_in_output": False,
@@ -272,6 +299,8 @@ def parse_sampling_parameters(raw: Any) -> dict[str, Any]:
             raise RequestError(f"sampling_parameters.{key}: unknown parameter")
     if kwargs.get("top_k") == -1:  # vLLM's "disabled"
         kwargs["top_k"] = 0
+    if "logprobs" in kwargs and kwargs["logprobs"] is None:
+        del kwargs["logprobs"]
     return kwargs
 
 
@@ -289,7 +318,7 @@ def _tensor_overrides(inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
         raise RequestError(f"min_length: {min_length} conflicts with min_tokens {min_tokens}")
     if (v := min_tokens if min_tokens is not None else min_length) is not None:
         kw["min_tokens"] = v
-    for name in ("temperature", "top_p"):
+    for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
         if (v := _float(inputs, name)) is not None:
             kw[name] = v
     seed, random_seed = _int(inputs, "seed"), _int(inputs, "random_seed")
@@ -311,7 +340,7 @@ def _check_unsupported(inputs: Mapping[str, np.ndarray]) -> None:
         raise RequestError(f"beam_width: only 1 is supported, got {beam}")
     for name in ("end_id", "pad_id"):
         _int(inputs, name)  # type-checked, otherwise ignored
-    for name in ("return_num_input_tokens", "return_num_output_tokens"):
+    for name in ("return_num_input_tokens", "return_num_output_tokens", "return_finish_reason", "return_perf_metrics"):
         _bool(inputs, name)
 
 
@@ -347,6 +376,11 @@ def parse_request(inputs: Mapping[str, np.ndarray], limits: RequestLimits) -> Pa
     if "sampling_parameters" in inputs:
         kwargs.update(parse_sampling_parameters(_one(inputs, "sampling_parameters")))
     kwargs.update(_tensor_overrides(inputs))
+    # vLLM's backend returns logprobs only with return_logprobs; cumulative_logprob needs them computed
+    if _bool(inputs, "return_logprobs") or _bool(inputs, "return_cumulative_logprob"):
+        kwargs.setdefault("logprobs", 0)
+    elif "logprobs" in kwargs and "return_logprobs" in inputs:
+        del kwargs["logprobs"]  # asked for in sampling_parameters, but return_logprobs=false
     params = build_sampling_params(kwargs, limits)
 
     stream = bool(_bool(inputs, "stream"))
@@ -420,6 +454,9 @@ class PromptTokenizer:
         self._model_dir = str(model_dir)
         self._tok = hf_tokenizer(self._model_dir)
 
+    def decode_token(self, token_id: int) -> str:
+        return self._tok.decode([token_id])
+
     def encode(self, text: str, apply_chat_template: bool) -> list[int]:
         if not apply_chat_template:
             return list(self._tok(text)["input_ids"])
@@ -443,10 +480,22 @@ class ResponseDelta:
     num_draft_tokens: int
     num_accepted_tokens: int
     num_verify_steps: int
+    logprobs: list[dict[str, dict[str, Any]]] | None = None  # vLLM's backend format (`logprobs_entries`)
+    cumulative_logprob: float = 0.0
+
+
+def logprobs_entries(logprobs: list[dict[int, tuple[float, int]]], decode: Callable[[int], str]) -> list[dict[str, dict[str, Any]]]:
+    """The engine's per-token {id: (logprob, rank)} -> vLLM's backend format: per token
+    {"<id>": {"logprob": float, "rank": int, "decoded_token": str}}."""
+    return [
+        {str(t): {"logprob": lp, "rank": rank, "decoded_token": decode(t)} for t, (lp, rank) in entry.items()}
+        for entry in logprobs
+    ]
 
 
 def output_arrays(delta: ResponseDelta) -> dict[str, np.ndarray]:
-    """The output tensors of one response (names and dtypes as OUTPUTS)."""
+    """The output tensors of one response (names and dtypes as OUTPUTS); num_output_tokens counts
+    this response's tokens, as vLLM's backend does (a client sums them over a stream)."""
     steps = max(delta.num_verify_steps, 1)
     rate = delta.num_accepted_tokens / delta.num_draft_tokens if delta.num_draft_tokens else 0.0
     return {
@@ -455,6 +504,8 @@ def output_arrays(delta: ResponseDelta) -> dict[str, np.ndarray]:
         "finish_reason": np.array([(delta.finish_reason or "").encode("utf-8")], dtype=np.object_),
         "num_input_tokens": np.array([delta.num_input_tokens], dtype=np.uint32),
         "num_output_tokens": np.array([delta.num_output_tokens], dtype=np.uint32),
+        "logprobs": np.array([json.dumps(delta.logprobs).encode("utf-8")], dtype=np.object_),
+        "cumulative_logprob": np.array([delta.cumulative_logprob], dtype=np.float32),
         "total_draft_tokens": np.array([delta.num_draft_tokens], dtype=np.int32),
         "total_accepted_draft_tokens": np.array([delta.num_accepted_tokens], dtype=np.int32),
         "acceptance_rate": np.array([rate], dtype=np.float32),
@@ -508,7 +559,7 @@ def request_limits_from_parameters(params: Mapping[str, str]) -> RequestLimits:
 
 
 _ENGINE_KEYS = ("model_dir", "max_batch_size", "max_seq_len", "dtype", "device", "num_threads", "attention_backend",
-                "disable_cuda_graph", "cuda_graph_max_bs")
+                "disable_cuda_graph", "cuda_graph_max_bs", "max_queue_size", "request_timeout_s")
 _SERVING_KEYS = ("default_max_tokens", "apply_chat_template")
 
 
@@ -548,7 +599,12 @@ def engine_config_from_parameters(params: Mapping[str, str]) -> EngineConfig:
     model_dir = model_dir_from_parameters(params)
     kw: dict[str, Any] = {"model_dir": model_dir, "device": resolve_device(given.get("device", "auto")),
                           "spec": SpecConfig(**spec_kw)}
-    for name in ("max_batch_size", "max_seq_len", "num_threads", "cuda_graph_max_bs"):
+    if "request_timeout_s" in given:
+        try:
+            kw["request_timeout_s"] = float(given["request_timeout_s"])
+        except ValueError:
+            raise ValueError(f"request_timeout_s: expected a number, got {given['request_timeout_s']!r}") from None
+    for name in ("max_batch_size", "max_seq_len", "num_threads", "cuda_graph_max_bs", "max_queue_size"):
         if name in given:
             try:
                 kw[name] = int(given[name])

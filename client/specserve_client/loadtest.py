@@ -115,7 +115,7 @@ def summarize(export: Path, concurrency: int) -> LoadPoint:
     for r in requests:
         start, stamps = r["timestamp"], r["response_timestamps"]
         outputs = [o for o in r.get("response_outputs", []) if o]
-        n = int(outputs[-1]["num_output_tokens"]) if outputs else len(stamps)
+        n = sum(int(o["num_output_tokens"]) for o in outputs) if outputs else len(stamps)  # per response
         ttft.append((stamps[0] - start) / 1e6)
         latency.append((stamps[-1] - start) / 1e6)
         if n > 1:

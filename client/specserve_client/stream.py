@@ -49,7 +49,14 @@ _INPUT_TYPES = {
 
 
 class GenerateError(RuntimeError):
-    """The server answered with an error (its message names the field for bad input)."""
+    """The server answered with an error (its message names the field for bad input).
+
+    status: the gRPC status ("StatusCode.UNAVAILABLE": retry later) or the HTTP status code, when known.
+    """
+
+    def __init__(self, message: str, status: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -79,20 +86,24 @@ class Generation:
 
 
 def collect(deltas: Iterator[Delta]) -> Generation:
-    text, ids, last, first, n = [], [], None, None, 0
+    text, ids, last, first, n, counted = [], [], None, None, 0, 0.0
     start = time.perf_counter()
     for d in deltas:
         n += 1
+        counted += d.stats.get("num_output_tokens", 0.0)
         text.append(d.text)
         ids.extend(d.token_ids)
         if first is None and d.token_ids:
             first = d.time_s
         last = d
+    stats = dict(last.stats) if last else {}
+    if "num_output_tokens" in stats:  # counted per response: the request's total is their sum
+        stats["num_output_tokens"] = counted
     return Generation(
         text="".join(text),
         token_ids=ids,
         finish_reason=last.finish_reason if last else None,
-        stats=last.stats if last else {},
+        stats=stats,
         num_responses=n,
         time_to_first_token_s=first,
         latency_s=last.time_s if last else time.perf_counter() - start,
@@ -183,7 +194,8 @@ def grpc_stream_inputs(url: str, model: str, inputs: list[Any], timeout_s: float
                 raise TimeoutError(f"no response from {model} within {timeout_s}s") from None
             if error is not None:
                 finished = True
-                raise GenerateError(error.message() if hasattr(error, "message") else str(error))
+                raise GenerateError(error.message() if hasattr(error, "message") else str(error),
+                                    error.status() if hasattr(error, "status") else None)
             final = result.get_response().parameters["triton_final_response"].bool_param
             if result.get_response().outputs:
                 yield _delta_from_arrays(result.as_numpy, start)
@@ -233,7 +245,7 @@ def http_stream_inputs(url: str, model: str, values: Mapping[str, Any], timeout_
         conn.request("POST", f"/v2/models/{model}/generate_stream", body, {"Content-Type": "application/json"})
         resp = conn.getresponse()
         if resp.status != 200:
-            raise GenerateError(_http_error(resp))
+            raise GenerateError(_http_error(resp), str(resp.status))
         for raw in resp:
             line = raw.decode("utf-8").strip()
             if line.startswith("data:"):
@@ -251,7 +263,7 @@ def http_generate(url: str, model: str, prompt: str, timeout_s: float = 600.0, *
         conn.request("POST", f"/v2/models/{model}/generate", body, {"Content-Type": "application/json"})
         resp = conn.getresponse()
         if resp.status != 200:
-            raise GenerateError(_http_error(resp))
+            raise GenerateError(_http_error(resp), str(resp.status))
         delta = _delta_from_json(json.loads(resp.read()), start)
     finally:
         conn.close()

@@ -18,7 +18,8 @@ from specserve.server import TritonProcess, copy_repository, default_repository,
 SLOTS = 4
 MAX_SEQ_LEN = 512
 DTYPE = "float32"
-ENGINE_PARAMS = {"max_batch_size": str(SLOTS), "max_seq_len": str(MAX_SEQ_LEN), "dtype": DTYPE}
+QUEUE = 8
+ENGINE_PARAMS = {"max_batch_size": str(SLOTS), "max_seq_len": str(MAX_SEQ_LEN), "dtype": DTYPE, "max_queue_size": str(QUEUE)}
 VARIANTS = ("base", "ngram", "eagle2", "eagle3", "mtp", "standalone")
 
 
@@ -26,6 +27,7 @@ VARIANTS = ("base", "ngram", "eagle2", "eagle3", "mtp", "standalone")
 class E2EConfig:
     slots: int = SLOTS
     max_seq_len: int = MAX_SEQ_LEN
+    max_queue_size: int = QUEUE
     variants: tuple[str, ...] = ()
 
 

@@ -70,7 +70,7 @@ def test_grpc_stream_through_the_ensemble(server, tokenizer, reference_engine):
     assert [t for d in deltas for t in d.token_ids] == ref.token_ids
     assert "".join(d.text for d in deltas) == ref.text
     assert last.stats["num_input_tokens"] == len(ids)
-    assert last.stats["num_output_tokens"] == len(ref.token_ids)
+    assert all(d.stats["num_output_tokens"] == len(d.token_ids) for d in deltas)  # per response, as vLLM's backend
     assert last.stats["total_draft_tokens"] == 0 and last.stats["accept_length"] == 1.0
 
 
@@ -209,6 +209,8 @@ def test_cancellation_frees_the_slots(server, e2e):
         for _, results in streams:  # every slot is busy decoding a 256-token request
             _, error = results.get(timeout=TIMEOUT_S)
             assert error is None
+        assert metric(server, "specserve:num_requests_running", model="specdec_base") == e2e.slots
+        assert metric(server, "specserve:kv_slots_used", model="specdec_base") == e2e.slots
     finally:
         for client, _ in streams:
             client.stop_stream(cancel_requests=True)
@@ -221,6 +223,29 @@ def test_cancellation_frees_the_slots(server, e2e):
     assert waited < 8.0, f"the next request waited {waited:.1f}s: cancelled requests still hold slots"
     assert _wait_for(lambda: _finished(server, "abort") - aborted_before >= e2e.slots, 10)
     assert _finished(server, "abort") - aborted_before == e2e.slots
+
+
+def test_a_full_queue_answers_unavailable_and_the_server_keeps_serving(server, e2e):
+    """Every slot busy and max_queue_size requests waiting: the next request gets UNAVAILABLE at
+    once, naming the limit; once they are cancelled, requests run again and the gauges read 0."""
+    streams = [_start_long_stream(server.grpc_url, "specdec_base", f"Count from {i} to 1000.", 256) for i in range(e2e.slots)]
+    try:
+        for _, results in streams:
+            assert results.get(timeout=TIMEOUT_S)[1] is None  # decoding
+        streams += [_start_long_stream(server.grpc_url, "specdec_base", "Hi", 8) for _ in range(e2e.max_queue_size)]
+        assert _wait_for(lambda: metric(server, "specserve:num_requests_waiting", model="specdec_base")
+                         == e2e.max_queue_size, 10)
+        start = time.perf_counter()
+        with pytest.raises(GenerateError, match="max_queue_size") as refused:
+            collect(grpc_stream(server.grpc_url, "specdec_base", "Hi", max_tokens=4, timeout_s=TIMEOUT_S))
+        assert refused.value.status == "StatusCode.UNAVAILABLE" and time.perf_counter() - start < 5.0
+    finally:
+        for client, _ in streams:
+            client.stop_stream(cancel_requests=True)
+            client.close()
+    quick_request_works(server)
+    for gauge in ("num_requests_waiting", "num_requests_running", "kv_slots_used"):
+        assert _wait_for(lambda g=gauge: metric(server, f"specserve:{g}", model="specdec_base") == 0, 10), gauge
 
 
 def test_closing_an_http_stream_cancels_it(server):
@@ -263,6 +288,9 @@ def test_metrics_are_exported(server):
         "specserve:spec_decode_num_draft_tokens_total",
         "specserve:spec_decode_num_accepted_tokens_total",
         "specserve:request_finished_total",
+        "specserve:num_requests_waiting",
+        "specserve:num_requests_running",
+        "specserve:kv_slots_used",
     ):
         assert f'{family}{{' in text, family
     assert metric(server, "specserve:generation_tokens_total", model="specdec_base", version="1") > 0

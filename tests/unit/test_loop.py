@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from specserve.config import SamplingParams
-from specserve.loop import EngineLoop
-from specserve.outputs import FINISH_ERROR, FINISH_LENGTH, RequestOutput
+from specserve.loop import EngineLoop, EngineStopped
+from specserve.outputs import FINISH_ERROR, FINISH_LENGTH, EngineLoad, RequestOutput
 
 
 class FakeEngine:
@@ -77,3 +77,155 @@ def test_a_failing_step_errors_its_requests_and_the_loop_keeps_serving():
         assert _run(loop, [8]).finish_reason == FINISH_LENGTH
     finally:
         loop.shutdown()
+
+
+class AlwaysFailing(FakeEngine):
+    """Every step raises and leaves its requests open (as a failure outside `fail_running`'s reach would)."""
+
+    def step(self) -> list[RequestOutput]:
+        raise RuntimeError("device lost")
+
+    def fail_running(self, error: str) -> list[RequestOutput]:
+        return []
+
+
+def test_failed_steps_in_a_row_stop_the_loop_end_every_request_and_refuse_new_ones():
+    stopped: list[str] = []
+    loop = EngineLoop(AlwaysFailing, on_stopped=stopped.append, max_failed_steps=3)
+    try:
+        out = _run(loop, [7])
+        assert out.finished and out.finish_reason == FINISH_ERROR
+        assert "3 engine steps failed in a row" in (out.error or "") and "device lost" in out.error
+        assert len(stopped) == 1 and stopped[0] == loop.stopped_reason
+        with pytest.raises(EngineStopped, match="device lost"):
+            loop.submit([8], SamplingParams(max_tokens=1), lambda out: None)
+    finally:
+        loop.shutdown()
+
+
+def test_an_exception_outside_a_step_ends_every_request():
+    class BrokenScheduler(FakeEngine):
+        def has_work(self) -> bool:
+            if self.pending:
+                raise RuntimeError("scheduler bug")
+            return False
+
+    stopped: list[str] = []
+    loop = EngineLoop(BrokenScheduler, on_stopped=stopped.append)
+    try:
+        out = _run(loop, [7])
+        assert out.finish_reason == FINISH_ERROR and "scheduler bug" in (out.error or "")
+        assert stopped and not loop._thread.is_alive()
+    finally:
+        loop.shutdown()
+
+
+def test_cancellation_is_polled_off_the_engine_thread():
+    class Recording(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.aborted: list[str] = []
+
+        def has_work(self) -> bool:
+            return False  # never steps: only the poller can notice the cancellation
+
+        def abort(self, request_id: str) -> None:
+            self.aborted.append(request_id)
+
+    polled_on: list[str] = []
+
+    def is_cancelled() -> bool:
+        polled_on.append(threading.current_thread().name)
+        return True
+
+    loop = EngineLoop(Recording, poll_interval_s=0.01)
+    try:
+        rid = loop.submit([7], SamplingParams(max_tokens=1), lambda out: None, is_cancelled=is_cancelled)
+        for _ in range(200):
+            if rid in loop.engine.aborted:
+                break
+            threading.Event().wait(0.01)
+        assert rid in loop.engine.aborted
+        assert set(polled_on) == {"specserve-cancel-poll"}
+    finally:
+        loop.shutdown()
+
+
+def test_load_is_reported_after_steps_and_back_to_zero_when_idle():
+    class WithLoad(FakeEngine):
+        def load(self) -> EngineLoad:
+            return EngineLoad(waiting=len(self.pending), running=0, kv_slots_used=0)
+
+    loads: list[EngineLoad] = []
+    loop = EngineLoop(WithLoad, on_step=loads.append)
+    try:
+        _run(loop, [7])
+        for _ in range(100):
+            if loads and loads[-1] == EngineLoad(0, 0, 0):
+                break
+            threading.Event().wait(0.01)
+        assert loads and loads[-1] == EngineLoad(0, 0, 0)
+    finally:
+        loop.shutdown()
+
+
+# ---- admission control, timeouts and the abort path on a real (tiny) engine ----------------------
+
+
+def _tiny_engine(tiny_target_dir, **config):
+    from specserve.config import EngineConfig
+    from specserve.engine import Engine
+
+    config = {"max_batch_size": 2, "max_seq_len": 128, **config}
+    return Engine(EngineConfig(model_dir=str(tiny_target_dir), dtype="float32", **config))
+
+
+def test_a_full_queue_refuses_with_queue_full(tiny_target_dir):
+    from specserve.engine import QueueFull
+
+    eng = _tiny_engine(tiny_target_dir, max_queue_size=2)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    eng.add_request([5, 6, 7], params)
+    eng.add_request([5, 6, 8], params)
+    with pytest.raises(QueueFull, match="max_queue_size: 2 requests"):
+        eng.add_request([5, 6, 9], params)
+    eng.step()  # both admitted into the two slots: the queue is empty again
+    assert eng.load() == EngineLoad(waiting=0, running=2, kv_slots_used=2)
+    eng.add_request([5, 6, 9], params)
+    assert eng.load().waiting == 1
+
+
+def test_requests_past_their_timeout_end_with_timeout(tiny_target_dir):
+    import time
+
+    from specserve.outputs import FINISH_TIMEOUT
+
+    eng = _tiny_engine(tiny_target_dir, max_batch_size=1, request_timeout_s=0.2)
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    running, waiting = eng.add_request([5, 6, 7], params), eng.add_request([5, 6, 8], params)
+    eng.step()
+    time.sleep(0.3)
+    outs = {o.request_id: o for o in eng.step()}
+    assert outs[running].finish_reason == FINISH_TIMEOUT and outs[waiting].finish_reason == FINISH_TIMEOUT
+    assert "request_timeout_s" in (outs[waiting].error or "")
+    assert eng.load() == EngineLoad(0, 0, 0) and not eng.has_work()
+
+
+def test_a_failing_step_still_sends_the_aborts_it_had_made(tiny_target_dir):
+    from specserve.outputs import FINISH_ABORT
+
+    eng = _tiny_engine(tiny_target_dir)
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    a, b = eng.add_request([5, 6, 7], params), eng.add_request([5, 6, 8], params)
+    eng.step()
+    eng.abort(a)
+
+    def broken(reqs):  # noqa: ANN001, ANN202
+        raise RuntimeError("verify failed")
+
+    eng._verify_step = broken
+    with pytest.raises(RuntimeError):
+        eng.step()
+    outs = {o.request_id: o for o in eng.fail_running("engine error")}
+    assert outs[a].finish_reason == FINISH_ABORT and outs[b].finish_reason == FINISH_ERROR
+    assert eng.load() == EngineLoad(0, 0, 0)

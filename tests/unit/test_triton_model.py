@@ -12,6 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from specserve.engine import QueueFull
+from specserve.loop import EngineStopped
+
 FINAL = 1
 
 
@@ -49,6 +52,9 @@ class FakeMetric:
         self.values.append(v)
 
     def observe(self, v: float) -> None:
+        self.values.append(v)
+
+    def set(self, v: float) -> None:
         self.values.append(v)
 
 
@@ -125,7 +131,8 @@ def stream_for(triton_model, stream: bool, echo: str | None = None, closing: boo
     if closing:
         event.set()
     sender = FakeSender()
-    s = triton_model._ResponseStream(sender, GenerateRequest(SamplingParams(), stream, echo), ServingMetrics("m", "1"), event)
+    s = triton_model._ResponseStream(sender, GenerateRequest(SamplingParams(), stream, echo), ServingMetrics("m", "1"), event,
+                                     decode_token=lambda t: f"<{t}>")
     return s, sender
 
 
@@ -138,7 +145,8 @@ def test_streaming_sends_each_delta_and_final_on_the_last(triton_model):
     texts = [r.outputs()["text_output"][0].decode() for r in sender.data]
     assert texts == ["Hel", "lo", "!"]
     last = sender.data[-1].outputs()
-    assert last["finish_reason"][0] == b"stop" and last["num_output_tokens"][0] == 3
+    assert last["finish_reason"][0] == b"stop"
+    assert [r.outputs()["num_output_tokens"][0] for r in sender.data] == [1, 1, 1]  # per response, as vLLM's backend
     assert sender.data[0].outputs()["finish_reason"][0] == b""
 
 
@@ -150,12 +158,28 @@ def test_non_streaming_sends_one_response_then_a_flag_only_final(triton_model):
     assert len(sender.data) == 1 and sender.sent[-1] == (None, FINAL) and sender.finals == 1
     outputs = sender.data[0].outputs()
     assert outputs["text_output"][0].decode() == "Q: Hello"
-    assert outputs["output_ids"].tolist() == [1, 2]
+    assert outputs["output_ids"].tolist() == [1, 2] and outputs["num_output_tokens"][0] == 2
+    assert outputs["logprobs"][0] == b"null"
+
+
+def test_logprobs_are_sent_per_token_and_accumulated_without_streaming(triton_model):
+    import json
+
+    s, sender = stream_for(triton_model, stream=False)
+    s.handle(out("a", [1], logprobs=[{1: (-0.5, 1)}], cumulative_logprob=-0.5))
+    s.handle(out("b", [2], True, "stop", logprobs=[{2: (-1.0, 2), 7: (-0.2, 1)}], cumulative_logprob=-1.5))
+    outputs = sender.data[0].outputs()
+    assert json.loads(outputs["logprobs"][0]) == [
+        {"1": {"logprob": -0.5, "rank": 1, "decoded_token": "<1>"}},
+        {"2": {"logprob": -1.0, "rank": 2, "decoded_token": "<2>"}, "7": {"logprob": -0.2, "rank": 1, "decoded_token": "<7>"}},
+    ]
+    assert outputs["cumulative_logprob"][0] == pytest.approx(-1.5)
 
 
 @pytest.mark.parametrize(
     ("reason", "closing", "code"),
-    [("abort", False, FakeError.CANCELLED), ("abort", True, FakeError.UNAVAILABLE), ("error", False, FakeError.INTERNAL)],
+    [("abort", False, FakeError.CANCELLED), ("abort", True, FakeError.UNAVAILABLE), ("error", False, FakeError.INTERNAL),
+     ("timeout", False, FakeError.UNAVAILABLE)],
 )
 @pytest.mark.parametrize("stream", [True, False])
 def test_abort_and_error_end_with_an_error_and_final(triton_model, reason, closing, code, stream):
@@ -215,7 +239,7 @@ def model_with(triton_model, loop: FakeLoop):
 
     m = triton_model.TritonPythonModel()
     m.limits = RequestLimits(max_seq_len=64)
-    m.tokenizer = types.SimpleNamespace(encode=lambda text, chat: [ord(c) for c in text])
+    m.tokenizer = types.SimpleNamespace(encode=lambda text, chat: [ord(c) for c in text], decode_token=chr)
     m.metrics = None
     m.closing = threading.Event()
     m.responses = None
@@ -245,6 +269,9 @@ def test_execute_submits_and_sends_nothing_yet(triton_model):
         ({"text_input": text("x" * 100)}, None, FakeError.INVALID_ARG, "text_input"),
         ({"text_input": text("hi")}, ValueError("prompt: token id outside the vocabulary"), FakeError.INVALID_ARG, "prompt"),
         ({"text_input": text("hi")}, RuntimeError("kaput"), FakeError.INTERNAL, "internal error"),
+        ({"text_input": text("hi")}, QueueFull("max_queue_size: 4 requests are already waiting"), FakeError.UNAVAILABLE,
+         "max_queue_size"),
+        ({"text_input": text("hi")}, EngineStopped("engine stopped: device lost"), FakeError.UNAVAILABLE, "engine stopped"),
     ],
 )
 def test_execute_errors_end_with_final(triton_model, inputs, loop_error, code, field):

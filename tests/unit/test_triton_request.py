@@ -22,6 +22,7 @@ from specserve.triton_request import (
     decode_request_config,
     encode_request_config,
     engine_config_from_parameters,
+    logprobs_entries,
     model_parameters,
     output_arrays,
     parse_decoupled_inputs,
@@ -96,6 +97,58 @@ def test_vllm_style_sampling_parameters():
     assert p.request.params == SamplingParams(
         max_tokens=10, temperature=0.7, top_p=0.95, top_k=0, seed=3, stop=("END",), ignore_eos=True
     )
+
+
+def test_penalties_from_sampling_parameters_and_tensors():
+    p = parse_request(req(sampling_parameters=sp({"presence_penalty": "0.5", "frequency_penalty": 0.25,
+                                                  "repetition_penalty": "1.1"})), LIMITS)
+    assert (p.request.params.presence_penalty, p.request.params.frequency_penalty,
+            p.request.params.repetition_penalty) == (0.5, 0.25, 1.1)
+    p = parse_request(req(frequency_penalty=f32(0.3), presence_penalty=f32(-0.2), repetition_penalty=f32(1.2)), LIMITS)
+    assert (p.request.params.frequency_penalty, p.request.params.presence_penalty,
+            p.request.params.repetition_penalty) == (0.3, -0.2, 1.2)
+
+
+def test_logprobs_are_computed_only_when_returned():
+    assert parse_request(req(), LIMITS).request.params.logprobs is None
+    assert parse_request(req(return_logprobs=flag(True)), LIMITS).request.params.logprobs == 0
+    asked = req(sampling_parameters=sp({"logprobs": 3}), return_logprobs=flag(True))
+    assert parse_request(asked, LIMITS).request.params.logprobs == 3
+    not_returned = req(sampling_parameters=sp({"logprobs": 3}), return_logprobs=flag(False))
+    assert parse_request(not_returned, LIMITS).request.params.logprobs is None
+    assert parse_request(req(return_cumulative_logprob=flag(True)), LIMITS).request.params.logprobs == 0
+    # OpenAI's chat API: logprobs is a boolean
+    assert parse_request(req(sampling_parameters=sp({"logprobs": False})), LIMITS).request.params.logprobs is None
+
+
+def test_openai_frontend_vllm_request_replayed():
+    """What Triton's OpenAI frontend (server repo, python/openai/openai_frontend/engine/utils/triton.py,
+    `_create_vllm_generate_request`) sends for a chat completion with `--backend vllm`: the
+    request's non-None fields as sampling_parameters, return_logprobs, the return_num_* flags."""
+    sampling = {"frequency_penalty": 0.0, "n": 1, "presence_penalty": 0.0, "temperature": 0.7, "top_p": 1.0,
+                "seed": 11, "stop": ["\n\n"], "max_tokens": 16}
+    inputs = {"text_input": np.array([b"<chat>"], dtype=np.object_), "stream": flag(True),
+              "exclude_input_in_output": flag(True), "sampling_parameters": sp(sampling),
+              "return_logprobs": flag(False), "return_num_input_tokens": flag(True),
+              "return_num_output_tokens": flag(True)}
+    p = parse_request(inputs, LIMITS)
+    assert p.request.params == SamplingParams(max_tokens=16, temperature=0.7, seed=11, stop=("\n\n",))
+    assert p.request.stream is True and p.request.echo_text is None
+    older = {**sampling, "logprobs": False}  # older frontends dumped OpenAI's boolean as is
+    assert parse_request({**inputs, "sampling_parameters": sp(older)}, LIMITS).request.params.logprobs is None
+
+
+def test_openai_frontend_trtllm_request_replayed():
+    """The same frontend's default for an ensemble or Python model (`_create_trtllm_generate_request`):
+    every tensor shaped [1, 1], stop_words [1, k], the penalties as tensors."""
+    inputs = {"text_input": np.array([[b"<chat>"]], dtype=np.object_), "stream": np.array([[False]]),
+              "max_tokens": np.array([[16]], dtype=np.int32), "stop_words": np.array([[b"END"]], dtype=np.object_),
+              "top_p": np.array([[0.9]], dtype=np.float32), "frequency_penalty": np.array([[0.5]], dtype=np.float32),
+              "presence_penalty": np.array([[0.0]], dtype=np.float32), "seed": np.array([[3]], dtype=np.uint64),
+              "temperature": np.array([[0.0]], dtype=np.float32),
+              "return_num_input_tokens": np.array([[True]]), "return_num_output_tokens": np.array([[True]])}
+    p = parse_request(inputs, LIMITS)
+    assert p.request.params == SamplingParams(max_tokens=16, top_p=0.9, frequency_penalty=0.5, seed=3, stop=("END",))
 
 
 def test_genai_perf_string_values():
@@ -182,7 +235,12 @@ def test_unicode_prompt_and_shape_1x1():
         (req(sampling_parameters=sp({"ignore_eos": "maybe"})), "sampling_parameters.ignore_eos"),
         (req(sampling_parameters=sp({"stop": 5})), "sampling_parameters.stop"),
         (req(sampling_parameters=sp({"n": 2})), "sampling_parameters.n"),
-        (req(sampling_parameters=sp({"presence_penalty": "0.5"})), "sampling_parameters.presence_penalty"),
+        (req(sampling_parameters=sp({"presence_penalty": "high"})), "sampling_parameters.presence_penalty"),
+        (req(sampling_parameters=sp({"presence_penalty": 3})), "presence_penalty"),
+        (req(frequency_penalty=f32(-2.5)), "frequency_penalty"),
+        (req(repetition_penalty=f32(0.0)), "repetition_penalty"),
+        (req(sampling_parameters=sp({"logprobs": 21})), "sampling_parameters.logprobs"),
+        (req(return_logprobs=i32(1)), "return_logprobs"),
         (req(sampling_parameters=sp({"wat": 1})), "sampling_parameters.wat"),
         (req(sampling_parameters=sp({"seed": -1})), "seed"),
     ],
@@ -265,6 +323,16 @@ def test_decoupled_inputs_errors(inputs, field):
 
 
 # ---- responses ------------------------------------------------------------------------------
+
+
+def test_logprobs_output_is_vllm_backend_json():
+    entries = logprobs_entries([{5: (-0.1, 1), 9: (-2.5, 2)}], lambda t: f"<{t}>")
+    arrays = output_arrays(ResponseDelta("x", [5], None, 3, 1, 0, 0, 1, logprobs=entries, cumulative_logprob=-0.1))
+    assert json.loads(arrays["logprobs"][0]) == [{"5": {"logprob": -0.1, "rank": 1, "decoded_token": "<5>"},
+                                                  "9": {"logprob": -2.5, "rank": 2, "decoded_token": "<9>"}}]
+    assert arrays["cumulative_logprob"].dtype == np.float32 and arrays["cumulative_logprob"][0] == pytest.approx(-0.1)
+    plain = output_arrays(ResponseDelta("x", [5], None, 3, 1, 0, 0, 1))
+    assert plain["logprobs"][0] == b"null"  # what the OpenAI frontend reads as "no logprobs"
 
 
 def test_output_arrays():
