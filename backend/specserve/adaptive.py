@@ -151,7 +151,7 @@ class ShapeChooser:
 
     def forget_acceptance(self) -> None:
         """After warm-up on a synthetic prompt: its accept lengths say nothing about real text
-        (a repetitive prompt flatters NGRAM), so each drafting shape is measured afresh once."""
+        (a repetitive prompt flatters NGRAM), so each drafting shape is measured afresh."""
         for a in self.accept.values():
             a.reset()
         self.chosen.clear()

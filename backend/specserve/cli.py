@@ -1,4 +1,4 @@
-"""`specserve` command line: prepare, generate, bench, train-drafter, regenerate-data, serve (DESIGN.md's contract)."""
+"""`specserve` command line: prepare, generate, bench, train-drafter, regenerate-data, serve."""
 
 from __future__ import annotations
 

@@ -160,7 +160,7 @@ class SpecConfig:
     # choose each step's tree among smaller budgets of the configured one (plain decoding included)
     # from measured step costs and acceptance; setting num_steps, topk or num_draft_tokens pins the shape
     adaptive: bool = True
-    # NGRAM (SGLang's names and defaults, REFERENCE.md §3)
+    # NGRAM (SGLang's names and defaults)
     ngram_min_match_window: int = 2  # SGLang: 1. Measured on MT-bench: same accept gain, 1/5 the drafts
     ngram_max_match_window: int = 12
     ngram_min_bfs_breadth: int = 1

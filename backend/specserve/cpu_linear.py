@@ -1,9 +1,9 @@
 """bf16 linear layers on CPU with their weights prepacked once into oneDNN's blocked layout.
 
-`F.linear` on a plain bf16 weight reaches 12.7 GB/s of weight reads on this project's 2-core CPU
-at one token; the same weights prepacked with `mkldnn._reorder_linear_weight` and multiplied by
-`mkldnn._linear_pointwise` reach 15.7 GB/s at 1 token and 17.4 at 4 (SmolLM2-135M's 121 weight
-matrices, cold caches; `bench/cpu_linear.py`). The result is bit-identical to `F.linear`.
+`F.linear` on a plain bf16 weight reads its weights more slowly at one token than the same weights
+prepacked with `mkldnn._reorder_linear_weight` and multiplied by `mkldnn._linear_pointwise`
+(`bench/cpu_linear.py` measures both; figures in `docs/benchmarks.md`). The result is
+bit-identical to `F.linear`.
 
 This module packs inference-only weights: a packed linear has no autograd and is never saved.
 It does nothing on CUDA, in fp32, or where oneDNN lacks bf16.

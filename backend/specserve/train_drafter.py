@@ -5,7 +5,7 @@ rendered with the target's chat template and truncated to `max_len` tokens; only
 are predicted. Features come from the frozen target on the fly, one batch at a time (`epochs` passes,
 no feature store).
 
-Objective (REFERENCE.md §5), the same for every head (EAGLE-2, EAGLE-3, MTP). Drafter position j reads (token j+1, feature j) and predicts token
+Objective, the same for every head (EAGLE-2, EAGLE-3, MTP). Drafter position j reads (token j+1, feature j) and predicts token
 j+2; its label is the target's distribution at position j+1, over the draft vocabulary (the most
 frequent assistant tokens of the training conversations). EAGLE-3 unrolls `ttt_steps` self-fed
 steps ("training-time test"): step i reads token j+1+i and the step i-1 output at j, attends to the

@@ -45,6 +45,12 @@ _INPUT_TYPES = {
     "seed": "UINT64",
     "ignore_eos": "BOOL",
     "stop_words": "BYTES",
+    "frequency_penalty": "FP32",
+    "presence_penalty": "FP32",
+    "repetition_penalty": "FP32",
+    "return_logprobs": "BOOL",
+    "return_num_input_tokens": "BOOL",
+    "return_num_output_tokens": "BOOL",
 }
 
 

@@ -111,6 +111,48 @@ def test_vllm_style_payload_with_string_values(server):
     assert len(g.token_ids) == 6 and g.finish_reason == "length"
 
 
+def test_openai_frontend_vllm_request_gets_usage_and_logprobs(server, tokenizer, reference_engine):
+    """The request Triton's OpenAI frontend builds with `--backend vllm` (server repo,
+    python/openai/openai_frontend/engine/utils/triton.py, `_create_vllm_generate_request`), with
+    logprobs asked for and penalties on: per-response token counts that sum to the output, vLLM's
+    logprobs JSON for every token, the output the in-process engine gives with the same penalties."""
+    import json
+
+    sampling = {"frequency_penalty": 0.4, "presence_penalty": 0.2, "n": 1, "temperature": 0.0, "top_p": 1.0,
+                "max_tokens": 12, "logprobs": 2}
+    values = {"text_input": PROMPT, "apply_chat_template": True, "stream": True, "exclude_input_in_output": True,
+              "sampling_parameters": json.dumps(sampling), "return_logprobs": True,
+              "return_num_input_tokens": True, "return_num_output_tokens": True}
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    names = ["output_ids", "num_input_tokens", "num_output_tokens", "logprobs", "cumulative_logprob", "finish_reason"]
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer("llm_base", grpc_inputs(values), outputs=[grpcclient.InferRequestedOutput(n) for n in names])
+        responses = []
+        while not responses or not responses[-1]["finish_reason"][0]:
+            result, error = results.get(timeout=TIMEOUT_S)
+            assert error is None, error
+            responses.append({n: result.as_numpy(n) for n in names})
+    finally:
+        client.stop_stream()
+        client.close()
+    ids = [int(t) for r in responses for t in r["output_ids"]]
+    assert sum(int(r["num_output_tokens"][0]) for r in responses) == len(ids)
+    assert all(int(r["num_output_tokens"][0]) == len(r["output_ids"]) for r in responses)
+    logprobs = [entry for r in responses for entry in json.loads(r["logprobs"][0])]
+    assert len(logprobs) == len(ids)
+    for token, entry in zip(ids, logprobs):
+        assert entry[str(token)]["rank"] == 1 and entry[str(token)]["logprob"] <= 0.0  # greedy: the top token
+        assert 2 <= len(entry) <= 3 and all("decoded_token" in v for v in entry.values())
+    cumulative = float(responses[-1]["cumulative_logprob"][0])
+    assert cumulative == pytest.approx(sum(e[str(t)]["logprob"] for t, e in zip(ids, logprobs)), abs=1e-3)
+    params = SamplingParams(max_tokens=12, frequency_penalty=0.4, presence_penalty=0.2)
+    with ThreadPoolExecutor(1) as pool:
+        ref = pool.submit(reference_engine.generate, [tokenizer.encode(PROMPT, True)], params).result()[0]
+    assert ids == ref.token_ids
+
+
 # ---- bad input: an error naming the field, then FINAL; the server keeps serving ------------
 
 BAD_INPUTS = [

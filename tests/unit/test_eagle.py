@@ -21,7 +21,7 @@ H, HEADS, KV, INTER, LAYERS, VOCAB, DRAFT_VOCAB = 64, 4, 2, 128, 8, 49152, 512  
 
 
 def write_checkpoint(path, kind, aux=None, drop=None, bad_shape=None, fc_bias=False):
-    """A random draft head under exactly the published key names (REFERENCE.md §4)."""
+    """A random draft head under exactly the published key names."""
     g = torch.Generator().manual_seed(1)
 
     def rnd(*shape):

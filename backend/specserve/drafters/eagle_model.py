@@ -38,7 +38,7 @@ Attend = Callable[[Attention, torch.Tensor], torch.Tensor]  # (attention module,
 
 @dataclass(frozen=True)
 class EagleConfig:
-    """A draft head's shape, read from its HF-style config.json (REFERENCE.md §4)."""
+    """A draft head's shape, read from its HF-style config.json."""
 
     kind: str  # "eagle" (EAGLE-1/2) or "eagle3"
     hidden_size: int

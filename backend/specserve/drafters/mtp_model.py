@@ -1,6 +1,6 @@
 """MTP heads (multi-token prediction) as shipped inside target checkpoints, and saving our own.
 
-Two published layouts (REFERENCE.md §4), each one decoder layer of the target's architecture:
+Two published layouts, each one decoder layer of the target's architecture:
     DeepSeek-V3 NextN, keys `model.layers.{N}.*` (N = num_hidden_layers):
         x = eh_proj(cat(enorm(embed(token)), hnorm(h)));  x = layer(x)
         logits = shared_head.head(shared_head.norm(x))     (the target's lm_head if `head` is absent)
