@@ -1,4 +1,4 @@
-"""`specserve` command line: prepare, generate, bench, train-drafter, regenerate-data, serve."""
+"""`specserve` command line: prepare, generate, bench, train-drafter, regenerate-data, serve, model-repository."""
 
 from __future__ import annotations
 
@@ -204,6 +204,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(repo, variants, args.http_port, args.grpc_port, args.metrics_port)
 
 
+def cmd_model_repository(args: argparse.Namespace) -> int:
+    from specserve.repository import stale_files, write_repository
+
+    root = Path(args.model_repository) if args.model_repository else REPO_ROOT / "model_repository"
+    if args.check:
+        stale = stale_files(root)
+        for rel in stale:
+            print(f"{root / rel}: differs from what `specserve model-repository` writes", file=sys.stderr)
+        return 1 if stale else 0
+    for path in write_repository(root):
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -279,6 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("model-repository", help="write every config.pbtxt of the model repository from one description")
+    p.add_argument("--model-repository", default=None, help="default: the project's model_repository/")
+    p.add_argument("--check", action="store_true", help="only report files that differ (exit 1 if any)")
+    p.set_defaults(func=cmd_model_repository)
     return parser
 
 
