@@ -1,6 +1,6 @@
 """Attention over the static KV cache: plain torch (any device) or flashinfer (CUDA).
 
-A backend gets one `plan` per forward (host side, before the forward or before a CUDA-graph
+`AttentionInputs` is what every layer of one forward shares. A backend gets one `plan` per forward (host side, before the forward or before a CUDA-graph
 replay) and one `attend` per layer (inside the forward, capturable). The model writes the new
 tokens' K/V into the cache before `attend`; a backend only reads it.
 
@@ -14,15 +14,13 @@ This module does not choose slots, build masks from trees or capture graphs.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from specserve.config import ATTENTION_BACKENDS
-
-if TYPE_CHECKING:
-    from specserve.model import AttentionInputs
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +88,30 @@ class TorchAttention:
 
 
 TORCH_ATTENTION = TorchAttention()  # stateless: one instance serves every model and drafter
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """Everything attention needs that is the same for every layer of one forward.
+
+    Shape:
+        slots, cache_lens: (B,) int64
+        write_slots, write_pos: (B, T) int64, where each new token's K/V goes
+        mask: (B, 1, T, S) bool or None (None = causal over fresh, slot-contiguous sequences)
+        cos, sin: (B, T, 1, D), sin signed (see rope_table)
+    """
+
+    slots: torch.Tensor
+    cache_lens: torch.Tensor
+    write_slots: torch.Tensor
+    write_pos: torch.Tensor
+    key_len: int  # S: keys read per request, max(cache_lens + T)
+    mask: torch.Tensor | None
+    is_causal: bool
+    slot_range: tuple[int, int] | None  # (first, count) when slots are consecutive: read a view
+    cos: torch.Tensor
+    sin: torch.Tensor
+    backend: AttentionBackend = TORCH_ATTENTION  # planned for these inputs (see attention_backend)
 
 
 class FlashInferAttention:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.attention_backend import TORCH_ATTENTION, AttentionBackend
+from specserve.attention_backend import TORCH_ATTENTION, AttentionBackend, AttentionInputs
 from specserve.config import ModelConfig
 from specserve.kv_cache import KVCache
 
@@ -67,30 +67,6 @@ def prefix_mask(cache_lens: torch.Tensor, new_mask: torch.Tensor, key_len: int) 
     in_new = (rel >= 0) & (rel < n)
     gathered = torch.gather(new_mask, 2, rel.clamp(0, n - 1)[:, None, :].expand(b, t, key_len))  # (B, T, S)
     return (in_prefix[:, None, :] | (in_new[:, None, :] & gathered)).unsqueeze(1)
-
-
-@dataclass(frozen=True)
-class AttentionInputs:
-    """Everything attention needs that is the same for every layer of one forward.
-
-    Shape:
-        slots, cache_lens: (B,) int64
-        write_slots, write_pos: (B, T) int64, where each new token's K/V goes
-        mask: (B, 1, T, S) bool or None (None = causal over fresh, slot-contiguous sequences)
-        cos, sin: (B, T, 1, D), sin signed (see rope_table)
-    """
-
-    slots: torch.Tensor
-    cache_lens: torch.Tensor
-    write_slots: torch.Tensor
-    write_pos: torch.Tensor
-    key_len: int  # S: keys read per request, max(cache_lens + T)
-    mask: torch.Tensor | None
-    is_causal: bool
-    slot_range: tuple[int, int] | None  # (first, count) when slots are consecutive: read a view
-    cos: torch.Tensor
-    sin: torch.Tensor
-    backend: AttentionBackend = TORCH_ATTENTION  # planned for these inputs (see attention_backend)
 
 
 class Attention(nn.Module):
