@@ -320,45 +320,34 @@ class Engine:
         """After an exception inside a step: the outputs that step had made (aborts, timeouts), and an
         error output ending every running request."""
         outputs, self._outputs = self._outputs, []
-        for req in list(self.running):
-            req.finish_reason = FINISH_ERROR
-            out = req.output()
-            out.error = error
-            outputs.append(out)
+        return outputs + [self._end(req, FINISH_ERROR, error) for req in list(self.running)]
+
+    def _end(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
+        """Finish a waiting or running request early (abort, timeout, error): its last output."""
+        req.finish_reason = reason
+        out = req.output()
+        out.error = error
+        if req in self.waiting:
+            self.waiting.remove(req)
+        else:
             self._release(req)
-        return outputs
+        return out
 
     def _take_inbox(self) -> list[RequestOutput]:
         with self._lock:
             self.waiting.extend(self._inbox)
             self._inbox.clear()
             aborts, self._aborts = self._aborts, set()
-        outputs = []
-        for req in [r for r in (*self.waiting, *self.running) if r.request_id in aborts]:
-            req.finish_reason = FINISH_ABORT
-            outputs.append(req.output())
-            if req in self.waiting:
-                self.waiting.remove(req)
-            else:
-                self._release(req)
-        return outputs
+        return [self._end(req, FINISH_ABORT) for req in [r for r in (*self.waiting, *self.running) if r.request_id in aborts]]
 
     def _expire(self) -> list[RequestOutput]:
         """End the requests older than request_timeout_s, waiting or running."""
         timeout = self.config.request_timeout_s
         if not timeout:
             return []
-        now, outputs = time.monotonic(), []
-        for req in [r for r in (*self.waiting, *self.running) if now - r.arrival > timeout]:
-            req.finish_reason = FINISH_TIMEOUT
-            out = req.output()
-            out.error = f"request timed out after {timeout:g} s (request_timeout_s)"
-            outputs.append(out)
-            if req in self.waiting:
-                self.waiting.remove(req)
-            else:
-                self._release(req)
-        return outputs
+        now, error = time.monotonic(), f"request timed out after {timeout:g} s (request_timeout_s)"
+        return [self._end(req, FINISH_TIMEOUT, error) for req in [r for r in (*self.waiting, *self.running)
+                                                                  if now - r.arrival > timeout]]
 
     def _admit(self) -> list[Request]:
         admitted = []

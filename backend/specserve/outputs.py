@@ -9,6 +9,7 @@ FINISH_LENGTH = "length"  # max_tokens reached (or the context is full)
 FINISH_ABORT = "abort"  # cancelled by the client
 FINISH_ERROR = "error"  # the engine failed on this request; `error` says why
 FINISH_TIMEOUT = "timeout"  # request_timeout_s passed before it finished; `error` says so
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR, FINISH_TIMEOUT)
 
 
 @dataclass(frozen=True)

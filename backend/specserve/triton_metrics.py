@@ -17,17 +17,9 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from specserve.outputs import (
-    FINISH_ABORT,
-    FINISH_ERROR,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    FINISH_TIMEOUT,
-    EngineLoad,
-)
+from specserve.outputs import FINISH_ERROR, FINISH_REASONS, EngineLoad
 
 PREFIX = "specserve:"
-FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR, FINISH_TIMEOUT)
 
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0]
 TPOT_BUCKETS = [0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
