@@ -15,18 +15,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from specserve.bench import run_engine
-from specserve.cli import DEFAULT_DRAFTERS, REPO_ROOT, TOKEN_MAPS
 from specserve.config import EngineConfig, SpecConfig
 from specserve.engine import Engine
 from specserve.prepare import default_model_dir
 from specserve.prompts import load_questions, render_chat
+from specserve.repository import served_drafter
 
 
 def spec_for(algorithm: str, num_steps: int, topk: int, num_draft_tokens: int) -> SpecConfig:
-    path = REPO_ROOT / DEFAULT_DRAFTERS[algorithm]
-    token_map = str(REPO_ROOT / TOKEN_MAPS[algorithm]) if algorithm in TOKEN_MAPS else None
-    return SpecConfig(algorithm=algorithm, drafter_path=str(path), token_map=token_map, num_steps=num_steps,
-                      topk=topk, num_draft_tokens=num_draft_tokens)
+    return SpecConfig(algorithm=algorithm, num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens,
+                      **served_drafter(algorithm))
 
 
 def main() -> None:

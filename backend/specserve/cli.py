@@ -18,21 +18,16 @@ from specserve.config import (
 )
 from specserve.hardware import auto_dtype
 from specserve.regenerate import RegenerateConfig
+from specserve.repository import VARIANT_ALGORITHM, served_drafter
 from specserve.train_drafter import TrainConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_DRAFTERS = {"eagle": "model_repository/specdec_eagle2/drafter", "eagle3": "model_repository/specdec_eagle3/drafter",
-                    "mtp": "model_repository/specdec_mtp/drafter"}
-TOKEN_MAPS = {"eagle": "model_repository/specdec_eagle2/drafter/token_map.pt",
-              "mtp": "model_repository/specdec_mtp/drafter/token_map.pt"}  # FR-Spec hot vocabularies
-VARIANT_ALGORITHM = {"base": "none", "ngram": "ngram", "eagle2": "eagle", "eagle3": "eagle3", "mtp": "mtp",
-                     "standalone": "standalone"}
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", default=None, help="HF model directory (default: the prepared SmolLM2)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "auto"],
-                   help="auto = bfloat16 on CUDA and on CPUs with AVX512-BF16 / AMX, else float32")
+    p.add_argument("--dtype", default="auto", choices=["bfloat16", "float32", "auto"],
+                   help="auto (default) = bfloat16 on CUDA and on CPUs with AVX512-BF16 / AMX, else float32")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto = cuda when available)")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
@@ -57,13 +52,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _spec(args: argparse.Namespace, algorithm: str) -> SpecConfig:
-    """Flags -> SpecConfig; EAGLE on the embedded default uses the drafters committed under
-    model_repository/ unless --drafter-path / --token-map say otherwise."""
+    """Flags -> SpecConfig; EAGLE / MTP on the embedded default use the drafters the served variants
+    use (repository.VARIANTS) unless --drafter-path / --token-map say otherwise."""
     drafter_path, token_map = args.drafter_path, args.token_map
-    if args.model_dir is None and drafter_path is None and algorithm in DEFAULT_DRAFTERS:
-        drafter_path = str(REPO_ROOT / DEFAULT_DRAFTERS[algorithm])
-        if algorithm in TOKEN_MAPS and token_map is None:
-            token_map = str(REPO_ROOT / TOKEN_MAPS[algorithm])
+    served = served_drafter(algorithm)
+    if args.model_dir is None and drafter_path is None and served:
+        drafter_path = served["drafter_path"]
+        token_map = token_map or served.get("token_map")
     return SpecConfig(algorithm=algorithm, num_steps=args.num_steps, topk=args.topk,
                       num_draft_tokens=args.num_draft_tokens, drafter_path=drafter_path, token_map=token_map,
                       ngram_min_match_window=args.ngram_min_match_window,

@@ -78,6 +78,21 @@ VARIANTS: tuple[Variant, ...] = (
 )
 
 
+VARIANT_ALGORITHM = {v.name: v.algorithm for v in VARIANTS}  # the one table from served names to algorithms
+
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def served_drafter(algorithm: str) -> dict[str, str]:
+    """The SpecConfig fields (`drafter_path`, `token_map`, absolute) of the committed drafter the
+    served variant of this algorithm uses; empty for algorithms without one."""
+    for v in VARIANTS:
+        if v.algorithm == algorithm:
+            return {k: str(PROJECT_ROOT / v.parameters[k]) for k in ("drafter_path", "token_map") if k in v.parameters}
+    return {}
+
+
 def _tensors(kind: str, names: dict[str, str], optional: bool) -> str:
     blocks = []
     for name, dtype in names.items():

@@ -157,9 +157,9 @@ def bench_variants(model_dir: str, device: torch.device, algorithms: list[str], 
     from tokenizers import Tokenizer
 
     from specserve.bench import run_engine
-    from specserve.cli import DEFAULT_DRAFTERS, REPO_ROOT, TOKEN_MAPS
     from specserve.engine import Engine
     from specserve.prompts import load_questions, render_chat
+    from specserve.repository import served_drafter
 
     tok = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
     prompts = [tok.encode(render_chat(model_dir, q), add_special_tokens=False).ids
@@ -167,9 +167,7 @@ def bench_variants(model_dir: str, device: torch.device, algorithms: list[str], 
     base = EngineConfig(model_dir=model_dir, max_batch_size=1, max_seq_len=2048, device=str(device))
     rows = []
     for alg in algorithms:
-        drafter = DEFAULT_DRAFTERS.get(alg)
-        spec = SpecConfig(algorithm=alg, drafter_path=str(REPO_ROOT / drafter) if drafter else None,
-                          token_map=str(REPO_ROOT / TOKEN_MAPS[alg]) if alg in TOKEN_MAPS else None)
+        spec = SpecConfig(algorithm=alg, **served_drafter(alg))
         for mode in (["auto", "off"] if graphs else ["off"]):
             engine = Engine(replace(base, spec=spec, graph_mode=mode))
             run = run_engine(engine, prompts, max_new_tokens)

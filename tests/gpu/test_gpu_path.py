@@ -50,10 +50,9 @@ def test_cuda_graphs_equal_eager(smollm2_dir, prompts, algorithm):
 def test_captured_drafts_equal_eager(smollm2_dir, prompts, algorithm):
     """fp32: the committed drafter's whole multi-step draft replayed from a CUDA graph (with the
     target's graphs) gives the eager engine's tokens and accept lengths."""
-    from specserve.cli import DEFAULT_DRAFTERS, TOKEN_MAPS
+    from specserve.repository import served_drafter
 
-    spec = SpecConfig(algorithm=algorithm, drafter_path=str(DEFAULT_DRAFTERS[algorithm]),
-                      token_map=str(TOKEN_MAPS[algorithm]) if algorithm in TOKEN_MAPS else None)
+    spec = SpecConfig(algorithm=algorithm, **served_drafter(algorithm))
     engines = [Engine(EngineConfig(model_dir=str(smollm2_dir), device="cuda", dtype="float32", max_batch_size=4,
                                    max_seq_len=1024, spec=spec, graph_mode=mode, attention_backend="torch"))
                for mode in ("off", "auto")]

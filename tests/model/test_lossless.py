@@ -51,11 +51,9 @@ def test_ngram_greedy_is_lossless(engine_factory, mtbench_prompts, reference, ba
 )
 def test_model_drafter_greedy_is_lossless(engine_factory, mtbench_prompts, reference, batch_size, algorithm, spec):
     """The committed drafters for SmolLM2 (EAGLE-2 and MTP with their FR-Spec token maps, EAGLE-3)."""
-    from specserve.cli import DEFAULT_DRAFTERS, REPO_ROOT, TOKEN_MAPS
+    from specserve.repository import served_drafter
 
-    token_map = str(REPO_ROOT / TOKEN_MAPS[algorithm]) if algorithm in TOKEN_MAPS else None
-    engine = engine_factory(algorithm=algorithm, max_batch_size=batch_size,
-                            drafter_path=str(REPO_ROOT / DEFAULT_DRAFTERS[algorithm]), token_map=token_map, **spec)
+    engine = engine_factory(algorithm=algorithm, max_batch_size=batch_size, **served_drafter(algorithm), **spec)
     outs = engine.generate(mtbench_prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.token_ids for o in outs] == reference
     steps = sum(o.num_verify_steps for o in outs)
@@ -69,14 +67,9 @@ def test_model_drafter_greedy_is_lossless(engine_factory, mtbench_prompts, refer
 def test_adaptive_shapes_are_lossless(engine_factory, mtbench_prompts, reference, batch_size, algorithm):
     """The served default: each step's shape chosen by the cost model, switching shapes every other
     step (exploration forced), the EAGLE / MTP drafters catching up after plain steps."""
-    from specserve.cli import DEFAULT_DRAFTERS, REPO_ROOT, TOKEN_MAPS
+    from specserve.repository import served_drafter
 
-    spec = {}
-    if algorithm in DEFAULT_DRAFTERS:
-        spec["drafter_path"] = str(REPO_ROOT / DEFAULT_DRAFTERS[algorithm])
-    if algorithm in TOKEN_MAPS:
-        spec["token_map"] = str(REPO_ROOT / TOKEN_MAPS[algorithm])
-    engine = engine_factory(algorithm=algorithm, max_batch_size=batch_size, **spec)
+    engine = engine_factory(algorithm=algorithm, max_batch_size=batch_size, **served_drafter(algorithm))
     assert len(engine.chooser.menu) > 1
     engine.chooser.explore_every = 2
     outs = engine.generate(mtbench_prompts, SamplingParams(max_tokens=MAX_TOKENS))
