@@ -18,7 +18,7 @@ from specserve.server import TritonProcess, copy_repository, default_repository,
 SLOTS = 4
 MAX_SEQ_LEN = 512
 DTYPE = "float32"
-QUEUE = 8
+QUEUE = 16  # more than the 16 concurrent streams of one test minus the 4 slots
 ENGINE_PARAMS = {"max_batch_size": str(SLOTS), "max_seq_len": str(MAX_SEQ_LEN), "dtype": DTYPE, "max_queue_size": str(QUEUE)}
 VARIANTS = ("base", "ngram", "eagle2", "eagle3", "mtp", "standalone")
 
