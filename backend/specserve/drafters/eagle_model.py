@@ -32,7 +32,7 @@ from specserve.cpu_linear import PackedLinear, can_pack
 from specserve.model import MLP, Attention, LlamaModel, RMSNorm
 from specserve.weights import read_safetensors, take
 
-KINDS = ("eagle", "eagle3")
+HEAD_ALGORITHMS = ("eagle", "eagle3")
 Attend = Callable[[Attention, torch.Tensor], torch.Tensor]  # (attention module, x (B, T, in)) -> (B, T, H)
 
 
@@ -40,7 +40,7 @@ Attend = Callable[[Attention, torch.Tensor], torch.Tensor]  # (attention module,
 class EagleConfig:
     """A draft head's shape, read from its HF-style config.json."""
 
-    kind: str  # "eagle" (EAGLE-1/2) or "eagle3"
+    algorithm: str  # "eagle" (EAGLE-1/2) or "eagle3"
     hidden_size: int
     intermediate_size: int
     num_heads: int
@@ -55,19 +55,19 @@ class EagleConfig:
     aux_layer_ids: tuple[int, ...] = field(default=())  # EAGLE-3: target layers whose inputs are fused
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"kind: must be one of {KINDS}, got {self.kind!r}")
-        if self.kind == "eagle3" and len(self.aux_layer_ids) != 3:
+        if self.algorithm not in HEAD_ALGORITHMS:
+            raise ValueError(f"algorithm: must be one of {HEAD_ALGORITHMS}, got {self.algorithm!r}")
+        if self.algorithm == "eagle3" and len(self.aux_layer_ids) != 3:
             raise ValueError(f"eagle_aux_hidden_state_layer_ids: EAGLE-3 fuses 3 layers, got {self.aux_layer_ids}")
 
     @property
     def feature_size(self) -> int:
         """F: the target features one position reads (final hidden, or 3 fused layer inputs)."""
-        return self.target_hidden_size * (3 if self.kind == "eagle3" else 1)
+        return self.target_hidden_size * (3 if self.algorithm == "eagle3" else 1)
 
     @property
     def fc_in(self) -> int:
-        return self.hidden_size + self.target_hidden_size if self.kind == "eagle" else 3 * self.target_hidden_size
+        return self.hidden_size + self.target_hidden_size if self.algorithm == "eagle" else 3 * self.target_hidden_size
 
     def layer_config(self) -> ModelConfig:
         """The draft decoder layer as a one-layer ModelConfig (for rope and the KV cache)."""
@@ -81,14 +81,14 @@ class EagleConfig:
     @classmethod
     def from_hf(cls, cfg: dict, target: ModelConfig, has_fc_bias: bool = False) -> EagleConfig:
         arch = " ".join(cfg.get("architectures") or [])
-        kind = "eagle3" if "Eagle3" in arch or "draft_vocab_size" in cfg else "eagle"
+        algorithm = "eagle3" if "Eagle3" in arch or "draft_vocab_size" in cfg else "eagle"
         hidden = cfg.get("hidden_size", target.hidden_size)
         heads = cfg.get("num_attention_heads", target.num_heads)
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         eagle_cfg = cfg.get("eagle_config") or {}
         aux = eagle_cfg.get("eagle_aux_hidden_state_layer_ids") or target.default_aux_layers()
         return cls(
-            kind=kind,
+            algorithm=algorithm,
             hidden_size=hidden,
             intermediate_size=cfg.get("intermediate_size", target.intermediate_size),
             num_heads=heads,
@@ -99,14 +99,14 @@ class EagleConfig:
             vocab_size=cfg.get("vocab_size", target.vocab_size),
             draft_vocab_size=cfg.get("draft_vocab_size", cfg.get("vocab_size", target.vocab_size)),
             target_hidden_size=cfg.get("target_hidden_size") or target.hidden_size,
-            fc_bias=bool(cfg.get("bias", has_fc_bias)) if kind == "eagle" else False,
-            aux_layer_ids=tuple(aux) if kind == "eagle3" else (),
+            fc_bias=bool(cfg.get("bias", has_fc_bias)) if algorithm == "eagle" else False,
+            aux_layer_ids=tuple(aux) if algorithm == "eagle3" else (),
         )
 
     def to_hf(self) -> dict:
         """The config.json SGLang / SafeAILab read (plus our `specserve` block for provenance)."""
         out = {
-            "architectures": ["LlamaForCausalLMEagle3" if self.kind == "eagle3" else "LlamaForCausalLMEagle"],
+            "architectures": ["LlamaForCausalLMEagle3" if self.algorithm == "eagle3" else "LlamaForCausalLMEagle"],
             "model_type": "llama",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -120,7 +120,7 @@ class EagleConfig:
             "hidden_act": "silu",
             "torch_dtype": "bfloat16",
         }
-        if self.kind == "eagle3":
+        if self.algorithm == "eagle3":
             out |= {"draft_vocab_size": self.draft_vocab_size, "target_hidden_size": self.target_hidden_size,
                     "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}}
         else:
@@ -141,10 +141,10 @@ class EagleHead(nn.Module):
         h = cfg.hidden_size
         layer_cfg = cfg.layer_config()
         self.fc = nn.Linear(cfg.fc_in, h, bias=cfg.fc_bias)
-        self.attn = Attention(layer_cfg, in_features=2 * h if cfg.kind == "eagle3" else h)
+        self.attn = Attention(layer_cfg, in_features=2 * h if cfg.algorithm == "eagle3" else h)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = MLP(layer_cfg)
-        if cfg.kind == "eagle3":
+        if cfg.algorithm == "eagle3":
             self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
             self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
             self.norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -160,7 +160,7 @@ class EagleHead(nn.Module):
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, attend: Attend) -> torch.Tensor:
         e = self.embed(tokens).to(hidden.dtype)  # (B, T, H)
-        if self.cfg.kind == "eagle":
+        if self.cfg.algorithm == "eagle":
             x = residual = self.fc(torch.cat([e, hidden], dim=-1))
         else:
             residual = self.fc(hidden) if hidden.shape[-1] != self.cfg.hidden_size else hidden
@@ -170,19 +170,19 @@ class EagleHead(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., V') float32; V' = draft vocab (EAGLE-3), hot ids, or the target vocab."""
-        if self.cfg.kind == "eagle3":
+        if self.cfg.algorithm == "eagle3":
             return self.lm_head(self.norm(h)).float()
         return self.target_head.logits(h)
 
     def set_hot_ids(self, hot_ids: torch.Tensor) -> None:
         """FR-Spec: restrict EAGLE-1/2's lm_head to these target token ids (a 1-D int tensor)."""
-        if self.cfg.kind != "eagle":
+        if self.cfg.algorithm != "eagle":
             raise ValueError("token_map: FR-Spec applies to EAGLE-1/2; EAGLE-3 has its own draft vocabulary")
         self.target_head.restrict(hot_ids)
 
     def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
         """Indices into `logits`' last dim -> target token ids."""
-        if self.cfg.kind == "eagle3":
+        if self.cfg.algorithm == "eagle3":
             return idx + self.d2t[idx]
         return self.target_head.to_target_ids(idx)
 
@@ -222,8 +222,8 @@ class SharedLmHead:
 
 # ---- published key names ------------------------------------------------------------------------
 
-def _layer_prefix(kind: str) -> str:
-    return "midlayer." if kind == "eagle3" else "layers.0."
+def _layer_prefix(algorithm: str) -> str:
+    return "midlayer." if algorithm == "eagle3" else "layers.0."
 
 
 def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
@@ -239,9 +239,9 @@ def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
 def eagle_state_dict(tensors: dict[str, torch.Tensor], cfg: EagleConfig) -> dict[str, torch.Tensor]:
     """Published keys -> EagleHead's (fused qkv and gate_up); missing or misshapen keys are named."""
     h, d, hi = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    attn_in = 2 * h if cfg.kind == "eagle3" else h
+    attn_in = 2 * h if cfg.algorithm == "eagle3" else h
     q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
-    src = _layer_prefix(cfg.kind)
+    src = _layer_prefix(cfg.algorithm)
     out = {
         "fc.weight": take(tensors, "fc.weight", (h, cfg.fc_in)),
         "attn.qkv_proj.weight": torch.cat([
@@ -259,7 +259,7 @@ def eagle_state_dict(tensors: dict[str, torch.Tensor], cfg: EagleConfig) -> dict
     }
     if cfg.fc_bias:
         out["fc.bias"] = take(tensors, "fc.bias", (h,))
-    if cfg.kind == "eagle3":
+    if cfg.algorithm == "eagle3":
         out["input_layernorm.weight"] = take(tensors, f"{src}input_layernorm.weight", (h,))
         out["hidden_norm.weight"] = take(tensors, f"{src}hidden_norm.weight", (h,))
         out["norm.weight"] = take(tensors, "norm.weight", (h,))
@@ -280,13 +280,13 @@ def load_eagle(path: str | Path, target: LlamaModel, dtype: torch.dtype, device:
             f"drafter_path: drafter expects target hidden {cfg.target_hidden_size} / vocab {cfg.vocab_size}, "
             f"target has {target.cfg.hidden_size} / {target.cfg.vocab_size}"
         )
-    if cfg.kind == "eagle3" and max(cfg.aux_layer_ids) >= target.cfg.num_layers:
+    if cfg.algorithm == "eagle3" and max(cfg.aux_layer_ids) >= target.cfg.num_layers:
         raise ValueError(f"eagle_aux_hidden_state_layer_ids: {cfg.aux_layer_ids} outside the target's layers")
     state = eagle_state_dict(tensors, cfg)
     with torch.device("meta"):
         head = EagleHead(cfg, target)
     head.load_state_dict({k: v if k == "d2t" else v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
-    if cfg.kind == "eagle3" and "embed_tokens.weight" in tensors:
+    if cfg.algorithm == "eagle3" and "embed_tokens.weight" in tensors:
         head.own_embed = nn.Embedding.from_pretrained(
             take(tensors, "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)).to(dtype))
     return head.to(device).eval().requires_grad_(False)
@@ -297,7 +297,7 @@ def save_eagle(head: EagleHead, out_dir: str | Path, dtype: torch.dtype = torch.
     """Write config.json + model.safetensors under the published key names (unfused q/k/v, gate/up)."""
     cfg, out_dir = head.cfg, Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    src = _layer_prefix(cfg.kind)
+    src = _layer_prefix(cfg.algorithm)
     q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     sd = {k: v.detach() for k, v in head.state_dict().items()}
     q, k, v = sd.pop("attn.qkv_proj.weight").split([q_out, kv_out, kv_out])
@@ -313,7 +313,7 @@ def save_eagle(head: EagleHead, out_dir: str | Path, dtype: torch.dtype = torch.
         if f"{name}.weight" in sd:
             tensors[f"{src}{name}.weight"] = sd.pop(f"{name}.weight")
     tensors |= sd  # fc.*, norm, lm_head, d2t: already under their published names
-    if cfg.kind == "eagle3":
+    if cfg.algorithm == "eagle3":
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
         t2d[torch.arange(cfg.draft_vocab_size) + tensors["d2t"].cpu()] = True
         tensors["t2d"] = t2d

@@ -34,7 +34,7 @@ LAYOUTS = ("deepseek", "mimo")
 
 @dataclass(frozen=True)
 class MtpConfig:
-    kind = "mtp"
+    algorithm = "mtp"
     layout: str  # "deepseek" or "mimo"
     target: ModelConfig  # the head's layer has the target's shapes
     prefix: str  # key prefix of the head used
