@@ -1,5 +1,5 @@
 """Micro-benchmark behind the engine's CPU linears (bf16, this machine's threads): `F.linear` on
-plain bf16 weights vs weights prepacked for oneDNN (`specserve.cpu_linear.PackedLinear`), over
+plain bf16 weights vs weights prepacked for oneDNN (`specserve.models.cpu_linear.PackedLinear`), over
 the 121 weight matrices of SmolLM2-135M (or any --hidden/--intermediate/--layers/--vocab), each
 read once per pass so caches stay cold, as in a decode step. Reported as GB/s of weights read,
 next to a read-only reduction's bandwidth.
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.bench import read_bandwidth_gbs
-from specserve.cpu_linear import PackedLinear, can_pack
+from specserve.models.cpu_linear import PackedLinear, can_pack
 
 
 def best_seconds(fn, repeats: int = 5) -> float:  # noqa: ANN001

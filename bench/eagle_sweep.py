@@ -16,10 +16,10 @@ from pathlib import Path
 
 from specserve.bench import run_engine
 from specserve.config import EngineConfig, SpecConfig
-from specserve.engine import Engine
+from specserve.engine.engine import Engine
 from specserve.prepare import default_model_dir
 from specserve.prompts import load_questions, render_chat
-from specserve.repository import served_drafter
+from specserve.serving.repository import served_drafter
 
 
 def spec_for(algorithm: str, num_steps: int, topk: int, num_draft_tokens: int) -> SpecConfig:

@@ -18,10 +18,10 @@ import torch
 from tqdm import tqdm
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
-from specserve.cpu_linear import PackedLinear
-from specserve.engine import Engine, StepProfile
+from specserve.engine.engine import Engine, StepProfile
 from specserve.hardware import describe
-from specserve.model import RMSNorm
+from specserve.models.cpu_linear import PackedLinear
+from specserve.models.llama import RMSNorm
 from specserve.prompts import load_questions, render_chat
 
 log = logging.getLogger(__name__)

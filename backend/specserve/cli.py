@@ -17,11 +17,10 @@ from specserve.config import (
     resolve_device,
 )
 from specserve.hardware import auto_dtype
-from specserve.regenerate import RegenerateConfig
-from specserve.repository import VARIANT_ALGORITHM, served_drafter
-from specserve.train_drafter import TrainConfig
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from specserve.prepare import repo_root
+from specserve.serving.repository import VARIANT_ALGORITHM, served_drafter
+from specserve.training.regenerate import RegenerateConfig
+from specserve.training.train_drafter import TrainConfig
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -95,7 +94,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specserve.engine import Engine
+    from specserve.engine.engine import Engine
     from specserve.prompts import render_chat
 
     try:
@@ -156,7 +155,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     from specserve.prepare import default_model_dir
-    from specserve.train_drafter import TrainConfig, train
+    from specserve.training.train_drafter import TrainConfig, train
 
     try:
         tc = TrainConfig(
@@ -175,7 +174,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 def cmd_regenerate_data(args: argparse.Namespace) -> int:
     from specserve.prepare import default_model_dir
-    from specserve.regenerate import RegenerateConfig, regenerate
+    from specserve.training.regenerate import RegenerateConfig, regenerate
 
     try:
         rc = RegenerateConfig(
@@ -192,17 +191,17 @@ def cmd_regenerate_data(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from specserve.server import serve
+    from specserve.serving.server import serve
 
-    repo = Path(args.model_repository) if args.model_repository else REPO_ROOT / "model_repository"
+    repo = Path(args.model_repository) if args.model_repository else repo_root() / "model_repository"
     variants = args.variants.split(",") if args.variants else None
     return serve(repo, variants, args.http_port, args.grpc_port, args.metrics_port)
 
 
 def cmd_model_repository(args: argparse.Namespace) -> int:
-    from specserve.repository import stale_files, write_repository
+    from specserve.serving.repository import stale_files, write_repository
 
-    root = Path(args.model_repository) if args.model_repository else REPO_ROOT / "model_repository"
+    root = Path(args.model_repository) if args.model_repository else repo_root() / "model_repository"
     if args.check:
         stale = stale_files(root)
         for rel in stale:

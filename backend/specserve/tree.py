@@ -1,4 +1,5 @@
-"""Draft trees: one request's proposal, and a batch of them padded for one verify forward.
+"""Draft trees: one request's proposal, a batch of them padded for one verify forward, and a step's
+tree shape (`DraftShape`).
 
 A tree is stored flat, root first, every parent before its children:
 
@@ -20,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
+
+from specserve.config import SpecConfig
 
 
 @dataclass(frozen=True)
@@ -191,3 +194,25 @@ class DynamicTreeBuilder:
             [self.tokens[0], *(self.tokens[i] for i in kept)],
             [-1, *(index[self.parents[i]] for i in kept)],
         )
+
+
+@dataclass(frozen=True, order=True)
+class DraftShape:
+    """One step's tree: depth (`num_steps`), branching (`topk`) and size (`num_draft_tokens`, root
+    included). num_draft_tokens == 1 is plain decoding."""
+
+    num_draft_tokens: int
+    num_steps: int
+    topk: int
+
+    @property
+    def drafts(self) -> bool:
+        return self.num_draft_tokens > 1
+
+    def __str__(self) -> str:
+        return f"{self.num_steps}/{self.topk}/{self.num_draft_tokens}"
+
+    @classmethod
+    def configured(cls, spec: SpecConfig) -> DraftShape:
+        """The shape a resolved SpecConfig names (the largest a step may use)."""
+        return cls(spec.num_draft_tokens, spec.num_steps, spec.topk)

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from specserve.attention_backend import TORCH_ATTENTION, FlashInferAttention, resolve_attention
 from specserve.config import EngineConfig, ModelConfig, SpecConfig
-from specserve.cuda_graph import GraphRunner
-from specserve.kv_cache import KVCache
-from specserve.model import LlamaModel
+from specserve.models.attention import TORCH_ATTENTION, FlashInferAttention, resolve_attention
+from specserve.models.cuda_graph import GraphRunner
+from specserve.models.kv_cache import KVCache
+from specserve.models.llama import LlamaModel
 
 log = logging.getLogger("bench.gpu")
 
@@ -157,9 +157,9 @@ def bench_variants(model_dir: str, device: torch.device, algorithms: list[str], 
     from tokenizers import Tokenizer
 
     from specserve.bench import run_engine
-    from specserve.engine import Engine
+    from specserve.engine.engine import Engine
     from specserve.prompts import load_questions, render_chat
-    from specserve.repository import served_drafter
+    from specserve.serving.repository import served_drafter
 
     tok = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
     prompts = [tok.encode(render_chat(model_dir, q), add_special_tokens=False).ids

@@ -31,7 +31,13 @@ def server_for(
     if url is not None:
         yield url
         return
-    from specserve.server import TritonProcess, copy_repository, default_repository, free_port, models_for
+    from specserve.serving.server import (
+        TritonProcess,
+        copy_repository,
+        default_repository,
+        free_port,
+        models_for,
+    )
 
     repository = Path(repository or default_repository())
     with tempfile.TemporaryDirectory(prefix="specserve-bench-") as tmp:

@@ -32,9 +32,9 @@ from specserve_client.stream import collect, grpc_stream
 def in_process(variant_params: dict[str, str], prompt_ids: list[list[int]], max_tokens: int) -> dict[str, Any]:
     """The engine on its own `EngineLoop` thread (built there too), as the Triton model runs it, minus Triton."""
     from specserve.config import SamplingParams
-    from specserve.engine import Engine, merge_outputs
-    from specserve.loop import EngineLoop
-    from specserve.triton_request import engine_config_from_parameters
+    from specserve.engine.engine import Engine, merge_outputs
+    from specserve.engine.loop import EngineLoop
+    from specserve.serving.parameters import engine_config_from_parameters
 
     loop = EngineLoop(lambda: Engine(engine_config_from_parameters(variant_params)))
 
@@ -114,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=Path("results/servebench.json"))
     args = p.parse_args(argv)
 
-    from specserve.server import default_repository, read_parameters
-    from specserve.triton_request import PromptTokenizer, model_dir_from_parameters
+    from specserve.serving.parameters import model_dir_from_parameters
+    from specserve.serving.parsing import PromptTokenizer
+    from specserve.serving.server import default_repository, read_parameters
 
     repository = args.repository or default_repository()
     params = read_parameters(repository / f"specdec_{args.variant}" / "config.pbtxt")

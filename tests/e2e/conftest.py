@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.server import TritonProcess, copy_repository, default_repository, free_port, models_for
+from specserve.serving.server import TritonProcess, copy_repository, default_repository, free_port, models_for
 
 SLOTS = 4
 MAX_SEQ_LEN = 512
@@ -53,7 +53,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path, e2e: E2E
 
 @pytest.fixture(scope="session")
 def tokenizer(smollm2_dir: Path):
-    from specserve.triton_request import PromptTokenizer
+    from specserve.serving.parsing import PromptTokenizer
 
     return PromptTokenizer(smollm2_dir)
 
@@ -62,7 +62,7 @@ def tokenizer(smollm2_dir: Path):
 def reference_engine(smollm2_dir: Path):
     """The same engine as the server's, in this process (for greedy references)."""
     from specserve.config import EngineConfig
-    from specserve.engine import Engine
+    from specserve.engine.engine import Engine
 
     return Engine(EngineConfig(model_dir=str(smollm2_dir), max_batch_size=SLOTS, max_seq_len=MAX_SEQ_LEN, dtype=DTYPE))
 

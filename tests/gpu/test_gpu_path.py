@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.attention_backend import flashinfer_available
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
-from specserve.engine import Engine
+from specserve.engine.engine import Engine
+from specserve.models.attention import flashinfer_available
 from specserve.prompts import load_questions, render_chat
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -50,7 +50,7 @@ def test_cuda_graphs_equal_eager(smollm2_dir, prompts, algorithm):
 def test_captured_drafts_equal_eager(smollm2_dir, prompts, algorithm):
     """fp32: the committed drafter's whole multi-step draft replayed from a CUDA graph (with the
     target's graphs) gives the eager engine's tokens and accept lengths."""
-    from specserve.repository import served_drafter
+    from specserve.serving.repository import served_drafter
 
     spec = SpecConfig(algorithm=algorithm, **served_drafter(algorithm))
     engines = [Engine(EngineConfig(model_dir=str(smollm2_dir), device="cuda", dtype="float32", max_batch_size=4,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specserve.config import EngineConfig, SpecConfig
-from specserve.engine import Engine
+from specserve.engine.engine import Engine
 from specserve.prompts import load_questions, render_chat
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from specserve.config import SamplingParams
-from specserve.cpu_linear import pack_for_inference
-from specserve.kv_cache import KVCache
-from specserve.weights import load_llama
+from specserve.models.cpu_linear import pack_for_inference
+from specserve.models.kv_cache import KVCache
+from specserve.models.weights import load_llama
 
 
 @pytest.mark.parametrize(("dtype", "tol", "packed"), [(torch.float32, 1e-3, False), (torch.bfloat16, 0.5, False),
@@ -116,7 +116,7 @@ def test_prompt_longer_than_cache_is_rejected_and_engine_keeps_serving(engine):
 
 def test_unknown_model_dir_is_a_clear_error(tmp_path):
     from specserve.config import EngineConfig
-    from specserve.engine import Engine
+    from specserve.engine.engine import Engine
 
     with pytest.raises(FileNotFoundError, match="model_dir"):
         Engine(EngineConfig(model_dir=str(tmp_path / "does-not-exist")))

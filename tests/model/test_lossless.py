@@ -51,7 +51,7 @@ def test_ngram_greedy_is_lossless(engine_factory, mtbench_prompts, reference, ba
 )
 def test_model_drafter_greedy_is_lossless(engine_factory, mtbench_prompts, reference, batch_size, algorithm, spec):
     """The committed drafters for SmolLM2 (EAGLE-2 and MTP with their FR-Spec token maps, EAGLE-3)."""
-    from specserve.repository import served_drafter
+    from specserve.serving.repository import served_drafter
 
     engine = engine_factory(algorithm=algorithm, max_batch_size=batch_size, **served_drafter(algorithm), **spec)
     outs = engine.generate(mtbench_prompts, SamplingParams(max_tokens=MAX_TOKENS))
@@ -67,7 +67,7 @@ def test_model_drafter_greedy_is_lossless(engine_factory, mtbench_prompts, refer
 def test_adaptive_shapes_are_lossless(engine_factory, mtbench_prompts, reference, batch_size, algorithm):
     """The served default: each step's shape chosen by the cost model, switching shapes every other
     step (exploration forced), the EAGLE / MTP drafters catching up after plain steps."""
-    from specserve.repository import served_drafter
+    from specserve.serving.repository import served_drafter
 
     engine = engine_factory(algorithm=algorithm, max_batch_size=batch_size, **served_drafter(algorithm))
     assert len(engine.chooser.menu) > 1

@@ -8,9 +8,10 @@ import time
 import pytest
 import torch
 
-from specserve.adaptive import DraftShape, ShapeChooser, shape_menu
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
-from specserve.engine import Engine
+from specserve.engine.adaptive import ShapeChooser, shape_menu
+from specserve.engine.engine import Engine
+from specserve.tree import DraftShape
 
 
 def test_menu_is_the_configured_tree_at_smaller_budgets():

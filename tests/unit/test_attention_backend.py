@@ -13,15 +13,15 @@ import types
 import pytest
 import torch
 
-from specserve.attention_backend import (
+from specserve.config import ModelConfig
+from specserve.models.attention import (
     FlashInferAttention,
     TorchAttention,
     grouped_attention,
     resolve_attention,
 )
-from specserve.config import ModelConfig
-from specserve.kv_cache import KVCache
-from specserve.model import LlamaModel
+from specserve.models.kv_cache import KVCache
+from specserve.models.llama import LlamaModel
 
 
 class PagedPrefillReference:

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.bench import weight_bytes_per_token
-from specserve.cpu_linear import PackedLinear, can_pack, pack_for_inference, pack_linears
 from specserve.drafters.eagle_model import SharedLmHead
-from specserve.kv_cache import KVCache
-from specserve.weights import load_llama
+from specserve.models.cpu_linear import PackedLinear, can_pack, pack_for_inference, pack_linears
+from specserve.models.kv_cache import KVCache
+from specserve.models.weights import load_llama
 
 pytestmark = pytest.mark.skipif(
     not can_pack(torch.device("cpu"), torch.bfloat16), reason="this CPU's oneDNN has no bf16 linear"

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
-from specserve.cuda_graph import default_batch_sizes
-from specserve.engine import Engine
-from specserve.model import ForwardOutput
+from specserve.engine.engine import Engine
+from specserve.models.cuda_graph import default_batch_sizes
+from specserve.models.llama import ForwardOutput
 from specserve.tree import TreeBatch
 
 VOCAB = 49152

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
-from specserve.engine import Engine
+from specserve.engine.engine import Engine
 
 
 def _engine(tiny_target_dir, algorithm, **spec):

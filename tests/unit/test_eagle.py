@@ -11,11 +11,11 @@ from safetensors.torch import save_file
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.drafters.eagle_model import load_eagle, save_eagle
-from specserve.engine import Engine
-from specserve.kv_cache import KVCache
-from specserve.model import rope_table
-from specserve.train_drafter import target_features, ttt_losses
-from specserve.weights import load_llama
+from specserve.engine.engine import Engine
+from specserve.models.kv_cache import KVCache
+from specserve.models.llama import rope_table
+from specserve.models.weights import load_llama
+from specserve.training.train_drafter import target_features, ttt_losses
 
 H, HEADS, KV, INTER, LAYERS, VOCAB, DRAFT_VOCAB = 64, 4, 2, 128, 8, 49152, 512  # as tiny_target_dir
 

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from specserve.config import SamplingParams
-from specserve.loop import EngineLoop, EngineStopped
-from specserve.outputs import FINISH_ERROR, FINISH_LENGTH, EngineLoad, RequestOutput
+from specserve.engine.loop import EngineLoop, EngineStopped
+from specserve.engine.outputs import FINISH_ERROR, FINISH_LENGTH, EngineLoad, RequestOutput
 
 
 class FakeEngine:
@@ -174,14 +174,14 @@ def test_load_is_reported_after_steps_and_back_to_zero_when_idle():
 
 def _tiny_engine(tiny_target_dir, **config):
     from specserve.config import EngineConfig
-    from specserve.engine import Engine
+    from specserve.engine.engine import Engine
 
     config = {"max_batch_size": 2, "max_seq_len": 128, **config}
     return Engine(EngineConfig(model_dir=str(tiny_target_dir), dtype="float32", **config))
 
 
 def test_a_full_queue_refuses_with_queue_full(tiny_target_dir):
-    from specserve.engine import QueueFull
+    from specserve.engine.engine import QueueFull
 
     eng = _tiny_engine(tiny_target_dir, max_queue_size=2)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -198,7 +198,7 @@ def test_a_full_queue_refuses_with_queue_full(tiny_target_dir):
 def test_requests_past_their_timeout_end_with_timeout(tiny_target_dir):
     import time
 
-    from specserve.outputs import FINISH_TIMEOUT
+    from specserve.engine.outputs import FINISH_TIMEOUT
 
     eng = _tiny_engine(tiny_target_dir, max_batch_size=1, request_timeout_s=0.2)
     params = SamplingParams(max_tokens=100, ignore_eos=True)
@@ -212,7 +212,7 @@ def test_requests_past_their_timeout_end_with_timeout(tiny_target_dir):
 
 
 def test_a_failing_step_still_sends_the_aborts_it_had_made(tiny_target_dir):
-    from specserve.outputs import FINISH_ABORT
+    from specserve.engine.outputs import FINISH_ABORT
 
     eng = _tiny_engine(tiny_target_dir)
     params = SamplingParams(max_tokens=100, ignore_eos=True)

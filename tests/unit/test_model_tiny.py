@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specserve.kv_cache import KVCache
+from specserve.models.kv_cache import KVCache
+from specserve.models.weights import load_llama
 from specserve.tree import DraftTree, TreeBatch
-from specserve.weights import load_llama
 
 
 def _tiny_hf(tmp_path, model_type="llama", sharded=False, tied=True):

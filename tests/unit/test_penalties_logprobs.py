@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
-from specserve.engine import Engine
-from specserve.sampling import apply_penalties, token_logprobs
+from specserve.engine.engine import Engine
+from specserve.engine.sampling import apply_penalties, token_logprobs
 from specserve.tree import DraftTree
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specserve.cli import main
-from specserve.repository import VARIANTS, render_repository, stale_files
+from specserve.serving.repository import VARIANTS, render_repository, stale_files
 
 REPO = Path(__file__).resolve().parents[2] / "model_repository"
 

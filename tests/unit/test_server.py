@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specserve.server import (
+from specserve.serving.server import (
     TritonInstall,
     TritonProcess,
     copy_repository,

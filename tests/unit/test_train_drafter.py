@@ -10,7 +10,8 @@ import torch
 
 from specserve.drafters.eagle_model import load_eagle
 from specserve.drafters.mtp_model import load_mtp
-from specserve.train_drafter import (
+from specserve.models.weights import load_llama
+from specserve.training.train_drafter import (
     TrainConfig,
     draft_vocabulary,
     learning_rate,
@@ -18,7 +19,6 @@ from specserve.train_drafter import (
     tokenize_conversation,
     train,
 )
-from specserve.weights import load_llama
 
 CONVERSATIONS = [
     {"id": str(i), "conversations": [{"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from specserve.engine import QueueFull
-from specserve.loop import EngineStopped
+from specserve.engine.engine import QueueFull
+from specserve.engine.loop import EngineStopped
 
 FINAL = 1
 
@@ -83,12 +83,12 @@ def triton_model():
     fake.MetricFamily = FakeFamily
     saved = sys.modules.get("triton_python_backend_utils")
     sys.modules["triton_python_backend_utils"] = fake
-    for name in ("specserve.triton_model", "specserve.triton_metrics"):
+    for name in ("specserve.serving.triton_model", "specserve.serving.metrics"):
         sys.modules.pop(name, None)
-    import specserve.triton_model as module
+    import specserve.serving.triton_model as module
 
     yield module
-    for name in ("specserve.triton_model", "specserve.triton_metrics"):
+    for name in ("specserve.serving.triton_model", "specserve.serving.metrics"):
         sys.modules.pop(name, None)
     if saved is not None:
         sys.modules["triton_python_backend_utils"] = saved
@@ -117,15 +117,15 @@ class FakeSender:
 
 
 def out(text: str, ids: list[int], finished: bool = False, reason: str | None = None, **kw: Any):
-    from specserve.outputs import RequestOutput
+    from specserve.engine.outputs import RequestOutput
 
     return RequestOutput("r", ids, text, finished=finished, finish_reason=reason, num_prompt_tokens=5, **kw)
 
 
 def stream_for(triton_model, stream: bool, echo: str | None = None, closing: bool = False):
     from specserve.config import SamplingParams
-    from specserve.triton_metrics import ServingMetrics
-    from specserve.triton_request import GenerateRequest
+    from specserve.serving.contract import GenerateRequest
+    from specserve.serving.metrics import ServingMetrics
 
     event = threading.Event()
     if closing:
@@ -235,7 +235,7 @@ class FakeLoop:
 
 
 def model_with(triton_model, loop: FakeLoop):
-    from specserve.triton_request import RequestLimits
+    from specserve.serving.contract import RequestLimits
 
     m = triton_model.TritonPythonModel()
     m.limits = RequestLimits(max_seq_len=64)

@@ -17,8 +17,8 @@ import torch
 from specserve.tree import DraftTree, TreeBatch
 
 if TYPE_CHECKING:
-    from specserve.adaptive import DraftShape
-    from specserve.model import ForwardOutput, LlamaModel
+    from specserve.models.llama import ForwardOutput, LlamaModel
+    from specserve.tree import DraftShape
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 import specserve_kernels as K
-from specserve.attention_backend import AttentionInputs
-from specserve.model import prefix_mask
+from specserve.models.attention import AttentionInputs
+from specserve.models.llama import prefix_mask
 from specserve.tree import DraftTree, DynamicTreeBuilder, TreeBatch
 
 # (beam tokens (B, k), parent states (B, k, ...), positions (B, k), write_pos (B, k), mask (B, 1, k, S), key_len)

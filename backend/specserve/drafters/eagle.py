@@ -30,10 +30,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.adaptive import DraftShape
 from specserve.config import SpecConfig
-from specserve.cpu_linear import pack_for_inference
-from specserve.cuda_graph import DraftGraphs
 from specserve.drafters.base import DraftContext, Drafter, SequenceView
 from specserve.drafters.beam import (
     causal_extend_mask,
@@ -43,9 +40,11 @@ from specserve.drafters.beam import (
 )
 from specserve.drafters.eagle_model import load_eagle
 from specserve.drafters.mtp_model import load_mtp
-from specserve.kv_cache import KVCache
-from specserve.model import ForwardOutput, rope_table
-from specserve.tree import DraftTree, TreeBatch
+from specserve.models.cpu_linear import pack_for_inference
+from specserve.models.cuda_graph import DraftGraphs
+from specserve.models.kv_cache import KVCache
+from specserve.models.llama import ForwardOutput, rope_table
+from specserve.tree import DraftShape, DraftTree, TreeBatch
 
 
 def load_token_map(path: str | Path) -> torch.Tensor:

@@ -28,9 +28,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.cpu_linear import PackedLinear, can_pack
-from specserve.model import MLP, Attention, LlamaModel, RMSNorm
-from specserve.weights import read_safetensors, take
+from specserve.models.cpu_linear import PackedLinear, can_pack
+from specserve.models.llama import MLP, Attention, LlamaModel, RMSNorm
+from specserve.models.weights import read_safetensors, take
 
 HEAD_ALGORITHMS = ("eagle", "eagle3")
 Attend = Callable[[Attention, torch.Tensor], torch.Tensor]  # (attention module, x (B, T, in)) -> (B, T, H)

@@ -26,8 +26,8 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.drafters.eagle_model import Attend, SharedLmHead
-from specserve.model import DecoderLayer, LlamaModel, RMSNorm
-from specserve.weights import read_safetensors, take
+from specserve.models.llama import DecoderLayer, LlamaModel, RMSNorm
+from specserve.models.weights import read_safetensors, take
 
 LAYOUTS = ("deepseek", "mimo")
 
@@ -112,7 +112,7 @@ def find_layout(tensors: dict[str, torch.Tensor], target: ModelConfig) -> tuple[
 
 
 def mtp_state_dict(tensors: dict[str, torch.Tensor], cfg: MtpConfig) -> dict[str, torch.Tensor]:
-    from specserve.weights import llama_state_dict
+    from specserve.models.weights import llama_state_dict
 
     h = cfg.hidden_size
     names, p = _names(cfg.layout), cfg.prefix

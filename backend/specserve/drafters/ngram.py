@@ -30,10 +30,9 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import islice
 
-from specserve.adaptive import DraftShape
 from specserve.config import SpecConfig
 from specserve.drafters.base import Drafter, SequenceView
-from specserve.tree import DraftTree
+from specserve.tree import DraftShape, DraftTree
 
 # The lazy leaf heap is rebuilt when it holds more than 2 * num_nodes + this many entries.
 _HEAP_SLACK = 1024

@@ -18,15 +18,14 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from specserve.adaptive import DraftShape
 from specserve.config import SpecConfig
-from specserve.cpu_linear import pack_for_inference
 from specserve.drafters.base import DraftContext, Drafter, SequenceView
 from specserve.drafters.beam import causal_extend_mask, grow_trees, scattered_attention_inputs
-from specserve.kv_cache import KVCache
-from specserve.model import ForwardOutput, LlamaModel
-from specserve.tree import DraftTree
-from specserve.weights import load_llama
+from specserve.models.cpu_linear import pack_for_inference
+from specserve.models.kv_cache import KVCache
+from specserve.models.llama import ForwardOutput, LlamaModel
+from specserve.models.weights import load_llama
+from specserve.tree import DraftShape, DraftTree
 
 
 def first_layers(target: LlamaModel, k: int) -> LlamaModel:

@@ -1,3 +1,3 @@
-"""Triton entry point of `preprocessing`: see specserve.triton_preprocess."""
+"""Triton entry point of `preprocessing`: see specserve.serving.triton_preprocess."""
 
-from specserve.triton_preprocess import TritonPythonModel  # noqa: F401
+from specserve.serving.triton_preprocess import TritonPythonModel  # noqa: F401

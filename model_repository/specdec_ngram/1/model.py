@@ -1,3 +1,3 @@
-"""Triton entry point of a decoupled specdec model: see specserve.triton_model."""
+"""Triton entry point of a decoupled specdec model: see specserve.serving.triton_model."""
 
-from specserve.triton_model import TritonPythonModel  # noqa: F401
+from specserve.serving.triton_model import TritonPythonModel  # noqa: F401

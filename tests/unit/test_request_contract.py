@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from specserve.config import SamplingParams
-from specserve.triton_request import (
+from specserve.serving.contract import (
     CONTRACT_INPUTS,
     INTERNAL_INPUTS,
     OUTPUTS,
@@ -18,16 +18,20 @@ from specserve.triton_request import (
     RequestError,
     RequestLimits,
     ResponseDelta,
+    logprobs_entries,
+    output_arrays,
+)
+from specserve.serving.parameters import (
+    engine_config_from_parameters,
+    model_parameters,
+    request_limits_from_parameters,
+)
+from specserve.serving.parsing import (
     check_prompt_length,
     decode_request_config,
     encode_request_config,
-    engine_config_from_parameters,
-    logprobs_entries,
-    model_parameters,
-    output_arrays,
     parse_decoupled_inputs,
     parse_request,
-    request_limits_from_parameters,
 )
 
 LIMITS = RequestLimits(max_seq_len=256, default_max_tokens=32)

@@ -11,7 +11,7 @@ what HTTP /generate needs), or with an error (INVALID_ARG for bad input, CANCELL
 cancelled, UNAVAILABLE at shutdown, when `max_queue_size` requests already wait, after
 `request_timeout_s` or once the engine has stopped, INTERNAL for engine errors). When the engine
 loop stops for good (see `loop`), the model unloads itself, so Triton reports it not ready.
-Parsing lives in `triton_request`, metrics in `triton_metrics`.
+The contract is `contract`, parsing `parsing`, parameters `parameters`, metrics `metrics`.
 """
 
 from __future__ import annotations
@@ -29,22 +29,19 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from specserve.config import SamplingParams
-from specserve.engine import Engine, QueueFull
-from specserve.loop import EngineLoop, EngineStopped
-from specserve.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_TIMEOUT, RequestOutput
-from specserve.triton_metrics import RequestStats, ServingMetrics
-from specserve.triton_request import (
+from specserve.engine.engine import Engine, QueueFull
+from specserve.engine.loop import EngineLoop, EngineStopped
+from specserve.engine.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_TIMEOUT, RequestOutput
+from specserve.serving import parameters
+from specserve.serving.contract import (
     GenerateRequest,
-    PromptTokenizer,
     RequestError,
     ResponseDelta,
-    engine_config_from_parameters,
     logprobs_entries,
-    model_parameters,
     output_arrays,
-    parse_decoupled_inputs,
-    request_limits_from_parameters,
 )
+from specserve.serving.metrics import RequestStats, ServingMetrics
+from specserve.serving.parsing import PromptTokenizer, parse_decoupled_inputs
 
 log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -192,14 +189,14 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(
                 f"{args['model_name']}: set `model_transaction_policy {{ decoupled: true }}` in config.pbtxt"
             )
-        params = model_parameters(config)
-        engine_config = engine_config_from_parameters(params)
-        self.limits = request_limits_from_parameters(params)
+        params = parameters.model_parameters(config)
+        engine_config = parameters.engine_config_from_parameters(params)
+        self.limits = parameters.request_limits_from_parameters(params)
         self.metrics = ServingMetrics(args["model_name"], args["model_version"])
         self.tokenizer = PromptTokenizer(engine_config.model_dir)
         warmup_ids = self.tokenizer.encode("Hello", False)
 
-        def build_engine() -> Engine:  # runs on the engine thread (see specserve.loop)
+        def build_engine() -> Engine:  # runs on the engine thread (see specserve.engine.loop)
             engine = Engine(engine_config)
             engine.generate([warmup_ids], SamplingParams(max_tokens=2))  # warm-up
             return engine

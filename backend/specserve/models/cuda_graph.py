@@ -26,9 +26,9 @@ from typing import TypeVar
 
 import torch
 
-from specserve.attention_backend import AttentionBackend
-from specserve.kv_cache import KVCache
-from specserve.model import ForwardOutput, LlamaModel
+from specserve.models.attention import AttentionBackend
+from specserve.models.kv_cache import KVCache
+from specserve.models.llama import ForwardOutput, LlamaModel
 from specserve.tree import TreeBatch
 
 T = TypeVar("T")

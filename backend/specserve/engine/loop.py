@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specserve.config import SamplingParams
-from specserve.engine import Engine
-from specserve.outputs import FINISH_ERROR, EngineLoad, RequestOutput
+from specserve.engine.engine import Engine
+from specserve.engine.outputs import FINISH_ERROR, EngineLoad, RequestOutput
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.attention_backend import TORCH_ATTENTION, AttentionBackend, AttentionInputs
 from specserve.config import ModelConfig
-from specserve.kv_cache import KVCache
+from specserve.models.attention import TORCH_ATTENTION, AttentionBackend, AttentionInputs
+from specserve.models.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 

@@ -40,9 +40,9 @@ from tqdm import tqdm
 from specserve.drafters.eagle import load_token_map
 from specserve.drafters.eagle_model import EagleConfig, EagleHead, load_eagle, save_eagle
 from specserve.drafters.mtp_model import MtpConfig, MtpHead, load_mtp, save_mtp
-from specserve.kv_cache import KVCache
-from specserve.model import LlamaModel, rope_table
-from specserve.weights import load_llama
+from specserve.models.kv_cache import KVCache
+from specserve.models.llama import LlamaModel, rope_table
+from specserve.models.weights import load_llama
 
 log = logging.getLogger(__name__)
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"

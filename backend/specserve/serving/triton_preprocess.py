@@ -1,6 +1,6 @@
 """The `preprocessing` Triton Python model: contract inputs -> `input_ids` + `request_config`.
 
-It validates the request (`triton_request.parse_request`), applies the chat template when asked,
+It validates the request (`parsing.parse_request`), applies the chat template when asked,
 tokenizes with the model's AutoTokenizer and checks the prompt fits the context. A bad request
 gets an INVALID_ARG error naming the field; the ensemble then ends the client's stream with it.
 Not decoupled: one response per request.
@@ -14,15 +14,17 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specserve.triton_request import (
-    PromptTokenizer,
-    RequestError,
-    check_prompt_length,
-    encode_request_config,
+from specserve.serving.contract import RequestError
+from specserve.serving.parameters import (
     model_dir_from_parameters,
     model_parameters,
-    parse_request,
     request_limits_from_parameters,
+)
+from specserve.serving.parsing import (
+    PromptTokenizer,
+    check_prompt_length,
+    encode_request_config,
+    parse_request,
 )
 
 

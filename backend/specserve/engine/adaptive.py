@@ -26,33 +26,10 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from specserve.config import SpecConfig
+from specserve.tree import DraftShape
 
 TOKEN_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-
-
-@dataclass(frozen=True, order=True)
-class DraftShape:
-    """One step's tree: depth (`num_steps`), branching (`topk`) and size (`num_draft_tokens`, root
-    included). num_draft_tokens == 1 is plain decoding."""
-
-    num_draft_tokens: int
-    num_steps: int
-    topk: int
-
-    @property
-    def drafts(self) -> bool:
-        return self.num_draft_tokens > 1
-
-    def __str__(self) -> str:
-        return f"{self.num_steps}/{self.topk}/{self.num_draft_tokens}"
-
-    @classmethod
-    def configured(cls, spec: SpecConfig) -> DraftShape:
-        """The shape a resolved SpecConfig names (the largest a step may use)."""
-        return cls(spec.num_draft_tokens, spec.num_steps, spec.topk)
 
 
 def shape_menu(num_steps: int, topk: int, num_draft_tokens: int) -> tuple[DraftShape, ...]:

@@ -1,17 +1,10 @@
-"""Request parsing and response encoding for the Triton models, on plain dicts of numpy arrays.
+"""Request parsing for the Triton models, on plain dicts of numpy arrays.
 
 Nothing here imports Triton, so every rule is unit-testable. The Python models hand in
 `{name: np.ndarray}` (what `request.inputs()` holds) and get back a `ParsedRequest` or a
 `RequestError` whose message starts with the offending field, e.g. ``max_tokens: must be ...``.
-
-The tensor contract is the one of Triton's vLLM and TensorRT-LLM backends (genai-perf and the
-OpenAI frontend send it): `text_input` plus optional `stream`, `exclude_input_in_output`,
-`sampling_parameters` (vLLM-style JSON, values may be strings as genai-perf sends them) and
-TRT-LLM-style scalar tensors (`max_tokens`, `min_length`, `temperature`, ...). A scalar tensor
-overrides the same key in `sampling_parameters`.
-
-Between `preprocessing` and `specdec_<variant>` a request travels as `input_ids` (INT32 [-1]) and
-`request_config` (BYTES [1]): the validated `GenerateRequest` as JSON (`encode_request_config`).
+A scalar tensor overrides the same key in `sampling_parameters`. The contract itself (names,
+types, outputs) is `contract`; config.pbtxt parameters are `parameters`.
 """
 
 from __future__ import annotations
@@ -20,110 +13,22 @@ import dataclasses
 import json
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from specserve.config import EngineConfig, SamplingParams, SpecConfig, resolve_device
-from specserve.hardware import auto_dtype
+from specserve.config import SamplingParams
 from specserve.prompts import hf_tokenizer, render_chat  # transformers is imported on first use
-
-
-class RequestError(ValueError):
-    """A client error; the message starts with the field it is about."""
-
-
-MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs allows
-
-
-# ---- the contract ---------------------------------------------------------------------------
-
-# name -> Triton datatype; every one is optional in config.pbtxt (missing text_input is our error).
-CONTRACT_INPUTS: dict[str, str] = {
-    "text_input": "BYTES",
-    "stream": "BOOL",
-    "exclude_input_in_output": "BOOL",
-    "apply_chat_template": "BOOL",
-    "sampling_parameters": "BYTES",
-    "max_tokens": "INT32",
-    "min_tokens": "INT32",
-    "min_length": "INT32",  # TRT-LLM's name for min_tokens
-    "temperature": "FP32",
-    "top_p": "FP32",
-    "top_k": "INT32",
-    "seed": "UINT64",
-    "random_seed": "UINT64",  # TRT-LLM's name for seed
-    "ignore_eos": "BOOL",
-    "stop_words": "BYTES",
-    "bad_words": "BYTES",
-    "beam_width": "INT32",
-    "end_id": "INT32",  # accepted for TRT-LLM payloads; the model's EOS ids are always used
-    "pad_id": "INT32",  # accepted for TRT-LLM payloads; nothing is padded in a stream
-    "frequency_penalty": "FP32",
-    "presence_penalty": "FP32",
-    "repetition_penalty": "FP32",
-    # vLLM-backend flags: finish_reason and the token counts are always returned, logprobs and
-    # cumulative_logprob carry "null" / 0 unless asked for; TRT-LLM's return_perf_metrics: the
-    # speculative counters (total_draft_tokens ...) are always returned
-    "return_num_input_tokens": "BOOL",
-    "return_num_output_tokens": "BOOL",
-    "return_finish_reason": "BOOL",
-    "return_logprobs": "BOOL",
-    "return_cumulative_logprob": "BOOL",
-    "return_perf_metrics": "BOOL",
-}
-# preprocessing -> specdec
-INTERNAL_INPUTS: dict[str, str] = {"input_ids": "INT32", "request_config": "BYTES"}
-
-OUTPUTS: dict[str, str] = {
-    "text_output": "BYTES",
-    "output_ids": "INT32",
-    "finish_reason": "BYTES",
-    "num_input_tokens": "UINT32",
-    "num_output_tokens": "UINT32",  # in this response (as vLLM's backend counts them)
-    "logprobs": "BYTES",  # JSON as vLLM's backend: per token {id: {logprob, rank, decoded_token}}, or null
-    "cumulative_logprob": "FP32",
-    "total_draft_tokens": "INT32",
-    "total_accepted_draft_tokens": "INT32",
-    "acceptance_rate": "FP32",
-    "accept_length": "FP32",
-}
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """Server-side bounds and defaults (config.pbtxt parameters)."""
-
-    max_seq_len: int = 2048
-    default_max_tokens: int = 128
-    apply_chat_template: bool = False
-
-    @property
-    def max_tokens_limit(self) -> int:
-        return self.max_seq_len - 1  # at least one prompt token must fit
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    """What the decoupled model needs besides the prompt ids.
-
-    echo_text: prepended to the (non-streamed) output when `exclude_input_in_output` is False,
-    as vLLM's backend does; None otherwise.
-    """
-
-    params: SamplingParams
-    stream: bool = False
-    echo_text: str | None = None
-
-
-@dataclass(frozen=True)
-class ParsedRequest:
-    text: str
-    apply_chat_template: bool
-    request: GenerateRequest
-
+from specserve.serving.contract import (
+    CONTRACT_INPUTS,
+    INTERNAL_INPUTS,
+    MAX_LOGPROBS,
+    GenerateRequest,
+    ParsedRequest,
+    RequestError,
+    RequestLimits,
+)
 
 # ---- scalar readers -------------------------------------------------------------------------
 
@@ -464,162 +369,6 @@ class PromptTokenizer:
             raise RequestError("apply_chat_template: the model has no chat template")
         return list(self._tok(render_chat(self._model_dir, text), add_special_tokens=False)["input_ids"])
 
-
-# ---- responses ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ResponseDelta:
-    """One response's content: the text / ids delta and the request's cumulative counters."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    num_input_tokens: int
-    num_output_tokens: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    num_verify_steps: int
-    logprobs: list[dict[str, dict[str, Any]]] | None = None  # vLLM's backend format (`logprobs_entries`)
-    cumulative_logprob: float = 0.0
-
-
-def logprobs_entries(logprobs: list[dict[int, tuple[float, int]]], decode: Callable[[int], str]) -> list[dict[str, dict[str, Any]]]:
-    """The engine's per-token {id: (logprob, rank)} -> vLLM's backend format: per token
-    {"<id>": {"logprob": float, "rank": int, "decoded_token": str}}."""
-    return [
-        {str(t): {"logprob": lp, "rank": rank, "decoded_token": decode(t)} for t, (lp, rank) in entry.items()}
-        for entry in logprobs
-    ]
-
-
-def output_arrays(delta: ResponseDelta) -> dict[str, np.ndarray]:
-    """The output tensors of one response (names and dtypes as OUTPUTS); num_output_tokens counts
-    this response's tokens, as vLLM's backend does (a client sums them over a stream)."""
-    steps = max(delta.num_verify_steps, 1)
-    rate = delta.num_accepted_tokens / delta.num_draft_tokens if delta.num_draft_tokens else 0.0
-    return {
-        "text_output": np.array([delta.text.encode("utf-8")], dtype=np.object_),
-        "output_ids": np.array(delta.token_ids, dtype=np.int32),
-        "finish_reason": np.array([(delta.finish_reason or "").encode("utf-8")], dtype=np.object_),
-        "num_input_tokens": np.array([delta.num_input_tokens], dtype=np.uint32),
-        "num_output_tokens": np.array([delta.num_output_tokens], dtype=np.uint32),
-        "logprobs": np.array([json.dumps(delta.logprobs).encode("utf-8")], dtype=np.object_),
-        "cumulative_logprob": np.array([delta.cumulative_logprob], dtype=np.float32),
-        "total_draft_tokens": np.array([delta.num_draft_tokens], dtype=np.int32),
-        "total_accepted_draft_tokens": np.array([delta.num_accepted_tokens], dtype=np.int32),
-        "acceptance_rate": np.array([rate], dtype=np.float32),
-        "accept_length": np.array([(delta.num_accepted_tokens + delta.num_verify_steps) / steps], dtype=np.float32),
-    }
-
-
-# ---- config.pbtxt parameters ----------------------------------------------------------------
-
-
-def model_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
-    """`parameters` of a Triton model config (as in `args["model_config"]`) as a plain dict."""
-    return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
-
-
-def _parse_bool(name: str, value: str) -> bool:
-    v = value.strip().lower()
-    if v not in ("true", "false", "1", "0", "yes", "no"):
-        raise ValueError(f"{name}: expected true or false, got {value!r}")
-    return v in ("true", "1", "yes")
-
-
-def resolve_path(value: str) -> str:
-    """Absolute paths as they are; relative ones against the project root (where models/ is)."""
-    from specserve.prepare import repo_root
-
-    path = Path(value).expanduser()
-    return str(path if path.is_absolute() else repo_root() / path)
-
-
-def model_dir_from_parameters(params: Mapping[str, str]) -> str:
-    """`model_dir`: empty or missing = the embedded default (`specserve prepare`)."""
-    if value := params.get("model_dir", "").strip():
-        return resolve_path(value)
-    from specserve.prepare import default_model_dir
-
-    return str(default_model_dir())
-
-
-def request_limits_from_parameters(params: Mapping[str, str]) -> RequestLimits:
-    """`max_seq_len`, `default_max_tokens`, `apply_chat_template` (missing or empty = default)."""
-    d = RequestLimits()
-    try:
-        return RequestLimits(
-            max_seq_len=int(params.get("max_seq_len") or d.max_seq_len),
-            default_max_tokens=int(params.get("default_max_tokens") or d.default_max_tokens),
-            apply_chat_template=_parse_bool("apply_chat_template", params.get("apply_chat_template") or "false"),
-        )
-    except ValueError as e:
-        raise ValueError(f"parameters: {e}") from None
-
-
-_ENGINE_KEYS = ("model_dir", "max_batch_size", "max_seq_len", "dtype", "device", "num_threads", "attention_backend",
-                "disable_cuda_graph", "cuda_graph_max_bs", "max_queue_size", "request_timeout_s")
-_SERVING_KEYS = ("default_max_tokens", "apply_chat_template")
-
-
-def engine_config_from_parameters(params: Mapping[str, str]) -> EngineConfig:
-    """The decoupled model's config.pbtxt parameters -> EngineConfig.
-
-    model_dir / drafter_path / token_map: empty = the embedded default / none; relative paths are resolved
-    against the project root. device: empty or "auto" = cuda when available; attention_backend,
-    disable_cuda_graph and cuda_graph_max_bs as SGLang names them. Every SpecConfig
-    field (algorithm, num_steps, topk, num_draft_tokens, ngram_*) may be set by its name;
-    empty values keep the default. Unknown keys are an error (typos should not pass silently).
-    """
-    spec_fields = {f.name: f for f in dataclasses.fields(SpecConfig)}
-    unknown = sorted(set(params) - set(spec_fields) - set(_ENGINE_KEYS) - set(_SERVING_KEYS))
-    if unknown:
-        raise ValueError(f"{unknown[0]}: unknown parameter")
-    given = {k: v.strip() for k, v in params.items() if v.strip()}
-
-    spec_kw: dict[str, Any] = {}
-    for name, value in given.items():
-        if name not in spec_fields:
-            continue
-        if name in ("drafter_path", "token_map"):
-            spec_kw[name] = resolve_path(value)
-        elif spec_fields[name].default is None or isinstance(spec_fields[name].default, str):
-            spec_kw[name] = value
-        elif isinstance(spec_fields[name].default, bool):
-            if value.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(f"{name}: expected true or false, got {value!r}")
-            spec_kw[name] = value.lower() in ("true", "1")
-        else:
-            try:
-                spec_kw[name] = type(spec_fields[name].default)(value)
-            except ValueError:
-                raise ValueError(f"{name}: expected a number, got {value!r}") from None
-
-    model_dir = model_dir_from_parameters(params)
-    kw: dict[str, Any] = {"model_dir": model_dir, "device": resolve_device(given.get("device", "auto")),
-                          "spec": SpecConfig(**spec_kw)}
-    if "request_timeout_s" in given:
-        try:
-            kw["request_timeout_s"] = float(given["request_timeout_s"])
-        except ValueError:
-            raise ValueError(f"request_timeout_s: expected a number, got {given['request_timeout_s']!r}") from None
-    for name in ("max_batch_size", "max_seq_len", "num_threads", "cuda_graph_max_bs", "max_queue_size"):
-        if name in given:
-            try:
-                kw[name] = int(given[name])
-            except ValueError:
-                raise ValueError(f"{name}: expected an integer, got {given[name]!r}") from None
-    if "dtype" in given:
-        kw["dtype"] = auto_dtype(kw["device"]) if given["dtype"] == "auto" else given["dtype"]
-    if "attention_backend" in given:
-        kw["attention_backend"] = given["attention_backend"]
-    if "disable_cuda_graph" in given:
-        flag = given["disable_cuda_graph"].lower()
-        if flag not in ("true", "false", "1", "0"):
-            raise ValueError(f"disable_cuda_graph: expected true or false, got {given['disable_cuda_graph']!r}")
-        kw["graph_mode"] = "off" if flag in ("true", "1") else "auto"
-    return EngineConfig(**kw)
 
 
 class Tokenizer(Protocol):

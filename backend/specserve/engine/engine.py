@@ -30,22 +30,12 @@ import torch
 from tokenizers import Tokenizer
 
 import specserve_kernels as K
-from specserve.adaptive import DraftShape, ShapeChooser, shape_menu
-from specserve.attention_backend import (
-    TORCH_ATTENTION,
-    AttentionBackend,
-    FlashInferAttention,
-    resolve_attention,
-)
 from specserve.config import EngineConfig, SamplingParams
-from specserve.cpu_linear import pack_for_inference
-from specserve.cuda_graph import GraphRunner, default_batch_sizes
-from specserve.detokenize import IncrementalDetokenizer
 from specserve.drafters import DraftContext, Drafter
 from specserve.drafters.factory import build_drafter
-from specserve.kv_cache import KVCache
-from specserve.model import ForwardOutput
-from specserve.outputs import (
+from specserve.engine.adaptive import ShapeChooser, shape_menu
+from specserve.engine.detokenize import IncrementalDetokenizer
+from specserve.engine.outputs import (
     FINISH_ABORT,
     FINISH_ERROR,
     FINISH_LENGTH,
@@ -54,9 +44,25 @@ from specserve.outputs import (
     EngineLoad,
     RequestOutput,
 )
-from specserve.sampling import apply_penalties, draw_uniforms, suppress_eos, target_probs, token_logprobs
-from specserve.tree import DraftTree, TreeBatch
-from specserve.weights import load_llama
+from specserve.engine.sampling import (
+    apply_penalties,
+    draw_uniforms,
+    suppress_eos,
+    target_probs,
+    token_logprobs,
+)
+from specserve.models.attention import (
+    TORCH_ATTENTION,
+    AttentionBackend,
+    FlashInferAttention,
+    resolve_attention,
+)
+from specserve.models.cpu_linear import pack_for_inference
+from specserve.models.cuda_graph import GraphRunner, default_batch_sizes
+from specserve.models.kv_cache import KVCache
+from specserve.models.llama import ForwardOutput
+from specserve.models.weights import load_llama
+from specserve.tree import DraftShape, DraftTree, TreeBatch
 
 log = logging.getLogger(__name__)
 

@@ -76,7 +76,7 @@ def llama_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig, prefix:
 
 
 def load_llama(model_dir: str | Path, dtype: torch.dtype, device: str = "cpu") -> LlamaModel:  # noqa: F821
-    from specserve.model import LlamaModel
+    from specserve.models.llama import LlamaModel
 
     cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):

@@ -17,7 +17,7 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from specserve.outputs import FINISH_ERROR, FINISH_REASONS, EngineLoad
+from specserve.engine.outputs import FINISH_ERROR, FINISH_REASONS, EngineLoad
 
 PREFIX = "specserve:"
 

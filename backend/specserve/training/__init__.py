@@ -1,0 +1,1 @@
+"""Drafter training and its self-distilled data."""
