@@ -1,4 +1,4 @@
-"""One real tritonserver for the whole e2e session, on free ports, always reaped.
+"""One real tritonserver for the whole e2e test run, on free ports, always reaped.
 
 The server runs a temporary copy of model_repository/ with small limits (4 KV slots, 512-token
 context) and float32, so greedy outputs do not depend on how requests happen to be batched
