@@ -13,7 +13,7 @@ the server (which marks the model not ready).
 
 A second thread polls the submitters' `is_cancelled` hooks (a round trip to Triton each) every
 `poll_interval_s` and aborts those requests, so the engine thread never waits on them.
-`on_step` receives the engine's load after every step (the serving gauges). This module knows
+`on_step` receives the engine's load whenever it changes (the serving gauges). This module knows
 nothing about Triton.
 """
 
@@ -56,7 +56,7 @@ class EngineLoop:
         """Start the loop thread, build the engine on it, and return once it is ready.
 
         engine_factory: builds (and may warm up) the engine; its exceptions are re-raised here.
-        on_step: called on the loop thread with the engine's load after each step and when idle.
+        on_step: called on the loop thread with the engine's load whenever it changes (after a step, when idle).
         on_stopped: called once, on the loop thread, with the reason, if the loop stops by failure.
         """
         self._subs: dict[str, _Subscriber] = {}
@@ -69,6 +69,7 @@ class EngineLoop:
         self.max_failed_steps = max_failed_steps
         self.poll_interval_s = poll_interval_s
         self.stopped_reason: str | None = None  # set when the loop stopped by failure
+        self._last_load: EngineLoad | None = None
         self._thread = threading.Thread(target=self._start, args=(engine_factory,), name="specserve-engine",
                                         daemon=True)
         self._thread.start()
@@ -132,18 +133,14 @@ class EngineLoop:
 
     def _run(self) -> None:
         failures = 0
-        busy = False
         while True:
             if not self.engine.has_work():
-                if busy and self._on_step is not None:
-                    self._on_step(self.engine.load())  # back to idle: gauges to zero
-                busy = False
+                self._report_load()  # back to idle: the gauges read zero
                 if self._stop.is_set():
                     return
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
                 continue
-            busy = True
             try:
                 outputs = self.engine.step()
                 failures = 0
@@ -155,8 +152,16 @@ class EngineLoop:
                     self._deliver(outputs)
                     raise RuntimeError(f"{failures} engine steps failed in a row; last: {type(e).__name__}: {e}") from e
             self._deliver(outputs)
-            if self._on_step is not None:
-                self._on_step(self.engine.load())
+            self._report_load()
+
+    def _report_load(self) -> None:
+        """`on_step` with the engine's load, only when it changed (the gauges are an IPC each)."""
+        if self._on_step is None:
+            return
+        load = self.engine.load()
+        if load != self._last_load:
+            self._last_load = load
+            self._on_step(load)
 
     def _fail_all(self, reason: str) -> None:
         """The loop is gone: end every open request with an error output and refuse new ones."""
