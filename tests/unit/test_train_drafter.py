@@ -106,3 +106,21 @@ def test_init_from_goes_on_from_a_saved_drafter_and_keeps_its_vocabulary(tmp_pat
     other = "eagle3" if algorithm != "eagle3" else "eagle"
     with pytest.raises(ValueError, match="init_from"):
         train(TrainConfig(out_dir=str(tmp_path / "wrong"), init_from=str(first), **(kw | {"algorithm": other})))
+
+
+def test_benchmark_prompts_stay_out_of_training_data(tmp_path):
+    from specserve.prompts import load_questions
+    from specserve.training.data import benchmark_prompts, load_conversations
+
+    mtbench, chat = load_questions("mtbench")[3], load_questions("bench/chat_heldout.jsonl")[0]
+    rows = CONVERSATIONS + [
+        {"id": "m", "conversations": [{"from": "human", "value": "Please:  " + mtbench.upper()}, {"from": "gpt", "value": "ok"}]},
+        {"id": "c", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
+                                      {"from": "human", "value": chat}, {"from": "gpt", "value": "sure"}]},
+    ]
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(rows))
+    kept = load_conversations(path, 100, seed=0)
+    assert len(kept) == len(CONVERSATIONS)
+    assert not any(p in " ".join(m["content"].lower().split()) for c in kept for m in c for p in benchmark_prompts())
+    assert len(load_conversations(path, 100, seed=0, exclude=[])) == len(rows)

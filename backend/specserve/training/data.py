@@ -46,8 +46,32 @@ def read_json_array(text: str) -> list:
         rows.append(row)
 
 
-def load_conversations(path: Path, n: int, seed: int) -> list[list[dict]]:
-    """n random conversations as chat messages, each with at least one user and one assistant turn."""
+def normalise(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def benchmark_prompts() -> list[str]:
+    """Every prompt the project benchmarks on, normalised: MT-bench's turns and the prompts of the
+    JSONL sets under bench/. Training data must not contain them."""
+    from specserve.prepare import repo_root
+    from specserve.prompts import mtbench_file
+
+    files = [mtbench_file(), *sorted((repo_root() / "bench").glob("*.jsonl"))]
+    prompts = []
+    for path in files:
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                prompts += [row["prompt"]] if "prompt" in row else row["turns"]
+    return [normalise(p) for p in prompts]
+
+
+def load_conversations(path: Path, n: int, seed: int, exclude: list[str] | None = None) -> list[list[dict]]:
+    """n random conversations as chat messages, each with at least one user and one assistant turn.
+
+    exclude: normalised prompts (default: `benchmark_prompts()`); a conversation with a user turn
+    that contains one is skipped."""
+    exclude = benchmark_prompts() if exclude is None else exclude
     rows = read_json_array(path.read_text())
     random.Random(seed).shuffle(rows)
     out = []
@@ -58,6 +82,10 @@ def load_conversations(path: Path, n: int, seed: int) -> list[list[dict]]:
             continue
         if msgs[0]["role"] == "assistant":
             msgs = msgs[1:]
+        users = [normalise(m["content"]) for m in msgs if m["role"] == "user"]
+        if any(p in u for u in users for p in exclude):
+            log.info("data: skipped a conversation holding a benchmark prompt")
+            continue
         if any(m["role"] == "assistant" for m in msgs):
             out.append(msgs)
         if len(out) == n:

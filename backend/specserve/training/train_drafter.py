@@ -304,6 +304,7 @@ def train(tc: TrainConfig) -> Path:
     n_train = len(train_samples)
     curve: list[dict] = []  # held-out agreement at each checkpoint
     best = {"score": -1.0, "step": 0}
+    eval_seconds = 0.0  # spent on the held-out split, not training
     if ckpt.is_file():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
         same = ("checkpoint_every", "max_minutes", "num_threads")
@@ -380,7 +381,9 @@ def train(tc: TrainConfig) -> Path:
         timed_out = tc.max_minutes and time.time() - start > tc.max_minutes * 60
         if step % tc.checkpoint_every == 0 or step == total or timed_out:
             if tc.holdout:
+                t0 = time.time()
                 agreement = heldout_agreement()
+                eval_seconds += time.time() - t0
                 score = expected_accepted(agreement)
                 curve.append({"step": step, "tokens_seen": tokens_seen(step), "minutes": round((time.time() - start) / 60, 2),
                               "agreement": agreement, "expected_accepted": round(score, 4)})
@@ -400,8 +403,9 @@ def train(tc: TrainConfig) -> Path:
         torch.save(draft_ids, out_dir / "token_map.pt")
     recent = history[-20:]
     record = {
-        "config": asdict(tc), "conversations": len(samples), "steps": step, "planned_steps": total, "minutes": round((time.time() - start) / 60, 1),
+        "config": asdict(tc), "conversations": len(samples), "steps": step, "planned_steps": total, "minutes": round((time.time() - start) / 60, 2),
         "tokens_seen": tokens_seen(step),
+        "tokens_per_second": round(tokens_seen(step) / max(time.time() - start - eval_seconds, 1e-9)),
         "final_acc_per_step": [round(sum(h["acc"][k] for h in recent) / len(recent), 3)
                                for k in range(len(recent[-1]["acc"]))] if recent else [],
         "history": history[:: max(1, len(history) // 50)],
