@@ -14,7 +14,7 @@ MODEL := models/SmolLM2-135M-Instruct/model.safetensors
 VARIANTS ?= base,ngram,eagle2,eagle3,mtp
 PYTEST_ARGS ?=
 
-.PHONY: setup prepare serve test lint bench bench-gpu loadtest clean
+.PHONY: setup prepare serve test lint bench bench-gpu loadtest profile clean
 
 setup: $(STAMP)
 
@@ -62,5 +62,17 @@ bench-gpu: setup prepare  # on a CUDA machine; see bench/gpu/README.md for the d
 loadtest: setup prepare
 	$(PY) -m specserve_client.loadtest --variant base --concurrency 1,2,4,8 --out results/loadtest
 
+# genai-perf in its own venv: its pins clash with the server's. It drives this venv's perf_analyzer.
+GENAI_PERF_VENV := .venv-genai-perf
+GENAI_PERF := $(GENAI_PERF_VENV)/bin/genai-perf
+$(GENAI_PERF):
+	python3 -m venv $(GENAI_PERF_VENV)
+	$(GENAI_PERF_VENV)/bin/pip install -q genai-perf==0.0.16
+
+VARIANT ?= base
+profile: setup prepare $(GENAI_PERF)  # URL=host:8001 profiles a running server; otherwise one is started
+	$(PY) -m specserve_client.profile --variant $(VARIANT) --genai-perf $(GENAI_PERF) --out results/profile_$(VARIANT) \
+	  $(if $(URL),--url $(URL))
+
 clean:
-	rm -rf $(VENV) models results .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(GENAI_PERF_VENV) models results .pytest_cache .ruff_cache

@@ -100,7 +100,7 @@ def test_a_heldout_split_logs_agreement_by_step_and_keeps_the_best_head(tmp_path
                             draft_vocab_size=16, dtype="float32", lr=5e-3, ttt_steps=3))
     record = json.loads((out / "train.json").read_text())
     curve = record["agreement_curve"]
-    assert record["steps"] == 8 and [c["step"] for c in curve] == [2, 4, 6, 8]  # 7 conversations, batches of 2
+    assert record["steps"] == 8 and [c["step"] for c in curve] == [0, 2, 4, 6, 8]  # 7 conversations, batches of 2
     assert all(len(c["agreement"]) == 3 and all(0 <= a <= 1 for a in c["agreement"]) for c in curve)
     best = max(curve, key=lambda c: c["expected_accepted"])
     assert record["best_step"] == best["step"] and record["heldout_agreement"] == best["agreement"]

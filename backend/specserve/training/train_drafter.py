@@ -364,6 +364,21 @@ def train(tc: TrainConfig) -> Path:
         else:
             save_eagle(head, out_dir)
 
+    def checkpoint_agreement() -> None:
+        nonlocal eval_seconds, best
+        t0 = time.time()
+        agreement = heldout_agreement()
+        eval_seconds += time.time() - t0
+        score = expected_accepted(agreement)
+        curve.append({"step": step, "tokens_seen": tokens_seen(step), "minutes": round((time.time() - start) / 60, 2),
+                      "agreement": agreement, "expected_accepted": round(score, 4)})
+        if score > best["score"]:
+            best = {"score": score, "step": step, "agreement": agreement}
+            save_head()
+        write_curve(out_dir, curve)
+
+    if tc.holdout and step == 0:  # where the head starts (a fresh one, or the drafter it goes on from)
+        checkpoint_agreement()
     while step < total:
         ids = plan[step]
         loss, steps = objective(ids)
@@ -381,16 +396,7 @@ def train(tc: TrainConfig) -> Path:
         timed_out = tc.max_minutes and time.time() - start > tc.max_minutes * 60
         if step % tc.checkpoint_every == 0 or step == total or timed_out:
             if tc.holdout:
-                t0 = time.time()
-                agreement = heldout_agreement()
-                eval_seconds += time.time() - t0
-                score = expected_accepted(agreement)
-                curve.append({"step": step, "tokens_seen": tokens_seen(step), "minutes": round((time.time() - start) / 60, 2),
-                              "agreement": agreement, "expected_accepted": round(score, 4)})
-                if score > best["score"]:
-                    best = {"score": score, "step": step, "agreement": agreement}
-                    save_head()
-                write_curve(out_dir, curve)
+                checkpoint_agreement()
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step,
                         "elapsed": time.time() - start, "config": asdict(tc), "curve": curve, "best": best}, ckpt)
         if timed_out:
