@@ -14,7 +14,7 @@ MODEL := models/SmolLM2-135M-Instruct/model.safetensors
 VARIANTS ?= base,ngram,eagle2,eagle3,mtp
 PYTEST_ARGS ?=
 
-.PHONY: setup prepare serve test lint bench bench-gpu loadtest profile clean
+.PHONY: setup prepare serve test lint bench bench-gpu loadtest profile soak clean
 
 setup: $(STAMP)
 
@@ -73,6 +73,9 @@ VARIANT ?= base
 profile: setup prepare $(GENAI_PERF)  # URL=host:8001 profiles a running server; otherwise one is started
 	$(PY) -m specserve_client.profile --variant $(VARIANT) --genai-perf $(GENAI_PERF) --out results/profile_$(VARIANT) \
 	  $(if $(URL),--url $(URL))
+
+soak: setup prepare  # starts its own server; exits 1 on a lost or mixed-up response or gauges not back to 0
+	$(PY) -m specserve_client.soak --variant $(VARIANT) --minutes 10 --concurrency 8 --out results/soak_$(VARIANT)
 
 clean:
 	rm -rf $(VENV) $(GENAI_PERF_VENV) models results .pytest_cache .ruff_cache

@@ -202,6 +202,7 @@ def cmd_regenerate_data(args: argparse.Namespace) -> int:
             model_dir=args.model_dir or str(default_model_dir()), out=args.out, data=args.data,
             num_conversations=args.num_conversations, max_prompt_tokens=args.max_prompt_tokens,
             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
+            sampled_answers=args.sampled_answers,
             max_minutes=args.max_minutes, seed=args.seed, dtype=args.dtype, device=resolve_device(args.device),
         )
         print(regenerate(rc))
@@ -318,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=RegenerateConfig.max_new_tokens)
     p.add_argument("--batch-size", type=int, default=RegenerateConfig.batch_size)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--sampled-answers", action="store_true",
+                   help=f"also one answer per prompt sampled at temperature {RegenerateConfig.sampled_temperature}")
     p.add_argument("--max-minutes", type=float, default=0.0, help="stop and keep what finished (0 = no limit)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -36,9 +36,14 @@ TIMEOUT_S = 120.0
 GAUGES = ("specserve:num_requests_running", "specserve:num_requests_waiting", "specserve:kv_slots_used")
 
 
-def metric(metrics_url: str, name: str) -> float:
+def metric(metrics_url: str, name: str, **labels: str) -> float:
+    """The sum of a metric over the series whose labels include `labels`."""
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
+        if all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
 
 
 def server_rss_mb(root_pid: int) -> float:
@@ -129,6 +134,7 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
          sample_s: float) -> dict:
     outcomes: Counter = Counter()
     failures: list[str] = []
+    aborted_before = metric(metrics_url, "specserve:request_finished_total", finish_reason="abort")
     lock = threading.Lock()
     start = time.monotonic()
     deadline = start + minutes * 60
@@ -146,16 +152,18 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
     while time.monotonic() < drain_deadline and any(metric(metrics_url, g) for g in GAUGES):
         time.sleep(0.5)
     gauges = {g: metric(metrics_url, g) for g in GAUGES}
+    aborted = metric(metrics_url, "specserve:request_finished_total", finish_reason="abort") - aborted_before
     memory.append({"s": round(time.monotonic() - start), "rss_mb": server_rss_mb(server_pid)})
     after_first_minute = [m["rss_mb"] for m in memory if m["s"] >= 60] or [memory[0]["rss_mb"]]
     report = {
         "variant": variant, "minutes": minutes, "concurrency": concurrency, "outcomes": dict(sorted(outcomes.items())),
         "requests": sum(outcomes.values()), "failures": failures[:50], "num_failures": len(failures),
-        "gauges_after": gauges, "rss_mb": {"first": memory[0]["rss_mb"], "after_1_min": after_first_minute[0],
+        "gauges_after": gauges, "engine_aborts": aborted, "rss_mb": {"first": memory[0]["rss_mb"], "after_1_min": after_first_minute[0],
                                            "max": max(m["rss_mb"] for m in memory), "last": memory[-1]["rss_mb"]},
         "memory_samples": memory,
     }
-    report["passed"] = not failures and not any(gauges.values())
+    # every cancelled stream must have been aborted by the engine, not run to its 256 tokens
+    report["passed"] = not failures and not any(gauges.values()) and aborted >= outcomes["cancel:cancelled"]
     return report
 
 

@@ -77,7 +77,7 @@ def load_conversations(path: Path, n: int, seed: int, exclude: list[str] | None 
     out = []
     for row in rows:
         msgs = [{"role": ROLES.get(t.get("from"), ""), "content": t.get("value") or ""}
-                for t in row.get("conversations", [])]
+                | ({"ids": t["ids"]} if "ids" in t else {}) for t in row.get("conversations", [])]
         if any(m["role"] == "" or not m["content"].strip() for m in msgs) or len(msgs) < 2:
             continue
         if msgs[0]["role"] == "assistant":
@@ -94,7 +94,17 @@ def load_conversations(path: Path, n: int, seed: int, exclude: list[str] | None 
 
 
 def tokenize_conversation(tokenizer, msgs: list[dict], max_len: int) -> tuple[list[int], list[bool]]:  # noqa: ANN001
-    """Chat-template ids and, per token, whether it belongs to an assistant turn's content."""
+    """Chat-template ids and, per token, whether it belongs to an assistant turn's content.
+
+    A one-turn conversation whose answer carries the target's own token `ids` (`regenerate-data`
+    writes them) is the prompt as served (chat template with the generation prompt) followed by
+    exactly those ids: no decode / re-encode round trip.
+    """
+    if len(msgs) == 2 and msgs[0]["role"] == "user" and "ids" in msgs[1]:
+        prompt = tokenizer.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = (prompt_ids + list(msgs[1]["ids"]))[:max_len]
+        return ids, ([False] * len(prompt_ids) + [True] * len(msgs[1]["ids"]))[:max_len]
     text = tokenizer.apply_chat_template(msgs, tokenize=False)
     spans, cursor = [], 0
     for m in msgs:
