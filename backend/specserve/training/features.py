@@ -54,6 +54,7 @@ class DumpConfig:
     device: str = "cpu"
     num_threads: int = 0
     seed: int = 0
+    max_minutes: float = 0.0  # stop after the shard in progress once this long has passed (run again to go on)
 
     def __post_init__(self) -> None:
         for name in ("num_conversations", "max_len", "batch_size", "shard_size"):
@@ -79,6 +80,8 @@ def dump(dc: DumpConfig) -> Path:
         old = json.loads(index_path.read_text())
         if {k: old.get(k) for k in CONTENT_FIELDS} != content:
             raise ValueError(f"resume: {out} holds a dump of different content; remove it or match it")
+    else:
+        index_path.write_text(json.dumps(content | {"complete": False}, indent=1) + "\n")
     samples = training_samples(hf_tokenizer(dc.model_dir), dc.data, dc.num_conversations, dc.max_len, dc.seed)
     dtype = getattr(torch, dc.dtype)
     target = load_llama(dc.model_dir, dtype, dc.device).requires_grad_(False)
@@ -121,8 +124,12 @@ def dump(dc: DumpConfig) -> Path:
         save_file(tensors, str(tmp))
         tmp.rename(out / name)
         tokens_done += n
+        if dc.max_minutes and time.time() - start > dc.max_minutes * 60 and name != names[-1]:
+            log.warning("dump-features: max_minutes reached after %s; run it again to go on", name)
+            bar.close()
+            return out
     bar.close()
-    record = content | {"shards": names, "conversations": len(samples),
+    record = content | {"complete": True, "shards": names, "conversations": len(samples),
                         "tokens": sum(len(ids) for ids, _ in samples), "hidden_size": target.cfg.hidden_size,
                         "aux_layer_ids": list(aux_layers), "device": dc.device,
                         "minutes_this_run": round((time.time() - start) / 60, 2), "tokens_this_run": tokens_done}
@@ -153,6 +160,8 @@ class FeatureStore:
         if not index_path.is_file():
             raise FileNotFoundError(f"features: no {INDEX} in {self.path} (run `specserve dump-features` first)")
         self.index = json.loads(index_path.read_text())
+        if not self.index.get("complete", True):
+            raise ValueError(f"features: the dump in {self.path} is not complete; run dump-features again to finish it")
         self.samples: list[Sample] = []
         self._where: list[tuple[int, int, int]] = []  # per conversation: (shard, first row, end row)
         self._files = []

@@ -57,6 +57,7 @@ class TrainConfig:
     init_from: str | None = None  # a saved drafter of this algorithm to go on training (keeps its vocabulary)
     features: str | None = None  # a `dump-features` directory: its conversations and features replace data
     holdout: int = 0  # conversations kept out of training; agreement on them is logged and the best head kept
+    pause_after_minutes: float = 0.0  # checkpoint and return after this long in this process (run again to go on)
     num_conversations: int = 2000
     max_len: int = 512
     batch_size: int = 4
@@ -307,7 +308,7 @@ def train(tc: TrainConfig) -> Path:
     eval_seconds = 0.0  # spent on the held-out split, not training
     if ckpt.is_file():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        same = ("checkpoint_every", "max_minutes", "num_threads")
+        same = ("checkpoint_every", "max_minutes", "num_threads", "pause_after_minutes")
         saved = {f.name: f.default for f in fields(TrainConfig)} | state["config"]  # fields added since: defaults
         if {k: v for k, v in saved.items() if k not in same} != {k: v for k, v in asdict(tc).items() if k not in same}:
             raise ValueError(f"resume: {ckpt} was written by a different configuration; remove it or match it")
@@ -317,6 +318,7 @@ def train(tc: TrainConfig) -> Path:
         curve, best = state.get("curve", []), state.get("best", best)
         log.info("resuming from step %d", step)
     start, history = time.time() - elapsed, []
+    resumed_at = time.time()
 
     def tokens_seen(n_steps: int) -> int:
         return sum(len(samples[i][0]) for b in plan[:n_steps] for i in b)
@@ -394,7 +396,8 @@ def train(tc: TrainConfig) -> Path:
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", acc0=accs[0], accN=accs[-1])
         timed_out = tc.max_minutes and time.time() - start > tc.max_minutes * 60
-        if step % tc.checkpoint_every == 0 or step == total or timed_out:
+        paused = tc.pause_after_minutes and time.time() - resumed_at > tc.pause_after_minutes * 60
+        if step % tc.checkpoint_every == 0 or step == total or timed_out or paused:
             if tc.holdout:
                 checkpoint_agreement()
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step,
@@ -402,6 +405,10 @@ def train(tc: TrainConfig) -> Path:
         if timed_out:
             log.warning("max_minutes reached at step %d of %d", step, total)
             break
+        if paused and step < total:
+            bar.close()
+            log.warning("paused at step %d of %d (checkpoint saved); run the same command again to go on", step, total)
+            return out_dir
     bar.close()
     if not tc.holdout:  # with a held-out split the best head evaluated was saved
         save_head()
