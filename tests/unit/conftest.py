@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -39,3 +40,11 @@ def tiny_target_dir(tmp_path_factory, smollm2_dir):
 def tiny_llama_factory(tmp_path_factory):
     """save_tiny_llama into a fresh directory, any shape."""
     return lambda **kw: save_tiny_llama(tmp_path_factory.mktemp("tiny"), **kw)
+
+
+@pytest.fixture(scope="module")
+def data_file(request, tmp_path_factory):
+    """The test module's `CONVERSATIONS` as a ShareGPT-shaped JSON file."""
+    path = tmp_path_factory.mktemp("data") / "sharegpt.json"
+    path.write_text(json.dumps(request.module.CONVERSATIONS))
+    return path

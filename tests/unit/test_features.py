@@ -20,13 +20,6 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def data_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "sharegpt.json"
-    path.write_text(json.dumps(CONVERSATIONS))
-    return path
-
-
-@pytest.fixture(scope="module")
 def dumped(tmp_path_factory, tiny_target_dir, data_file):
     out = tmp_path_factory.mktemp("dump")
     dump(DumpConfig(model_dir=str(tiny_target_dir), out_dir=str(out), data=str(data_file), num_conversations=10,

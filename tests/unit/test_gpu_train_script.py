@@ -22,13 +22,6 @@ CONVERSATIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "prompts.json"
-    path.write_text(json.dumps(CONVERSATIONS))
-    return path
-
-
 def test_the_pipeline_runs_every_stage_once(tmp_path, tiny_target_dir, data_file):
     spec = importlib.util.spec_from_file_location("gpu_train", SCRIPT)
     module = importlib.util.module_from_spec(spec)

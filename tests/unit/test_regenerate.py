@@ -21,13 +21,6 @@ CONVERSATIONS = [
 ]
 
 
-@pytest.fixture()
-def data_file(tmp_path):
-    path = tmp_path / "prompts.json"
-    path.write_text(json.dumps(CONVERSATIONS))
-    return path
-
-
 def test_first_turns_are_the_users_first_messages(data_file):
     assert sorted(first_turns(data_file, 10, seed=0)) == sorted(["Name a colour.", "Count to three.", "word " * 400])
 

@@ -21,13 +21,6 @@ CONVERSATIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "sharegpt.json"
-    path.write_text(json.dumps(CONVERSATIONS))
-    return path
-
-
 def test_truncated_json_array_keeps_complete_records():
     text = json.dumps(CONVERSATIONS)
     assert read_json_array(text) == CONVERSATIONS
