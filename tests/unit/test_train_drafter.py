@@ -117,3 +117,31 @@ def test_benchmark_prompts_stay_out_of_training_data(tmp_path):
     assert len(kept) == len(CONVERSATIONS)
     assert not any(p in " ".join(m["content"].lower().split()) for c in kept for m in c for p in benchmark_prompts())
     assert len(load_conversations(path, 100, seed=0, exclude=[])) == len(rows)
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
+def test_the_loss_counts_exactly_the_labelled_positions(tiny_target_dir, algorithm):
+    """Logits are computed only where the mask has a label; the loss equals the dense masked one."""
+    from specserve.models.llama import rope_table
+    from specserve.training.train_drafter import new_head, ttt_losses
+
+    target = load_llama(tiny_target_dir, torch.float32)
+    draft_ids = torch.arange(16)
+    head = new_head(algorithm, target, draft_ids)
+    torch.manual_seed(0)
+    b, t = 2, 12
+    tokens = torch.randint(0, 16, (b, t))
+    width = 3 * target.cfg.hidden_size if algorithm == "eagle3" else target.cfg.hidden_size
+    feats = torch.randn(b, t, width)
+    probs = torch.randn(b, t, 16).softmax(-1)
+    mask = torch.rand(b, t) > 0.4
+    rope = rope_table(head.cfg.layer_config(), t + 3, torch.float32)
+    steps = ttt_losses(head, tokens, feats, probs, mask, 3, rope)
+    for i, (hidden, loss, acc) in enumerate(steps):
+        n = t - 1 - i
+        m = mask[:, 1 + i : 1 + i + n].float()
+        logp = head.logits(hidden).log_softmax(-1)
+        want = -((probs[:, 1 + i : 1 + i + n] * logp).sum(-1) * m).sum() / m.sum().clamp(min=1)
+        torch.testing.assert_close(loss, want)
+        hits = (logp.argmax(-1) == probs[:, 1 + i : 1 + i + n].argmax(-1)).float()
+        torch.testing.assert_close(acc, (hits * m).sum() / m.sum().clamp(min=1))

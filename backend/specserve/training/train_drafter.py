@@ -189,12 +189,12 @@ def ttt_losses(head: EagleHead, tokens: torch.Tensor, feats: torch.Tensor, label
             return attn.o_proj(o.transpose(1, 2).reshape(b, n, -1))
 
         hidden = head(inp, hidden, attend)  # (B, n, H)
-        logp = head.logits(hidden).log_softmax(-1)
-        target = label_probs[:, 1 + i : 1 + i + n]
-        m = loss_mask[:, 1 + i : 1 + i + n].float()
-        denom = m.sum().clamp(min=1)
-        loss = -((target * logp).sum(-1) * m).sum() / denom
-        acc = ((logp.argmax(-1) == target.argmax(-1)).float() * m).sum() / denom
+        labelled = loss_mask[:, 1 + i : 1 + i + n]  # (B, n): logits only where a label counts
+        logp = head.logits(hidden[labelled]).log_softmax(-1)  # (N, V')
+        target = label_probs[:, 1 + i : 1 + i + n][labelled]
+        denom = labelled.sum().clamp(min=1)
+        loss = -(target * logp).sum() / denom
+        acc = (logp.argmax(-1) == target.argmax(-1)).float().sum() / denom
         out.append((hidden, loss, acc))
     return out
 
