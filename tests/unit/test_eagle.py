@@ -15,7 +15,8 @@ from specserve.engine.engine import Engine
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import rope_table
 from specserve.models.weights import load_llama
-from specserve.training.train_drafter import target_features, ttt_losses
+from specserve.training.features import target_features
+from specserve.training.train_drafter import ttt_losses
 
 H, HEADS, KV, INTER, LAYERS, VOCAB, DRAFT_VOCAB = 64, 4, 2, 128, 8, 49152, 512  # as tiny_target_dir
 
@@ -195,6 +196,6 @@ def test_draft_cache_matches_recompute_and_training_unroll(tmp_path, tiny_target
                         rope)
     j = len(seq) - 1  # position L-1 pairs the root with the last accepted feature
     assert torch.allclose(unroll[0][0][0, j], drafter.last_hidden[req.slot], atol=1e-4)
-    for i, (h, _, _) in enumerate(unroll):
+    for i, (h, _, _, _) in enumerate(unroll):
         token = drafter.head.to_target_ids(drafter.head.logits(h[0, j]).argmax())
         assert int(token) == chain[i + 1], f"draft step {i}"

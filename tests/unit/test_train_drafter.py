@@ -102,10 +102,12 @@ def test_init_from_goes_on_from_a_saved_drafter_and_keeps_its_vocabulary(tmp_pat
 
 
 def test_benchmark_prompts_stay_out_of_training_data(tmp_path):
+    from specserve.prepare import repo_root
     from specserve.prompts import load_questions
     from specserve.training.data import benchmark_prompts, load_conversations
 
-    mtbench, chat = load_questions("mtbench")[3], load_questions("bench/chat_heldout.jsonl")[0]
+    mtbench = load_questions("mtbench")[3]
+    chat = load_questions(str(repo_root() / "bench/chat_heldout.jsonl"))[0]
     rows = CONVERSATIONS + [
         {"id": "m", "conversations": [{"from": "human", "value": "Please:  " + mtbench.upper()}, {"from": "gpt", "value": "ok"}]},
         {"id": "c", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
@@ -137,7 +139,7 @@ def test_the_loss_counts_exactly_the_labelled_positions(tiny_target_dir, algorit
     mask = torch.rand(b, t) > 0.4
     rope = rope_table(head.cfg.layer_config(), t + 3, torch.float32)
     steps = ttt_losses(head, tokens, feats, probs, mask, 3, rope)
-    for i, (hidden, loss, acc) in enumerate(steps):
+    for i, (hidden, loss, acc, count) in enumerate(steps):
         n = t - 1 - i
         m = mask[:, 1 + i : 1 + i + n].float()
         logp = head.logits(hidden).log_softmax(-1)
@@ -145,3 +147,4 @@ def test_the_loss_counts_exactly_the_labelled_positions(tiny_target_dir, algorit
         torch.testing.assert_close(loss, want)
         hits = (logp.argmax(-1) == probs[:, 1 + i : 1 + i + n].argmax(-1)).float()
         torch.testing.assert_close(acc, (hits * m).sum() / m.sum().clamp(min=1))
+        assert count == m.sum()

@@ -48,6 +48,8 @@ from specserve.training.data import training_samples
 from specserve.training.features import FeatureStore, target_features
 
 log = logging.getLogger(__name__)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     algorithm: str  # "eagle" (EAGLE-2), "eagle3" or "mtp" (a DeepSeek-layout MTP head)
@@ -157,7 +159,8 @@ def saved_head(algorithm: str, path: str | Path, target: LlamaModel) -> tuple[Ea
 
 def ttt_losses(head: EagleHead, tokens: torch.Tensor, feats: torch.Tensor, label_probs: torch.Tensor,
                loss_mask: torch.Tensor, steps: int, rope: tuple[torch.Tensor, torch.Tensor]) -> list[tuple]:
-    """Unrolled draft steps over whole sequences. Returns per step (h, token loss, top-1 accuracy).
+    """Unrolled draft steps over whole sequences. Returns per step (h, token loss, top-1 accuracy,
+    positions with a label).
 
     tokens (B, T); feats (B, T, F); label_probs (B, T, V') the target's distribution at each position;
     loss_mask (B, T) True where token t+1 is an assistant token (position t's prediction counts).
@@ -195,7 +198,7 @@ def ttt_losses(head: EagleHead, tokens: torch.Tensor, feats: torch.Tensor, label
         denom = labelled.sum().clamp(min=1)
         loss = -(target * logp).sum() / denom
         acc = (logp.argmax(-1) == target.argmax(-1)).float().sum() / denom
-        out.append((hidden, loss, acc))
+        out.append((hidden, loss, acc, labelled.sum()))
     return out
 
 
@@ -324,6 +327,7 @@ def train(tc: TrainConfig) -> Path:
         return sum(len(samples[i][0]) for b in plan[:n_steps] for i in b)
 
     bar = tqdm(total=total, initial=step, desc=f"train {tc.algorithm}")
+
     def features(ids: list[int], t: int, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if store is not None:
             return tuple(x if x is None else x.to(dev) for x in store.features(ids, t, tc.algorithm == "eagle3"))
@@ -351,13 +355,10 @@ def train(tc: TrainConfig) -> Path:
         hits, counts = [0.0] * tc.steps_per_sample, [0.0] * tc.steps_per_sample
         held = sorted(range(n_train, len(samples)), key=lambda i: len(samples[i][0]))
         for b in range(0, len(held), tc.batch_size):
-            ids = held[b : b + tc.batch_size]
-            tokens, mask = padded(samples, ids, dev)
-            _, steps = objective(ids)
-            for k, s in enumerate(steps):
-                n = float(mask[:, 1 + k : 1 + k + tokens.shape[1] - 1 - k].sum())
-                hits[k] += float(s[2]) * n
-                counts[k] += n
+            _, steps = objective(held[b : b + tc.batch_size])
+            for k, (_, _, acc, n) in enumerate(steps):
+                hits[k] += float(acc) * float(n)
+                counts[k] += float(n)
         return [round(h / c, 4) if c else 0.0 for h, c in zip(hits, counts)]
 
     def save_head() -> None:
