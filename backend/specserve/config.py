@@ -218,6 +218,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # torch | flashinfer | auto (flashinfer on CUDA when installed)
     graph_mode: str = "auto"  # auto: CUDA graphs on CUDA | off | static: bucketed forward, no capture
     cuda_graph_max_bs: int = 0  # largest captured batch size (0 = max_batch_size)
+    # on CPU, run the target's forwards through its AOTInductor-compiled program (models/compiled.py);
+    # off here, on in the CLI and the served configs (their disable_cpu_compile switch)
+    cpu_compile: bool = False
+    compile_cache_dir: str = ""  # compiled programs kept across restarts ("" = ~/.cache/specserve/compiled)
     profile: bool = False  # on CUDA, synchronize around each step phase so StepProfile is exact
     max_queue_size: int = 0
     request_timeout_s: float = 0.0
@@ -245,3 +249,7 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def compile_cache_path(self) -> Path:
+        return Path(self.compile_cache_dir) if self.compile_cache_dir else Path.home() / ".cache/specserve/compiled"

@@ -18,7 +18,6 @@ that runs the attention (cached in `eagle.py`, dense with the training-time-test
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,11 +28,10 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.models.cpu_linear import PackedLinear, can_pack
-from specserve.models.llama import MLP, Attention, LlamaModel, RMSNorm
+from specserve.models.llama import MLP, Attend, Attention, LlamaModel, RMSNorm
 from specserve.models.weights import read_safetensors, take
 
 HEAD_ALGORITHMS = ("eagle", "eagle3")
-Attend = Callable[[Attention, torch.Tensor], torch.Tensor]  # (attention module, x (B, T, in)) -> (B, T, H)
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.drafters.eagle_model import Attend, SharedLmHead
-from specserve.models.llama import DecoderLayer, LlamaModel, RMSNorm
+from specserve.drafters.eagle_model import SharedLmHead
+from specserve.models.llama import Attend, DecoderLayer, LlamaModel, RMSNorm
 from specserve.models.weights import read_safetensors, take
 
 LAYOUTS = ("deepseek", "mimo")
@@ -73,9 +73,7 @@ class MtpHead(nn.Module):
         e = self.token_norm(F.embedding(tokens, self._target_embed).to(hidden.dtype))
         hn = self.hidden_norm(hidden)
         x = self.proj(torch.cat([e, hn] if self.cfg.layout == "deepseek" else [hn, e], dim=-1))
-        layer = self.layer
-        x = x + attend(layer.self_attn, layer.input_layernorm(x))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.layer(x, attend)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self.final_norm(h)

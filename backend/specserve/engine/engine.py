@@ -57,6 +57,7 @@ from specserve.models.attention import (
     FlashInferAttention,
     resolve_attention,
 )
+from specserve.models.compiled import CompiledTarget, can_compile
 from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.cuda_graph import GraphRunner, default_batch_sizes
 from specserve.models.kv_cache import KVCache
@@ -160,8 +161,6 @@ class Engine:
         self.device = torch.device(config.device)
         self.model = load_llama(config.model_dir, config.torch_dtype, config.device)
         self.model_config = self.model.cfg
-        if pack_for_inference(self.model, keep_weights=("lm_head",)):  # drafters share the lm_head
-            log.info("target: bf16 linear weights prepacked for oneDNN (CPU)")
         # static shapes (decode, verify, drafts) run through buckets; on CUDA in auto mode they are captured
         self.use_graphs = config.graph_mode == "static" or (config.graph_mode == "auto" and self.device.type == "cuda")
         self.capture_graphs = self.device.type == "cuda" and config.graph_mode == "auto"
@@ -182,6 +181,13 @@ class Engine:
             graph_batch_sizes=self.graph_batch_sizes if self.use_graphs else (), capture_graphs=self.capture_graphs,
         ))
         self.graphs = self._graph_runner() if self.use_graphs else None
+        # on CPU: the target's forwards through one compiled program (exported from the plain weights, so first)
+        self.compiled = CompiledTarget(
+            self.model, self.cache, self.drafter.aux_layers, config.max_batch_size, config.max_seq_len,
+            config.compile_cache_path,
+        ) if config.cpu_compile and not self.use_graphs and can_compile(self.device) else None
+        if pack_for_inference(self.model, keep_weights=("lm_head",)):  # drafters share the lm_head
+            log.info("target: bf16 linear weights prepacked for oneDNN (CPU)")
         self._default_generator = torch.Generator().manual_seed(0)
         self._forced_shape: DraftShape | None = None  # warm-up runs each shape in turn
         self._observe = True  # whether steps feed the chooser's estimates
@@ -381,12 +387,14 @@ class Engine:
         dev = self.device
         positions = torch.arange(t, device=dev).expand(len(reqs), t)
         slots = [r.slot for r in reqs]
-        attn = self.model.attention_inputs(
-            positions, torch.tensor(slots, device=dev), torch.zeros(len(reqs), dtype=torch.int64, device=dev), None,
-            self.cache, [0] * len(reqs), slots,
-        )
+        slots_t, zeros = torch.tensor(slots, device=dev), torch.zeros(len(reqs), dtype=torch.int64, device=dev)
         last = torch.tensor(lens, device=dev)[:, None] - 1  # (B, 1)
-        out = self.model(tokens.to(dev), attn, self.cache, logit_index=last, aux_layers=self.drafter.aux_layers)
+        if self.compiled is not None:
+            causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(len(reqs), t, t)
+            out = self.compiled.forward(tokens.to(dev), positions, slots_t, zeros, causal, [0] * len(reqs), last)
+        else:
+            attn = self.model.attention_inputs(positions, slots_t, zeros, None, self.cache, [0] * len(reqs), slots)
+            out = self.model(tokens.to(dev), attn, self.cache, logit_index=last, aux_layers=self.drafter.aux_layers)
         for r, n in zip(reqs, lens):
             r.cache_len = n
         roots = TreeBatch.from_trees([DraftTree.root_only(r.token_ids[-1]) for r in reqs]).to(dev)
@@ -436,6 +444,8 @@ class Engine:
         bucket = self.graphs.bucket_for(*batch.tokens.shape) if self.graphs else None
         if bucket is not None:
             out = self.graphs.forward(batch.tokens, positions, slots, cache_lens, new_mask, host_lens)
+        elif self.compiled is not None:
+            out = self.compiled.forward(batch.tokens, positions, slots, cache_lens, batch.mask, host_lens)
         else:
             attn = self.model.attention_inputs(
                 positions, slots, cache_lens, new_mask, self.cache, host_lens, [r.slot for r in reqs]

@@ -12,6 +12,7 @@ key names (`weights.py`) and returns logits and the hidden states asked for.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -113,7 +114,12 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+Attend = Callable[[Attention, torch.Tensor], torch.Tensor]  # (attention module, x (B, T, in)) -> (B, T, H)
+
+
 class DecoderLayer(nn.Module):
+    """A pre-norm Llama layer; `attend` runs its attention (over a KV cache, or densely in training)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -121,8 +127,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, layer_cache: tuple[torch.Tensor, torch.Tensor], a: AttentionInputs) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), layer_cache, a)
+    def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
+        x = x + attend(self.self_attn, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -255,15 +261,27 @@ class LlamaModel(nn.Module):
         aux_layers: tuple[int, ...] = (),
     ) -> ForwardOutput:
         """tokens (B, T); logit_index (B, K) picks the positions that get logits (all when None)."""
+        hidden, aux = self.run_layers(tokens, lambda i, attn, x: attn(x, cache.layer(i), a), aux_layers)
+        return self.output(hidden, aux, logit_index)
+
+    def run_layers(
+        self, tokens: torch.Tensor, attend: Callable[[int, Attention, torch.Tensor], torch.Tensor],
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens (B, T) -> the final-norm hidden (B, T, H) and the asked-for layers' inputs
+        (B, T, len(aux_layers) * H) or None; attend(layer index, attention module, x) runs attention."""
         x = self.embed_tokens(tokens)  # (B, T, H)
         aux = []
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 aux.append(x)
-            x = layer(x, cache.layer(i), a)
-        hidden = self.norm(x)  # (B, T, H)
+            x = layer(x, lambda attn, h, i=i: attend(i, attn, h))
+        return self.norm(x), torch.cat(aux, dim=-1) if aux else None
+
+    def output(self, hidden: torch.Tensor, aux: torch.Tensor | None, logit_index: torch.Tensor | None) -> ForwardOutput:
+        """Logits (through lm_head) at logit_index (B, K) of hidden (B, T, H), all T when None."""
         picked = hidden if logit_index is None else torch.gather(
             hidden, 1, logit_index[:, :, None].expand(-1, -1, hidden.shape[-1])
         )  # (B, K, H)
         logits = self.lm_head(picked).float()  # (B, K, V)
-        return ForwardOutput(logits=logits, hidden=hidden, aux_hidden=torch.cat(aux, dim=-1) if aux else None)
+        return ForwardOutput(logits=logits, hidden=hidden, aux_hidden=aux)

@@ -38,6 +38,8 @@ ENGINE_PARAMETERS: tuple[tuple[str, str], ...] = (
     ("attention_backend", "auto"),
     ("disable_cuda_graph", "false"),
     ("cuda_graph_max_bs", "0"),
+    ("disable_cpu_compile", "false"),
+    ("compile_cache_dir", ""),
     ("default_max_tokens", "128"),
     ("apply_chat_template", "false"),
 )
