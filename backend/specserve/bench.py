@@ -155,6 +155,7 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
         "hardware": describe(),
         "interleaved": True,
+        "cpu_compile": base_engine.compiled is not None,  # the target's AOTInductor-compiled forward
     }
     hf = lookup = None
     if hf_baseline:

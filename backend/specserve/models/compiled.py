@@ -89,6 +89,21 @@ class ReadOnlyForward(nn.Module):
         return outputs if aux is None else (*outputs, aux)
 
 
+def program_key(model: LlamaModel, cache_shape: tuple[int, ...], aux_layers: tuple[int, ...], max_batch_size: int,
+                max_tokens: int) -> str:
+    """A digest of everything a compiled program depends on: the weights as loaded (dtype
+    included), the cache's shape (its strides are baked in), the outputs and sizes asked for,
+    this module's source, torch's version and the CPU's flags (the code is vectorised for them)."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().contiguous().view(torch.uint8).numpy())
+    parts = (torch.__version__, cache_shape, aux_layers, max_batch_size, max_tokens, sorted(cpu_flags()),
+             Path(__file__).read_bytes())
+    h.update(repr(parts).encode())
+    return h.hexdigest()[:24]
+
+
 class CompiledTarget:
     """The compiled forward of one target with one KV cache; build it before the target's linears
     are prepacked for eager use (export reads the plain weights)."""
@@ -97,7 +112,8 @@ class CompiledTarget:
                  max_tokens: int, cache_dir: Path) -> None:
         self.model, self.cache, self.aux_layers = model, cache, tuple(aux_layers)
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
-        self.path = cache_dir / f"target-{self._key()}.pt2"
+        key = program_key(model, tuple(cache.data.shape), self.aux_layers, max_batch_size, max_tokens)
+        self.path = cache_dir / f"target-{key}.pt2"
         start = time.perf_counter()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(self.path) + ".lock"):
@@ -110,22 +126,10 @@ class CompiledTarget:
                  time.perf_counter() - start)
         self.compiled_now = compiled_now
 
-    def _key(self) -> str:
-        """A digest of everything the program depends on."""
-        h = hashlib.sha256()
-        for name, p in sorted(self.model.state_dict().items()):
-            h.update(name.encode())
-            h.update(p.detach().contiguous().view(torch.uint8).numpy())
-        parts = (torch.__version__, str(self.model.embed_tokens.weight.dtype), self.aux_layers,
-                 tuple(self.cache.data.shape), self.max_batch_size, self.max_tokens, sorted(cpu_flags()),
-                 Path(__file__).read_bytes())
-        h.update(repr(parts).encode())
-        return h.hexdigest()[:24]
-
     def _example(self, b: int, t: int, s: int) -> tuple[torch.Tensor, ...]:
         dev = self.cache.data.device
         return (torch.zeros(b, t, dtype=torch.int64, device=dev), torch.arange(t, device=dev).expand(b, t).contiguous(),
-                torch.arange(b, device=dev), torch.zeros(b, dtype=torch.int64, device=dev),
+                torch.zeros(b, dtype=torch.int64, device=dev), torch.zeros(b, dtype=torch.int64, device=dev),
                 torch.ones(b, t, t, dtype=torch.bool, device=dev).tril(), self._prefix_keys(s))
 
     def _prefix_keys(self, s: int) -> torch.Tensor:
@@ -133,12 +137,12 @@ class CompiledTarget:
 
     def _compile(self) -> None:
         Dim = torch.export.Dim
-        batch = Dim("batch", min=1, max=self.max_batch_size)
+        batch = Dim("batch", min=1, max=max(2, self.max_batch_size))  # a Dim spans two sizes at least
         tokens = Dim("tokens", min=1, max=self.max_tokens)
         keys = Dim("keys", min=2, max=self.cache.max_len - 1)
         dynamic = ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch}, {0: batch},
                    {0: batch, 1: tokens, 2: tokens}, {4: keys})
-        example = self._example(min(2, self.max_batch_size), 3, KEY_ALIGN)  # sizes of 1 would be specialised
+        example = self._example(2, 3, KEY_ALIGN)  # sizes of 1 would be specialised
         log.info("compiling the target forward for this CPU (once; stored in %s)", self.path.parent)
         with torch.inference_mode(False), torch.no_grad():
             program = torch.export.export(ReadOnlyForward(self.model, self.aux_layers).eval(), example,

@@ -1,0 +1,125 @@
+"""The target's AOTInductor-compiled forward on CPU (`models/compiled.py`) against the eager one.
+
+float32 on the tiny target: prefill, decode and tree verification give the eager logits, hidden
+states, EAGLE-3 features and K/V cache entries; engines with the compiled forward emit the eager
+engine's greedy tokens for every algorithm at batch 1 and 4; a second build loads the stored
+package instead of compiling. One compile cache serves the module (each package takes ~25 s).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.config import EngineConfig, SamplingParams, SpecConfig
+from specserve.engine.engine import Engine
+from specserve.models.compiled import CompiledTarget, can_compile, program_key
+from specserve.models.kv_cache import KVCache
+from specserve.models.weights import load_llama
+
+pytestmark = pytest.mark.skipif(not can_compile(torch.device("cpu")), reason="needs g++ (make setup installs it)")
+
+VOCAB = 49152
+AUX = (1, 4, 5)
+
+
+@pytest.fixture(scope="module")
+def compile_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("compiled")
+
+
+def _cache(model, slots=3):
+    cache = KVCache(model.cfg, slots, 128, torch.float32, "cpu")
+    model.init_rope(cache.max_len)
+    return cache
+
+
+def _tree_mask(b: int) -> torch.Tensor:
+    """(B, 4, 4): root -> a, root -> b, a -> c (ancestors visible)."""
+    parents = [-1, 0, 0, 1]
+    mask = torch.eye(4, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        while p >= 0:
+            mask[i, p] = True
+            p = parents[p]
+    return mask.expand(b, 4, 4).clone()
+
+
+def test_compiled_forward_matches_eager(tiny_target_dir, compile_dir):
+    model = load_llama(tiny_target_dir, torch.float32)
+    eager_cache, compiled_cache = _cache(model), _cache(model)
+    compiled = CompiledTarget(model, compiled_cache, AUX, max_batch_size=3, max_tokens=64, cache_dir=compile_dir)
+    g = torch.Generator().manual_seed(3)
+    slots = torch.tensor([2, 0, 1])  # not in order: keys are gathered per slot
+    lens = [7, 30, 12]
+
+    def both(tokens, positions, cache_lens, new_mask, host_lens, logit_index=None):
+        a = model.attention_inputs(positions, slots[: len(tokens)], cache_lens, new_mask, eager_cache, host_lens,
+                                   slots[: len(tokens)].tolist())
+        with torch.inference_mode():
+            ref = model(tokens, a, eager_cache, logit_index=logit_index, aux_layers=AUX)
+            mask = new_mask if new_mask is not None else torch.ones(1, 1, 1, dtype=torch.bool).expand(len(tokens), 1, 1)
+            out = compiled.forward(tokens, positions, slots[: len(tokens)], cache_lens, mask, host_lens, logit_index)
+        for name in ("logits", "hidden", "aux_hidden"):
+            torch.testing.assert_close(getattr(out, name), getattr(ref, name), rtol=1e-4, atol=1e-4, msg=name)
+        torch.testing.assert_close(compiled_cache.data, eager_cache.data, rtol=1e-4, atol=1e-4)
+
+    # prefill of three prompts of different lengths (padded; logits at each prompt's last token)
+    t = max(lens)
+    tokens = torch.randint(3, VOCAB, (3, t), generator=g)
+    causal = torch.ones(t, t, dtype=torch.bool).tril().expand(3, t, t)
+    both(tokens, torch.arange(t).expand(3, t), torch.zeros(3, dtype=torch.int64), causal, [0, 0, 0],
+         torch.tensor(lens)[:, None] - 1)
+    # decode: one token each after prefixes of different lengths
+    cache_lens = torch.tensor(lens)
+    both(torch.randint(3, VOCAB, (3, 1), generator=g), cache_lens[:, None], cache_lens, None, lens)
+    # tree verification of 4 nodes for the first two requests (batch 2, tokens 4: another shape, same program)
+    depth = torch.tensor([0, 1, 1, 2])
+    both(torch.randint(3, VOCAB, (2, 4), generator=g), cache_lens[:2, None] + 1 + depth, cache_lens[:2] + 1,
+         _tree_mask(2), [n + 1 for n in lens[:2]])
+
+
+def test_a_second_build_loads_the_stored_package(tiny_target_dir, compile_dir):
+    model = load_llama(tiny_target_dir, torch.float32)
+    first = CompiledTarget(model, _cache(model), AUX, max_batch_size=3, max_tokens=64, cache_dir=compile_dir)
+    again = CompiledTarget(model, _cache(model), AUX, max_batch_size=3, max_tokens=64, cache_dir=compile_dir)
+    assert not again.compiled_now and again.path == first.path
+    key = program_key(model, tuple(_cache(model).data.shape), AUX, 3, 64)
+    assert key in first.path.name
+    assert program_key(model, tuple(_cache(model, slots=5).data.shape), AUX, 3, 64) != key  # strides baked in
+    assert program_key(model, tuple(_cache(model).data.shape), (), 3, 64) != key
+    model.layers[0].mlp.down_proj.weight.data[0, 0] += 1  # other weights, another program
+    assert program_key(model, tuple(_cache(model).data.shape), AUX, 3, 64) != key
+
+
+def _engine(tiny_target_dir, compile_dir, cpu_compile, algorithm="none", **spec):
+    return Engine(EngineConfig(model_dir=str(tiny_target_dir), dtype="float32", max_batch_size=4, max_seq_len=128,
+                               cpu_compile=cpu_compile, compile_cache_dir=str(compile_dir),
+                               spec=SpecConfig(algorithm=algorithm, **spec)))
+
+
+@pytest.mark.parametrize("algorithm", ["none", "ngram", "eagle", "eagle3"])
+def test_compiled_engines_are_lossless(tmp_path, tiny_target_dir, compile_dir, algorithm):
+    """Greedy tokens of an engine on the compiled forward equal the eager `none` engine's, at batch
+    4 and one request at a time; the drafting engines pin a tree so drafts are verified."""
+    from test_eagle import write_checkpoint  # tests/unit is on sys.path (rootdir-relative imports)
+
+    spec = {}
+    if algorithm in ("eagle", "eagle3"):
+        spec = dict(drafter_path=str(write_checkpoint(tmp_path / algorithm, algorithm)), num_steps=3, topk=2,
+                    num_draft_tokens=6)
+    elif algorithm == "ngram":
+        spec = dict(num_draft_tokens=6)
+    eng = _engine(tiny_target_dir, compile_dir, True, algorithm, **spec)
+    assert eng.compiled is not None
+    ref = _engine(tiny_target_dir, compile_dir, False)
+    assert ref.compiled is None
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (5, 23, 9, 40)]
+    prompts[1] = prompts[1][:8] * 3  # repeats give NGRAM something to draft
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    expected = [o.token_ids for o in ref.generate(prompts, params)]
+    assert [o.token_ids for o in eng.generate(prompts, params)] == expected
+    assert [eng.generate([p], params)[0].token_ids for p in prompts] == expected
+    if algorithm != "none":
+        assert eng.drafter is not None and sum(o.num_draft_tokens for o in eng.generate(prompts, params)) > 0
