@@ -84,12 +84,16 @@ def test_a_second_build_loads_the_stored_package(tiny_target_dir, compile_dir):
     first = CompiledTarget(model, _cache(model), AUX, max_batch_size=3, max_tokens=64, cache_dir=compile_dir)
     again = CompiledTarget(model, _cache(model), AUX, max_batch_size=3, max_tokens=64, cache_dir=compile_dir)
     assert not again.compiled_now and again.path == first.path
-    key = program_key(model, tuple(_cache(model).data.shape), AUX, 3, 64)
-    assert key in first.path.name
-    assert program_key(model, tuple(_cache(model, slots=5).data.shape), AUX, 3, 64) != key  # strides baked in
-    assert program_key(model, tuple(_cache(model).data.shape), (), 3, 64) != key
+
+    def key(slots=3, aux=AUX):
+        return program_key(model.state_dict().items(), "target", tuple(_cache(model, slots).data.shape), aux, 3, 64)
+
+    assert key() in first.path.name
+    assert key(slots=5) != key()  # the cache's strides are baked in
+    assert key(aux=()) != key()
+    before = key()
     model.layers[0].mlp.down_proj.weight.data[0, 0] += 1  # other weights, another program
-    assert program_key(model, tuple(_cache(model).data.shape), AUX, 3, 64) != key
+    assert key() != before
 
 
 def _engine(tiny_target_dir, compile_dir, cpu_compile, algorithm="none", **spec):
@@ -112,6 +116,7 @@ def test_compiled_engines_are_lossless(tmp_path, tiny_target_dir, compile_dir, a
         spec = dict(num_draft_tokens=6)
     eng = _engine(tiny_target_dir, compile_dir, True, algorithm, **spec)
     assert eng.compiled is not None
+    assert getattr(eng.drafter, "compiled", None) is not None or algorithm in ("none", "ngram")
     ref = _engine(tiny_target_dir, compile_dir, False)
     assert ref.compiled is None
     g = torch.Generator().manual_seed(5)
@@ -123,3 +128,38 @@ def test_compiled_engines_are_lossless(tmp_path, tiny_target_dir, compile_dir, a
     assert [eng.generate([p], params)[0].token_ids for p in prompts] == expected
     if algorithm != "none":
         assert eng.drafter is not None and sum(o.num_draft_tokens for o in eng.generate(prompts, params)) > 0
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
+def test_compiled_head_matches_eager(tmp_path, tiny_target_dir, compile_dir, algorithm):
+    """A draft head's compiled forward gives the eager head's states and K/V: a catch-up over fresh
+    prompts (EAGLE-3: the fused target features), then a beam step whose nodes sit at scattered
+    cache entries and see their prefix and themselves."""
+    from test_eagle import write_checkpoint
+
+    from specserve.models.llama import prefix_mask
+
+    spec = dict(drafter_path=str(write_checkpoint(tmp_path / algorithm, algorithm)), num_steps=3, topk=2,
+                num_draft_tokens=6)
+    compiled = _engine(tiny_target_dir, compile_dir, True, algorithm, **spec).drafter
+    eager = _engine(tiny_target_dir, compile_dir, False, algorithm, **spec).drafter
+    assert compiled.compiled is not None and eager.compiled is None
+    g = torch.Generator().manual_seed(9)
+    cfg = compiled.head.cfg
+    b, t = 2, 5
+    tokens = torch.randint(3, VOCAB, (b, t), generator=g)
+    feats = torch.randn(b, t, cfg.feature_size, generator=g)
+    positions = torch.arange(t).expand(b, t)
+    steps = [(tokens, feats, positions, positions, None, t)]
+    base = torch.tensor([t, t])
+    visible = torch.eye(2, dtype=torch.bool).expand(b, 2, 2)
+    beam_pos = torch.tensor([[t + 1, t + 2], [t + 1, t + 2]])  # after a scratch entry nobody sees
+    steps.append((torch.randint(3, VOCAB, (b, 2), generator=g), torch.randn(b, 2, cfg.hidden_size, generator=g),
+                   base[:, None].expand(b, 2), beam_pos, prefix_mask(base, torch.cat(
+                       [torch.zeros(b, 2, 1, dtype=torch.bool), visible], -1), t + 3), t + 3))
+    with torch.inference_mode():
+        for tok, hid, pos, wpos, mask, key_len in steps:
+            got = compiled._forward(tok, hid, pos, wpos, mask, key_len, [0, 1])
+            want = eager._forward(tok, hid, pos, wpos, mask, key_len, [0, 1])
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(compiled.cache.data, eager.cache.data, rtol=1e-4, atol=1e-4)

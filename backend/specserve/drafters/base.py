@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -28,7 +29,8 @@ class DraftContext:
     num_slots: drafter-cache slots, the graphs' padding slot (the last) included when
     graph_batch_sizes is set; max_len: cache entries per slot (max_seq_len plus the trees' scratch
     area); graph_batch_sizes: the buckets a static draft runs in (empty: no static drafts);
-    capture_graphs: whether those drafts are captured as CUDA graphs.
+    capture_graphs: whether those drafts are captured as CUDA graphs; compile_cache_dir: where a
+    drafter keeps its compiled CPU programs (None: run eagerly).
     """
 
     target: LlamaModel
@@ -40,6 +42,7 @@ class DraftContext:
     device: str
     graph_batch_sizes: tuple[int, ...] = ()
     capture_graphs: bool = False
+    compile_cache_dir: Path | None = None
 
 
 class SequenceView(Protocol):

@@ -40,6 +40,7 @@ from specserve.drafters.beam import (
 )
 from specserve.drafters.eagle_model import load_eagle
 from specserve.drafters.mtp_model import load_mtp
+from specserve.models.compiled import CompiledHead
 from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.cuda_graph import DraftGraphs
 from specserve.models.kv_cache import KVCache
@@ -69,8 +70,6 @@ class EagleDrafter(Drafter):
             )
         if spec.token_map:
             self.head.set_hot_ids(load_token_map(spec.token_map))
-        if pack_for_inference(self.head):  # bf16 on CPU: the head's linears and its share of the target's lm_head
-            self.head.target_head.pack()
         self.aux_layers = self.head.cfg.aux_layer_ids
         self.scratch = (spec.num_steps - 1) * spec.topk  # draft K/V entries after L per request
         spare = ctx.max_len - ctx.max_seq_len
@@ -87,6 +86,13 @@ class EagleDrafter(Drafter):
                                     device=ctx.device)
         self.synced = [0] * ctx.num_slots  # per slot: positions the head's cache holds (the rest wait in `features`)
         self.full_shape = DraftShape.configured(spec)
+        # on CPU: the head's forwards compiled (from the plain weights, so before they are prepacked);
+        # EAGLE-3 reads the target's fused features on catch-up and its own states in the beam
+        widths = (self.head.cfg.feature_size, self.head.cfg.hidden_size)
+        self.compiled = None if ctx.compile_cache_dir is None else CompiledHead(
+            self.head, self.head.embed_weight, self.rope, self.cache, widths, ctx.compile_cache_dir)
+        if pack_for_inference(self.head):  # bf16 on CPU: the head's linears and its share of the target's lm_head
+            self.head.target_head.pack()
         self.graphs = None if not ctx.graph_batch_sizes else DraftGraphs(
             self._draft_static, ctx.graph_batch_sizes, self.cache.reserve(), torch.device(ctx.device),
             ctx.capture_graphs,
@@ -98,6 +104,12 @@ class EagleDrafter(Drafter):
                  mask: torch.Tensor | None, key_len: int, slots: list[int] | torch.Tensor) -> torch.Tensor:
         """tokens, positions, write_pos (B, T); hidden (B, T, F); mask (B, 1, T, S) or None for a
         causal fresh prefill -> h (B, T, H)."""
+        if self.compiled is not None and self.compiled.fits(key_len):
+            if mask is None:
+                mask = causal_extend_mask(torch.zeros(len(tokens), dtype=torch.int64, device=self.device),
+                                          tokens.shape[1], key_len)
+            slots_t = slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, device=self.device)
+            return self.compiled.forward(tokens, hidden, positions, write_pos, mask, slots_t)
         a = scattered_attention_inputs(self.rope, positions, write_pos, slots, mask, key_len)
         layer_cache = self.cache.layer(0)
         return self.head(tokens, hidden, lambda attn, x: attn(x, layer_cache, a))

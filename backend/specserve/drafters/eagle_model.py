@@ -153,6 +153,11 @@ class EagleHead(nn.Module):
         self._target_embed = target.embed_tokens.weight.detach()
         self.target_head = SharedLmHead(target.lm_head.weight)  # EAGLE-1/2's output head
 
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        """(V, H): the embedding table the head reads (its own, or the target's)."""
+        return self.own_embed.weight if self.own_embed is not None else self._target_embed
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.own_embed(tokens) if self.own_embed is not None else F.embedding(tokens, self._target_embed)
 

@@ -69,6 +69,11 @@ class MtpHead(nn.Module):
         self._target_embed = target.embed_tokens.weight.detach()
         self.target_head = SharedLmHead(target.lm_head.weight)
 
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        """(V, H): the target's embedding table, which the head reads."""
+        return self._target_embed
+
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, attend: Attend) -> torch.Tensor:
         e = self.token_norm(F.embedding(tokens, self._target_embed).to(hidden.dtype))
         hn = self.hidden_norm(hidden)

@@ -175,17 +175,19 @@ class Engine:
         self.model.attention_backend = self._attention_backend()
         self.tokenizer = Tokenizer.from_file(f"{config.model_dir}/tokenizer.json")
         self.eos_ids = self._eos_ids()
+        compile_on_cpu = config.cpu_compile and not self.use_graphs and can_compile(self.device)
         self.drafter: Drafter = build_drafter(self.spec, DraftContext(
             target=self.model, model_dir=config.model_dir, num_slots=config.max_batch_size + int(self.use_graphs),
             max_len=self.cache.max_len, max_seq_len=config.max_seq_len, dtype=config.torch_dtype, device=config.device,
             graph_batch_sizes=self.graph_batch_sizes if self.use_graphs else (), capture_graphs=self.capture_graphs,
+            compile_cache_dir=config.compile_cache_path if compile_on_cpu else None,
         ))
         self.graphs = self._graph_runner() if self.use_graphs else None
         # on CPU: the target's forwards through one compiled program (exported from the plain weights, so first)
         self.compiled = CompiledTarget(
             self.model, self.cache, self.drafter.aux_layers, config.max_batch_size, config.max_seq_len,
             config.compile_cache_path,
-        ) if config.cpu_compile and not self.use_graphs and can_compile(self.device) else None
+        ) if compile_on_cpu else None
         if pack_for_inference(self.model, keep_weights=("lm_head",)):  # drafters share the lm_head
             log.info("target: bf16 linear weights prepacked for oneDNN (CPU)")
         self._default_generator = torch.Generator().manual_seed(0)
@@ -389,7 +391,7 @@ class Engine:
         slots = [r.slot for r in reqs]
         slots_t, zeros = torch.tensor(slots, device=dev), torch.zeros(len(reqs), dtype=torch.int64, device=dev)
         last = torch.tensor(lens, device=dev)[:, None] - 1  # (B, 1)
-        if self.compiled is not None:
+        if self.compiled is not None and self.compiled.fits(len(reqs), t, 0):
             causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(len(reqs), t, t)
             out = self.compiled.forward(tokens.to(dev), positions, slots_t, zeros, causal, [0] * len(reqs), last)
         else:
@@ -444,7 +446,7 @@ class Engine:
         bucket = self.graphs.bucket_for(*batch.tokens.shape) if self.graphs else None
         if bucket is not None:
             out = self.graphs.forward(batch.tokens, positions, slots, cache_lens, new_mask, host_lens)
-        elif self.compiled is not None:
+        elif self.compiled is not None and self.compiled.fits(*batch.tokens.shape, max(host_lens)):
             out = self.compiled.forward(batch.tokens, positions, slots, cache_lens, batch.mask, host_lens)
         else:
             attn = self.model.attention_inputs(

@@ -1,32 +1,34 @@
-"""The target's forward compiled ahead of time for the CPU: the CPU counterpart of `cuda_graph`.
+"""Forwards compiled ahead of time for the CPU: the CPU counterpart of `cuda_graph`.
 
-One program covers prefill, decode and tree verification at every batch size up to the engine's,
-every token count and every context length: `torch.export` with dynamic batch, token and key
-dimensions, compiled by AOTInductor (inductor's C++ backend) with the weights frozen and
-prepacked for oneDNN. Eager PyTorch spends about a third of a SmolLM2 decode step between the
-matmuls (dispatch, small ops); the compiled program does not.
+A compiled program covers every batch size up to the engine's, every token count and every
+context length: `torch.export` with dynamic batch, token and key dimensions, compiled by
+AOTInductor (inductor's C++ backend) with the weights frozen and prepacked for oneDNN. Eager
+PyTorch spends about a fifth of a SmolLM2 decode step, and half of a draft head's forward, between
+the matmuls (dispatch, small ops); the compiled program does not.
 
-The package is stored in a compile cache under a key of everything the program depends on (the
-weights as loaded, dtype, the EAGLE-3 layers asked for, the cache's shape, this module's source,
-torch's version, the CPU's flags), so a restart loads it in well under a second instead of
-compiling again. Processes that want the same package take turns through a file lock: one
-compiles, the others load.
+`CompiledTarget` is the target's forward (prefill, decode, tree verification); `CompiledHead`
+one forward of a one-layer draft head (EAGLE-2/3, MTP) over its own cache. Each package is stored
+in a compile cache under a key of everything the program depends on (`program_key`), so a restart
+loads it in well under a second instead of compiling again. Processes that want the same package
+take turns through a file lock: one compiles, the others load.
 
-The program only reads the KV cache: it returns the new tokens' K/V, which `CompiledTarget.forward`
-writes with one indexed copy (inductor would copy a cache mutated inside the program whole).
-Keys are each request's first S cache entries (S: the longest prefix, rounded up to KEY_ALIGN)
-followed by the new tokens; the mask hides entries past a request's prefix. Logits come from the
-eager, prepacked lm_head at the positions asked for, so a prefill does not pay for every
-prompt position's logits.
+The programs only read their KV cache: they return the new tokens' K/V, which are written
+afterwards with one indexed copy (inductor would copy a cache mutated inside the program whole).
+Keys are each request's first S cache entries followed by the new tokens; the mask says which of
+them a token sees. The target's logits come from the eager, prepacked lm_head at the positions
+asked for, so a prefill does not pay for every prompt position's logits.
 
-This module does not decide when it is used (the engine does) and does nothing on CUDA.
+This module does not decide when programs are used (the engine and drafters do) and does nothing
+on CUDA.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -36,28 +38,90 @@ from torch import nn
 
 from specserve.hardware import cpu_flags
 from specserve.models.kv_cache import KVCache
-from specserve.models.llama import Attention, ForwardOutput, LlamaModel
+from specserve.models.llama import Attend, Attention, ForwardOutput, LlamaModel
 
 log = logging.getLogger(__name__)
 
-KEY_ALIGN = 64  # prefix keys read per request: a multiple of this
+KEY_ALIGN = 16  # prefix keys read per request: a multiple of this (fewer distinct sizes, never 0 or 1)
+Runner = Callable[..., list[torch.Tensor]]
 
 
 def can_compile(device: torch.device) -> bool:
-    """AOTInductor's C++ backend needs a CPU and a C++ compiler (gcc, which set-up installs)."""
-    import shutil
-
+    """AOTInductor's C++ backend needs a CPU and a C++ compiler (g++, which set-up installs)."""
     return device.type == "cpu" and shutil.which("g++") is not None
 
 
+def program_key(tensors: Iterable[tuple[str, torch.Tensor]], *parts: object) -> str:
+    """A digest of everything a compiled program depends on: its weights as loaded (dtype
+    included), `parts` (the cache's shape, whose strides are baked in; the sizes and outputs asked
+    for), this module's source, torch's version and the CPU's flags (the code is vectorised for them)."""
+    h = hashlib.sha256()
+    for name, t in sorted(tensors, key=lambda item: item[0]):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().view(torch.uint8).numpy())
+    h.update(repr((parts, torch.__version__, sorted(cpu_flags()), Path(__file__).read_bytes())).encode())
+    return h.hexdigest()[:24]
+
+
+def load_or_compile(path: Path, export: Callable[[], torch.export.ExportedProgram]) -> tuple[Runner, bool]:
+    """The package at `path`, compiled from `export()` first if it is not there; (runner, compiled now)."""
+    start = time.perf_counter()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        compiled_now = not path.is_file()
+        if compiled_now:
+            log.info("compiling %s for this CPU (once; kept in %s)", path.name, path.parent)
+            with torch.inference_mode(False), torch.no_grad():
+                program = export()
+            tmp = path.with_suffix(".tmp.pt2")
+            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs={"freezing": True})
+            tmp.replace(path)  # whole packages only: a crash mid-compile leaves nothing under the key
+        runner = torch._inductor.aoti_load_package(str(path))
+    log.info("%s %s in %.1f s", "compiled" if compiled_now else "loaded", path, time.perf_counter() - start)
+    return runner, compiled_now
+
+
+def readonly_attend(kv: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    new_kv: list[torch.Tensor]) -> Attend:
+    """Attention over one layer's cached prefix and the new tokens, leaving the cache as it is.
+
+    kv (2, slots, Hkv, S, D) the layer's first S entries per slot; mask (B, 1, T, S + T) over
+    [prefix entries | new tokens]; cos, sin (B, T, 1, D). The new tokens' K/V go to `new_kv`
+    as (B, T, 2, Hkv, D)."""
+
+    def attend(attn: Attention, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = attn.project(x, cos, sin)  # q (B, Hq, T, D); k, v (B, T, Hkv, D)
+        new_kv.append(torch.stack([k, v], dim=2))
+        keys = torch.cat([kv[0][slots], k.transpose(1, 2)], dim=2)  # (B, Hkv, S + T, D)
+        values = torch.cat([kv[1][slots], v.transpose(1, 2)], dim=2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # (B, Hq, T, D)
+        return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    return attend
+
+
+def write_new_kv(cache: KVCache, slots: torch.Tensor, write_pos: torch.Tensor, new_kv: torch.Tensor) -> None:
+    """new_kv (B, T, L, 2, Hkv, D) into each request's slot at write_pos (B, T)."""
+    cache.data[:, :, slots[:, None], :, write_pos] = new_kv
+
+
+def prefix_keys(cache: KVCache, s: int) -> torch.Tensor:
+    """(L, 2, slots, Hkv, S, D): the first S entries of every slot, a view (its strides are the cache's)."""
+    return cache.data[..., :s, :]
+
+
+def aligned_keys(n: int) -> int:
+    return max(KEY_ALIGN, -(-n // KEY_ALIGN) * KEY_ALIGN)
+
+
 class ReadOnlyForward(nn.Module):
-    """What is exported: the target's layers over (prefix keys read from the cache, new tokens).
+    """What `CompiledTarget` exports: the target's layers over (cached prefix, new tokens).
 
     forward(tokens (B, T), positions (B, T), slots (B,), cache_lens (B,), new_mask (B, T, T) bool,
-    kv (L, 2, slots, Hkv, S, D): the cache's first S entries per slot) ->
-    hidden (B, T, H) final-norm output, new_kv (B, T, L, 2, Hkv, D), and with aux layers
-    aux (B, T, len(aux_layers) * H).
-    Token t of row b sees prefix entries s < cache_lens[b] and new token j where new_mask[b, t, j].
+    kv (L, 2, slots, Hkv, S, D)) -> hidden (B, T, H) final-norm output, new_kv (B, T, L, 2, Hkv, D),
+    and with aux layers aux (B, T, len(aux_layers) * H). Token t of row b sees prefix entries
+    s < cache_lens[b] and new token j where new_mask[b, t, j].
     """
 
     def __init__(self, model: LlamaModel, aux_layers: tuple[int, ...]) -> None:
@@ -74,34 +138,11 @@ class ReadOnlyForward(nn.Module):
         cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # (B, T, 1, D)
         in_prefix = torch.arange(s, device=tokens.device)[None, :] < cache_lens[:, None]  # (B, S)
         mask = torch.cat([in_prefix[:, None, :].expand(b, t, s), new_mask], dim=-1)[:, None]  # (B, 1, T, S + T)
-        new_kv = []
-
-        def attend(i: int, attn: Attention, x: torch.Tensor) -> torch.Tensor:
-            q, k, v = attn.project(x, cos, sin)  # q (B, Hq, T, D); k, v (B, T, Hkv, D)
-            new_kv.append(torch.stack([k, v], dim=2))  # (B, T, 2, Hkv, D)
-            keys = torch.cat([kv[i, 0][slots], k.transpose(1, 2)], dim=2)  # (B, Hkv, S + T, D)
-            values = torch.cat([kv[i, 1][slots], v.transpose(1, 2)], dim=2)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # (B, Hq, T, D)
-            return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-
-        hidden, aux = self.model.run_layers(tokens, attend, self.aux_layers)
+        new_kv: list[torch.Tensor] = []
+        hidden, aux = self.model.run_layers(
+            tokens, lambda i, attn, x: readonly_attend(kv[i], slots, mask, cos, sin, new_kv)(attn, x), self.aux_layers)
         outputs = (hidden, torch.stack(new_kv, dim=2))
         return outputs if aux is None else (*outputs, aux)
-
-
-def program_key(model: LlamaModel, cache_shape: tuple[int, ...], aux_layers: tuple[int, ...], max_batch_size: int,
-                max_tokens: int) -> str:
-    """A digest of everything a compiled program depends on: the weights as loaded (dtype
-    included), the cache's shape (its strides are baked in), the outputs and sizes asked for,
-    this module's source, torch's version and the CPU's flags (the code is vectorised for them)."""
-    h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(p.detach().contiguous().view(torch.uint8).numpy())
-    parts = (torch.__version__, cache_shape, aux_layers, max_batch_size, max_tokens, sorted(cpu_flags()),
-             Path(__file__).read_bytes())
-    h.update(repr(parts).encode())
-    return h.hexdigest()[:24]
 
 
 class CompiledTarget:
@@ -112,44 +153,29 @@ class CompiledTarget:
                  max_tokens: int, cache_dir: Path) -> None:
         self.model, self.cache, self.aux_layers = model, cache, tuple(aux_layers)
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
-        key = program_key(model, tuple(cache.data.shape), self.aux_layers, max_batch_size, max_tokens)
+        key = program_key(model.state_dict().items(), "target", tuple(cache.data.shape), self.aux_layers,
+                          max_batch_size, max_tokens)
         self.path = cache_dir / f"target-{key}.pt2"
-        start = time.perf_counter()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(self.path) + ".lock"):
-            compiled_now = not self.path.is_file()
-            if compiled_now:
-                self._compile()
-            self.runner = torch._inductor.aoti_load_package(str(self.path))
-        log.info("compiled target forward (AOTInductor, batch <= %d, tokens <= %d, any context): %s %s in %.1f s",
-                 max_batch_size, max_tokens, "compiled to" if compiled_now else "loaded from", self.path,
-                 time.perf_counter() - start)
-        self.compiled_now = compiled_now
+        self.runner, self.compiled_now = load_or_compile(self.path, self._export)
 
-    def _example(self, b: int, t: int, s: int) -> tuple[torch.Tensor, ...]:
-        dev = self.cache.data.device
-        return (torch.zeros(b, t, dtype=torch.int64, device=dev), torch.arange(t, device=dev).expand(b, t).contiguous(),
-                torch.zeros(b, dtype=torch.int64, device=dev), torch.zeros(b, dtype=torch.int64, device=dev),
-                torch.ones(b, t, t, dtype=torch.bool, device=dev).tril(), self._prefix_keys(s))
-
-    def _prefix_keys(self, s: int) -> torch.Tensor:
-        return self.cache.data[..., :s, :]  # (L, 2, slots, Hkv, S, D): a view
-
-    def _compile(self) -> None:
+    def _export(self) -> torch.export.ExportedProgram:
         Dim = torch.export.Dim
         batch = Dim("batch", min=1, max=max(2, self.max_batch_size))  # a Dim spans two sizes at least
         tokens = Dim("tokens", min=1, max=self.max_tokens)
         keys = Dim("keys", min=2, max=self.cache.max_len - 1)
         dynamic = ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch}, {0: batch},
                    {0: batch, 1: tokens, 2: tokens}, {4: keys})
-        example = self._example(2, 3, KEY_ALIGN)  # sizes of 1 would be specialised
-        log.info("compiling the target forward for this CPU (once; stored in %s)", self.path.parent)
-        with torch.inference_mode(False), torch.no_grad():
-            program = torch.export.export(ReadOnlyForward(self.model, self.aux_layers).eval(), example,
-                                          dynamic_shapes=dynamic, strict=False)
-        tmp = self.path.with_suffix(".tmp.pt2")
-        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs={"freezing": True})
-        tmp.replace(self.path)  # whole packages only: a crash mid-compile leaves no half file under the key
+        i64 = dict(dtype=torch.int64, device=self.cache.data.device)
+        b, t = 2, 3  # sizes of 1 would be specialised
+        example = (torch.zeros(b, t, **i64), torch.arange(t, **i64).expand(b, t).contiguous(), torch.zeros(b, **i64),
+                   torch.zeros(b, **i64), torch.ones(b, t, t, dtype=torch.bool).tril(), prefix_keys(self.cache, KEY_ALIGN))
+        return torch.export.export(ReadOnlyForward(self.model, self.aux_layers).eval(), example,
+                                   dynamic_shapes=dynamic, strict=False)
+
+    def fits(self, batch_size: int, num_tokens: int, max_cache_len: int) -> bool:
+        """Whether the program covers this forward (else the caller runs it eagerly)."""
+        return (batch_size <= self.max_batch_size and num_tokens <= self.max_tokens
+                and aligned_keys(max_cache_len) < self.cache.max_len)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache_lens: torch.Tensor,
                 new_mask: torch.Tensor, host_cache_lens: list[int], logit_index: torch.Tensor | None = None
@@ -157,13 +183,89 @@ class CompiledTarget:
         """Like `LlamaModel.forward`: tokens, positions (B, T); slots, cache_lens (B,); new_mask
         (B, T, T) bool (causal for a prefill); writes the new tokens' K/V at cache_lens[b] + j."""
         b, t = tokens.shape
-        s = max(KEY_ALIGN, -(-max(host_cache_lens) // KEY_ALIGN) * KEY_ALIGN)
-        if b > self.max_batch_size or t > self.max_tokens or s + t > self.cache.max_len:
-            raise ValueError(f"compiled forward: batch {b} x {t} tokens after {max(host_cache_lens)} do not fit")
+        s = aligned_keys(max(host_cache_lens))
+        assert self.fits(b, t, max(host_cache_lens)), "check fits() first"
         # the program reads its inputs with the strides it was exported with: contiguous, and the cache's own
         inputs = (x.contiguous() for x in (tokens, positions, slots, cache_lens, new_mask))
-        outputs = self.runner(*inputs, self._prefix_keys(s))
-        hidden, new_kv = outputs[0], outputs[1]
-        write_pos = cache_lens[:, None] + torch.arange(t, device=tokens.device)  # (B, T)
-        self.cache.data[:, :, slots[:, None], :, write_pos] = new_kv  # (B, T, L, 2, Hkv, D) into each (slot, position)
-        return self.model.output(hidden, outputs[2] if self.aux_layers else None, logit_index)
+        outputs = self.runner(*inputs, prefix_keys(self.cache, s))
+        write_new_kv(self.cache, slots, cache_lens[:, None] + torch.arange(t, device=tokens.device), outputs[1])
+        return self.model.output(outputs[0], outputs[2] if self.aux_layers else None, logit_index)
+
+
+class ReadOnlyHeadStep(nn.Module):
+    """What `CompiledHead` exports: one forward of a one-layer draft head over its own cache.
+
+    forward(tokens (B, T), hidden (B, T, F), positions (B, T) rope positions, write_pos (B, T) the
+    cache entries the new tokens take, slots (B,), mask (B, 1, T, S) bool over cache entries as if
+    the new tokens were written already, kv (1, 2, slots, Hkv, S, D)) -> h (B, T, H),
+    new_kv (B, T, 1, 2, Hkv, D). `head(tokens, hidden, attend)` is an EAGLE or MTP head.
+    """
+
+    def __init__(self, head: nn.Module, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+        super().__init__()
+        self.head = head
+        self.register_buffer("cos", rope[0], persistent=False)  # (max_len, D)
+        self.register_buffer("sin", rope[1], persistent=False)
+
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
+                slots: torch.Tensor, mask: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t = tokens.shape
+        at_new = write_pos[:, None, :].expand(b, t, t)
+        own = torch.gather(mask[:, 0], 2, at_new)  # (B, T, T): new token j visible to new token i
+        prefix = mask[:, 0].scatter(2, at_new, False)  # the new tokens' entries are not in the cache yet
+        full = torch.cat([prefix, own], dim=-1)[:, None]  # (B, 1, T, S + T)
+        cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
+        new_kv: list[torch.Tensor] = []
+        h = self.head(tokens, hidden, readonly_attend(kv[0], slots, full, cos, sin, new_kv))
+        return h, torch.stack(new_kv, dim=2)
+
+
+class CompiledHead:
+    """The compiled forward of a one-layer draft head with its cache: one program per feature
+    width it reads (EAGLE-3 fuses 3 target layers on catch-up, then reads its own states). Build
+    it before the head's linears are prepacked for eager use."""
+
+    def __init__(self, head: nn.Module, embed: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
+                 feature_sizes: tuple[int, ...], cache_dir: Path) -> None:
+        self.head, self.rope, self.cache = head, rope, cache
+        self.runners: dict[int, Runner] = {}
+        self.compiled_now = False
+        tensors = [*head.state_dict().items(), ("embed", embed)]
+        for f in sorted(set(feature_sizes)):
+            key = program_key(tensors, "head", f, tuple(cache.data.shape))
+            self.runners[f], now = load_or_compile(cache_dir / f"head-{key}.pt2", lambda f=f: self._export(f))
+            self.compiled_now |= now
+
+    def _export(self, feature_size: int) -> torch.export.ExportedProgram:
+        Dim = torch.export.Dim
+        batch = Dim("batch", min=1, max=max(2, self.cache.num_slots))
+        tokens = Dim("tokens", min=1, max=self.cache.max_len - 1)
+        keys = Dim("keys", min=2, max=self.cache.max_len - 1)
+        dynamic = ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch, 1: tokens},
+                   {0: batch}, {0: batch, 2: tokens, 3: keys}, {4: keys})
+        dev, dtype = self.cache.data.device, self.cache.data.dtype
+        b, t = 2, 3  # sizes of 1 would be specialised
+        pos = torch.arange(t, device=dev).expand(b, t).contiguous()
+        example = (torch.zeros(b, t, dtype=torch.int64, device=dev), torch.zeros(b, t, feature_size, dtype=dtype, device=dev),
+                   pos, pos.clone(), torch.zeros(b, dtype=torch.int64, device=dev),
+                   torch.ones(b, 1, t, KEY_ALIGN, dtype=torch.bool, device=dev), prefix_keys(self.cache, KEY_ALIGN))
+        return torch.export.export(ReadOnlyHeadStep(self.head, self.rope).eval(), example, dynamic_shapes=dynamic,
+                                   strict=False)
+
+    def fits(self, key_len: int) -> bool:
+        """Whether the program covers a forward reading key_len entries (else run the head eagerly)."""
+        return aligned_keys(key_len) < self.cache.max_len
+
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
+                mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """As the head's eager forward over the cache: mask (B, 1, T, key_len) over cache entries,
+        the new ones (write_pos) included; writes their K/V. -> h (B, T, H)."""
+        key_len = mask.shape[-1]
+        s = aligned_keys(key_len)
+        assert self.fits(key_len), "check fits() first"
+        padded = torch.zeros(*mask.shape[:-1], s, dtype=torch.bool, device=mask.device)
+        padded[..., :key_len] = mask
+        inputs = (x.contiguous() for x in (tokens, hidden, positions, write_pos, slots, padded))
+        h, new_kv = self.runners[hidden.shape[-1]](*inputs, prefix_keys(self.cache, s))
+        write_new_kv(self.cache, slots, write_pos, new_kv)
+        return h
