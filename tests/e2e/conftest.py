@@ -60,11 +60,13 @@ def tokenizer(smollm2_dir: Path):
 
 @pytest.fixture(scope="session")
 def reference_engine(smollm2_dir: Path):
-    """The same engine as the server's, in this process (for greedy references)."""
+    """The same engine as the server's, in this process (for greedy references): the compiled target
+    forward, as served (its package comes from the same compile cache)."""
     from specserve.config import EngineConfig
     from specserve.engine.engine import Engine
 
-    return Engine(EngineConfig(model_dir=str(smollm2_dir), max_batch_size=SLOTS, max_seq_len=MAX_SEQ_LEN, dtype=DTYPE))
+    return Engine(EngineConfig(model_dir=str(smollm2_dir), max_batch_size=SLOTS, max_seq_len=MAX_SEQ_LEN, dtype=DTYPE,
+                               cpu_compile=True))
 
 
 @pytest.fixture(scope="session")

@@ -75,3 +75,27 @@ def test_adaptive_shapes_are_lossless(engine_factory, mtbench_prompts, reference
     outs = engine.generate(mtbench_prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.token_ids for o in outs] == reference
     assert len(engine.chooser.chosen) >= 2
+
+
+@pytest.fixture(scope="module")
+def compiled_reference(engine_factory, mtbench_prompts) -> list[list[int]]:
+    """`none` on the compiled target forward (as served on CPU)."""
+    engine = engine_factory(cpu_compile=True)
+    assert engine.compiled is not None
+    return [o.token_ids for o in engine.generate(mtbench_prompts, SamplingParams(max_tokens=MAX_TOKENS))]
+
+
+@pytest.mark.parametrize("algorithm", ["ngram", "eagle", "eagle3", "mtp"])
+def test_compiled_adaptive_is_lossless(engine_factory, mtbench_prompts, compiled_reference, algorithm):
+    """The served default on CPU: compiled target and draft-head forwards, adaptive shapes switching
+    every other step; equal to compiled `none` at batch 8 and one request at a time."""
+    from specserve.serving.repository import served_drafter
+
+    engine = engine_factory(algorithm=algorithm, cpu_compile=True, **served_drafter(algorithm))
+    assert engine.compiled is not None
+    assert algorithm == "ngram" or engine.drafter.compiled is not None
+    engine.chooser.explore_every = 2
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    assert [o.token_ids for o in engine.generate(mtbench_prompts, params)] == compiled_reference
+    assert [engine.generate([p], params)[0].token_ids for p in mtbench_prompts[:8]] == compiled_reference[:8]
+    assert len(engine.chooser.chosen) >= 2

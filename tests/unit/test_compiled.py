@@ -133,10 +133,11 @@ def test_compiled_engines_are_lossless(tmp_path, tiny_target_dir, compile_dir, a
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
 def test_compiled_head_matches_eager(tmp_path, tiny_target_dir, compile_dir, algorithm):
     """A draft head's compiled forward gives the eager head's states and K/V: a catch-up over fresh
-    prompts (EAGLE-3: the fused target features), then a beam step whose nodes sit at scattered
-    cache entries and see their prefix and themselves."""
+    prompts (EAGLE-3: the fused target features), one after a prefix, then a beam step whose nodes
+    sit at scattered cache entries and see their prefix and themselves."""
     from test_eagle import write_checkpoint
 
+    from specserve.drafters.beam import causal_extend_mask
     from specserve.models.llama import prefix_mask
 
     spec = dict(drafter_path=str(write_checkpoint(tmp_path / algorithm, algorithm)), num_steps=3, topk=2,
@@ -150,7 +151,10 @@ def test_compiled_head_matches_eager(tmp_path, tiny_target_dir, compile_dir, alg
     tokens = torch.randint(3, VOCAB, (b, t), generator=g)
     feats = torch.randn(b, t, cfg.feature_size, generator=g)
     positions = torch.arange(t).expand(b, t)
-    steps = [(tokens, feats, positions, positions, None, t)]
+    steps = [(tokens[:, :3], feats[:, :3], positions[:, :3], positions[:, :3], None, 3)]
+    start = torch.tensor([3, 3])  # the catch-up over the rest, after a prefix
+    steps.append((tokens[:, 3:], feats[:, 3:], positions[:, 3:], positions[:, 3:],
+                  causal_extend_mask(start, t - 3, t), t))
     base = torch.tensor([t, t])
     visible = torch.eye(2, dtype=torch.bool).expand(b, 2, 2)
     beam_pos = torch.tensor([[t + 1, t + 2], [t + 1, t + 2]])  # after a scratch entry nobody sees
