@@ -40,7 +40,7 @@ from specserve.drafters.beam import (
 )
 from specserve.drafters.eagle_model import load_eagle
 from specserve.drafters.mtp_model import load_mtp
-from specserve.models.compiled import CompiledHead
+from specserve.models.compiled import CompiledHead, compiled_or_none
 from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.cuda_graph import DraftGraphs
 from specserve.models.kv_cache import KVCache
@@ -89,8 +89,9 @@ class EagleDrafter(Drafter):
         # on CPU: the head's forwards compiled (from the plain weights, so before they are prepacked);
         # EAGLE-3 reads the target's fused features on catch-up and its own states in the beam
         widths = (self.head.cfg.feature_size, self.head.cfg.hidden_size)
-        self.compiled = None if ctx.compile_cache_dir is None else CompiledHead(
-            self.head, self.head.embed_weight, self.rope, self.cache, widths, ctx.compile_cache_dir)
+        cache_dir = ctx.compile_cache_dir
+        self.compiled = None if cache_dir is None else compiled_or_none(f"{spec.algorithm} head", lambda: CompiledHead(
+            self.head, self.head.embed_weight, self.rope, self.cache, widths, cache_dir))
         if pack_for_inference(self.head):  # bf16 on CPU: the head's linears and its share of the target's lm_head
             self.head.target_head.pack()
         self.graphs = None if not ctx.graph_batch_sizes else DraftGraphs(

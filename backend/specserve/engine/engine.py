@@ -57,7 +57,7 @@ from specserve.models.attention import (
     FlashInferAttention,
     resolve_attention,
 )
-from specserve.models.compiled import CompiledTarget, can_compile
+from specserve.models.compiled import CompiledTarget, can_compile, compiled_or_none
 from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.cuda_graph import GraphRunner, default_batch_sizes
 from specserve.models.kv_cache import KVCache
@@ -184,10 +184,10 @@ class Engine:
         ))
         self.graphs = self._graph_runner() if self.use_graphs else None
         # on CPU: the target's forwards through one compiled program (exported from the plain weights, so first)
-        self.compiled = CompiledTarget(
+        self.compiled = compiled_or_none("target", lambda: CompiledTarget(
             self.model, self.cache, self.drafter.aux_layers, config.max_batch_size, config.max_seq_len,
             config.compile_cache_path,
-        ) if compile_on_cpu else None
+        )) if compile_on_cpu else None
         if pack_for_inference(self.model, keep_weights=("lm_head",)):  # drafters share the lm_head
             log.info("target: bf16 linear weights prepacked for oneDNN (CPU)")
         self._default_generator = torch.Generator().manual_seed(0)

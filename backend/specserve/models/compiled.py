@@ -30,6 +30,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 KEY_ALIGN = 16  # prefix keys read per request: a multiple of this (fewer distinct sizes, never 0 or 1)
 Runner = Callable[..., list[torch.Tensor]]
+T = TypeVar("T")
 
 
 def can_compile(device: torch.device) -> bool:
@@ -79,6 +81,16 @@ def load_or_compile(path: Path, export: Callable[[], torch.export.ExportedProgra
         runner = torch._inductor.aoti_load_package(str(path))
     log.info("%s %s in %.1f s", "compiled" if compiled_now else "loaded", path, time.perf_counter() - start)
     return runner, compiled_now
+
+
+def compiled_or_none(what: str, build: Callable[[], T]) -> T | None:
+    """build(), or None with a warning when compiling fails: the compiled programs are an
+    optimisation, so a model is served eagerly rather than not at all."""
+    try:
+        return build()
+    except Exception as e:  # export, inductor or the C++ compiler: anything makes it eager
+        log.warning("%s: no compiled forward, running eagerly (%s: %s)", what, type(e).__name__, e)
+        return None
 
 
 def readonly_attend(kv: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

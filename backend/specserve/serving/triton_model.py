@@ -16,7 +16,9 @@ The contract is `contract`, parsing `parsing`, parameters `parameters`, metrics 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import locale
 import logging
 import queue
 import threading
@@ -182,8 +184,21 @@ class _ResponseThread:
                     stream.abandon("internal error while sending the response")
 
 
+def utf8_text_files() -> None:
+    """Make UTF-8 the default encoding of text files in this process.
+
+    The python backend's stub embeds an interpreter that starts in the C locale, where `open()`
+    reads ASCII; torch's inductor reads its UTF-8 templates that way when it compiles the CPU
+    programs. Only the character type category changes (to C.UTF-8), where the C library has it.
+    """
+    if locale.getpreferredencoding(False).lower().replace("-", "") != "utf8":
+        with contextlib.suppress(locale.Error):
+            locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+
+
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
+        utf8_text_files()
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException(
