@@ -3,8 +3,8 @@
 A compiled program covers every batch size up to the engine's, every token count and every
 context length: `torch.export` with dynamic batch, token and key dimensions, compiled by
 AOTInductor (inductor's C++ backend) with the weights frozen and prepacked for oneDNN. Eager
-PyTorch spends about a fifth of a SmolLM2 decode step, and half of a draft head's forward, between
-the matmuls (dispatch, small ops); the compiled program does not.
+PyTorch spends a good part of a small model's step between the matmuls (dispatch, small ops); the
+compiled program does not (docs/benchmarks.md has the figures).
 
 `CompiledTarget` is the target's forward (prefill, decode, tree verification); `CompiledHead`
 one forward of a one-layer draft head (EAGLE-2/3, MTP) over its own cache. Each package is stored
