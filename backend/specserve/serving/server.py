@@ -140,7 +140,7 @@ class TritonProcess:
         metrics_port: int = 8002,
         log: Path | None = None,
         extra_args: Sequence[str] = (),
-        startup_timeout_s: float = 600.0,
+        startup_timeout_s: float = 1800.0,  # a first start on a CPU compiles its programs (minutes on 2 cores)
     ) -> None:
         self.repository = Path(repository).resolve()
         self.models = list(models)
