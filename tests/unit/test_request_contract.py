@@ -376,6 +376,11 @@ def test_engine_config_from_parameters():
     assert engine_config_from_parameters({"adaptive": "false"}).spec.adaptive is False
     assert engine_config_from_parameters({"adaptive": "true"}).spec.adaptive is True
     assert engine_config_from_parameters({"dtype": "auto", "device": "cpu"}).dtype in ("bfloat16", "float32")
+    assert engine_config_from_parameters({}).cpu_compile is True  # served on CPU: compiled forwards
+    assert engine_config_from_parameters({"disable_cpu_compile": "true"}).cpu_compile is False
+    cached = engine_config_from_parameters({"compile_cache_dir": "/abs/cache"})
+    assert cached.compile_cache_path == Path("/abs/cache")
+    assert engine_config_from_parameters({}).compile_cache_path == Path.home() / ".cache/specserve/compiled"
 
 
 @pytest.mark.parametrize(
@@ -384,7 +389,7 @@ def test_engine_config_from_parameters():
      ({"num_steps": "two"}, "num_steps"), ({"dtype": "int8"}, "dtype"), ({"typo_key": "1"}, "typo_key"),
      ({"attention_backend": "xformers"}, "attention_backend"), ({"disable_cuda_graph": "maybe"}, "disable_cuda_graph"),
      ({"cuda_graph_max_bs": "-1"}, "cuda_graph_max_bs"), ({"disable_by_batch_size": "-2"}, "disable_by_batch_size"),
-     ({"adaptive": "sometimes"}, "adaptive")],
+     ({"adaptive": "sometimes"}, "adaptive"), ({"disable_cpu_compile": "maybe"}, "disable_cpu_compile")],
 )
 def test_engine_config_errors(params, field):
     with pytest.raises(ValueError, match=rf"^{field}:"):
