@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-SERVED = {"eagle": "specdec_eagle2", "eagle3": "specdec_eagle3", "mtp": "specdec_mtp"}
+SERVED = {"eagle": "llm_eagle2", "eagle3": "llm_eagle3", "mtp": "llm_mtp"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ def server_for(
 ) -> Iterator[str]:
     """Yield the gRPC url: `url` as given, or a fresh server's (free ports, own process group).
 
-    overrides: config.pbtxt parameters of specdec_<variant> for this run (on a temporary copy).
+    overrides: config.pbtxt parameters of llm_<variant> for this run (on a temporary copy).
     """
     if url is not None:
         yield url
@@ -42,7 +42,7 @@ def server_for(
     repository = Path(repository or default_repository())
     with tempfile.TemporaryDirectory(prefix="specserve-bench-") as tmp:
         if overrides:
-            repository = copy_repository(repository, Path(tmp) / "repo", {f"specdec_{variant}": dict(overrides)})
+            repository = copy_repository(repository, Path(tmp) / "repo", {f"llm_{variant}": dict(overrides)})
         ports = [free_port() for _ in range(3)]
         with TritonProcess(repository, models_for([variant]), *ports, log=log or Path(tmp) / "tritonserver.log") as server:
             yield server.grpc_url

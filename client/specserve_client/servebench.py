@@ -4,7 +4,7 @@ engine in-process, on the same MT-bench prompts (chat template, greedy, same max
     python -m specserve_client.servebench --variant base --num-prompts 8 --max-tokens 64 \\
         --json results/servebench.json
 
-1. in-process: `Engine` built from specdec_<variant>'s config.pbtxt parameters, run by its
+1. in-process: `Engine` built from llm_<variant>'s config.pbtxt parameters, run by its
    `EngineLoop` thread, one request at a time (tokens/s = generated tokens / wall time, prefill included);
 2. Triton, concurrency 1: the same prompts one after another over gRPC streaming;
 3. Triton, concurrency C (default 8): C clients draining the same prompt list; aggregate tokens/s.
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from specserve.serving.server import default_repository, read_parameters
 
     repository = args.repository or default_repository()
-    params = read_parameters(repository / f"specdec_{args.variant}" / "config.pbtxt")
+    params = read_parameters(repository / f"llm_{args.variant}" / "config.pbtxt")
     overrides = {"num_threads": str(args.num_threads)} if args.num_threads else {}
     params.update(overrides)
     prompts = load_prompts(args.dataset, args.num_prompts)

@@ -3,10 +3,10 @@
     python -m specserve_client.soak --variant base --minutes 10 --concurrency 8 --out results/soak
 
 Each worker loops until the time is up, drawing per request:
-  - a normal stream to `llm_<variant>` (greedy, 8-64 tokens): every response must carry the
-    request's own id, exactly one FINAL must arrive, and the tokens must not exceed max_tokens;
-  - a cancelled stream to `specdec_<variant>` (256 tokens, ignore_eos), cancelled after its first
-    response (cancellation reaches the engine through the decoupled model);
+  - a normal stream (greedy, 8-64 tokens) to `llm_<variant>`, or one in five to the ensemble
+    `ensemble_<variant>` in its [1, 1] shapes: every response must carry the request's own id,
+    exactly one FINAL must arrive, and the tokens must not exceed max_tokens;
+  - a stream to `llm_<variant>` (256 tokens, ignore_eos) cancelled after its first response;
   - a bad request (negative temperature, or max_tokens 0): it must end in an error, not hang.
 When the time is up it waits for the engine to drain and checks that the running / waiting gauges
 and the KV slots in use are back to 0. The resident memory of the server's processes is sampled
@@ -69,14 +69,15 @@ def server_rss_mb(root_pid: int) -> float:
     return round(total / 1024, 1)
 
 
-def one_request(url: str, model: str, values: dict, request_id: str, cancel_after: int | None) -> str:
+def one_request(url: str, model: str, values: dict, request_id: str, cancel_after: int | None,
+                trtllm_format: bool = False) -> str:
     """Stream one request; returns its outcome: "ok", "cancelled", "error", or a failure text."""
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client = grpcclient.InferenceServerClient(url)
     finals, tokens, seen = 0, 0, 0
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        client.async_stream_infer(model, grpc_inputs(values), request_id=request_id, enable_empty_final_response=True,
+        client.async_stream_infer(model, grpc_inputs(values, trtllm_format), request_id=request_id, enable_empty_final_response=True,
                                   outputs=[grpcclient.InferRequestedOutput("output_ids")])
         while True:
             try:
@@ -112,17 +113,18 @@ def worker(url: str, variant: str, deadline: float, seed: int, outcomes: Counter
         n += 1
         request_id = f"w{seed}-{n}"
         draw = rng.random()
+        trtllm_format = draw < 0.14
         if draw < 0.7:
-            kind, model, cancel_after = "normal", f"llm_{variant}", None
+            kind, model, cancel_after = "normal", f"{'ensemble' if trtllm_format else 'llm'}_{variant}", None
             values = request_inputs(f"Tell me one fact about the number {rng.randint(1, 10_000)}.",
                                     max_tokens=rng.randint(8, 64), temperature=0.0, apply_chat_template=True)
         elif draw < 0.85:
-            kind, model, cancel_after = "cancel", f"specdec_{variant}", 1
+            kind, model, cancel_after = "cancel", f"llm_{variant}", 1
             values = request_inputs("Count from 1 to 1000.", max_tokens=256, ignore_eos=True)
         else:
             kind, model, cancel_after = "bad", f"llm_{variant}", None
             values = request_inputs("Hi", **rng.choice([{"temperature": -1.0}, {"max_tokens": 0}]))
-        outcome = one_request(url, model, values, request_id, cancel_after)
+        outcome = one_request(url, model, values, request_id, cancel_after, trtllm_format)
         expected = {"normal": "ok", "cancel": "cancelled", "bad": "error"}[kind]
         with lock:
             outcomes[f"{kind}:{outcome if outcome in ('ok', 'cancelled', 'error') else 'failed'}"] += 1

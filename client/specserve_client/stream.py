@@ -1,4 +1,7 @@
-"""Talk to the `llm_<variant>` ensembles: gRPC streaming, HTTP generate_stream (SSE), HTTP generate.
+"""Talk to the served models: gRPC streaming, HTTP generate_stream (SSE), HTTP generate.
+
+`llm_<variant>` takes vLLM's backend format (every input shaped [1]); `ensemble_<variant>` takes
+TensorRT-LLM's ensemble format (a leading batch dimension: [1, 1]): pass `trtllm_format=True`.
 
 Each streaming call is a generator of `Delta`s (text / token-id deltas as they arrive); the last
 one carries the finish reason and the request's cumulative counters. `collect` folds a stream
@@ -156,7 +159,8 @@ def _delta_from_arrays(get: Any, start: float) -> Delta:
 # ---- gRPC -----------------------------------------------------------------------------------
 
 
-def grpc_inputs(values: Mapping[str, Any]) -> list[Any]:
+def grpc_inputs(values: Mapping[str, Any], trtllm_format: bool = False) -> list[Any]:
+    """InferInputs for plain values: shape [n] (vLLM's format) or, with trtllm_format, [1, n]."""
     import tritonclient.grpc as grpcclient
 
     inputs = []
@@ -165,19 +169,23 @@ def grpc_inputs(values: Mapping[str, Any]) -> list[Any]:
         arr = np.array(value if isinstance(value, list) else [value], dtype=_DTYPES[dtype])
         if dtype == "BYTES":
             arr = np.array([v.encode("utf-8") if isinstance(v, str) else v for v in arr], dtype=np.object_)
+        if trtllm_format:
+            arr = arr[None]
         t = grpcclient.InferInput(name, list(arr.shape), dtype)
         t.set_data_from_numpy(arr)
         inputs.append(t)
     return inputs
 
 
-def grpc_stream(url: str, model: str, prompt: str, timeout_s: float = 600.0, **kwargs: Any) -> Iterator[Delta]:
+def grpc_stream(url: str, model: str, prompt: str, timeout_s: float = 600.0, trtllm_format: bool = False,
+                **kwargs: Any) -> Iterator[Delta]:
     """Stream one request over gRPC (`start_stream` / `async_stream_infer`).
 
     Closing the generator early cancels the request on the server (`stop_stream(cancel_requests=True)`).
     kwargs: as `request_inputs` (max_tokens, temperature, stream, apply_chat_template, ...).
+    trtllm_format: shape the inputs [1, 1], as `ensemble_<variant>` takes them.
     """
-    return grpc_stream_inputs(url, model, grpc_inputs(request_inputs(prompt, **kwargs)), timeout_s)
+    return grpc_stream_inputs(url, model, grpc_inputs(request_inputs(prompt, **kwargs), trtllm_format), timeout_s)
 
 
 def grpc_stream_inputs(url: str, model: str, inputs: list[Any], timeout_s: float = 600.0) -> Iterator[Delta]:

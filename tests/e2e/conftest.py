@@ -42,7 +42,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path, e2e: E2E
     chosen = list(e2e.variants)
     # drafting variants draft their configured tree on every step here, so the tests see drafts served;
     # the adaptive choice of shapes is tested on the engine (tests/model, tests/unit)
-    overrides = {f"specdec_{v}": ENGINE_PARAMS | ({"adaptive": "false"} if v != "base" else {}) for v in chosen}
+    overrides = {f"llm_{v}": ENGINE_PARAMS | ({"adaptive": "false"} if v != "base" else {}) for v in chosen}
     overrides["preprocessing"] = {"max_seq_len": str(MAX_SEQ_LEN)}
     repo = copy_repository(default_repository(), root / "model_repository", overrides)
     ports = [free_port() for _ in range(3)]

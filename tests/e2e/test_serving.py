@@ -1,5 +1,5 @@
-"""End-to-end: a real tritonserver serving llm_base, llm_ngram, llm_eagle2, llm_eagle3, llm_mtp and llm_standalone,
-driven by real clients."""
+"""End-to-end: a real tritonserver serving llm_base, llm_ngram, llm_eagle2, llm_eagle3, llm_mtp and llm_standalone
+(and their ensembles ensemble_<variant>), driven by real clients."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def quick_request_works(server) -> None:
 # ---- happy paths ----------------------------------------------------------------------------
 
 
-def test_grpc_stream_through_the_ensemble(server, tokenizer, reference_engine):
+def test_grpc_stream(server, tokenizer, reference_engine):
     ids = tokenizer.encode(PROMPT, True)
     ref = reference(reference_engine, [ids], 24)[0]
     deltas = list(grpc_stream(server.grpc_url, "llm_base", PROMPT, max_tokens=24, apply_chat_template=True, timeout_s=TIMEOUT_S))
@@ -97,10 +97,47 @@ def test_http_generate_stream(server):
     assert (sse.text, sse.token_ids, sse.finish_reason) == (streamed.text, streamed.token_ids, streamed.finish_reason)
 
 
-def test_specdec_model_serves_the_contract_directly(server):
-    via_ensemble = collect(grpc_stream(server.grpc_url, "llm_base", PROMPT, max_tokens=10, apply_chat_template=True, timeout_s=TIMEOUT_S))
-    direct = collect(grpc_stream(server.grpc_url, "specdec_base", PROMPT, max_tokens=10, apply_chat_template=True, timeout_s=TIMEOUT_S))
-    assert (direct.text, direct.token_ids) == (via_ensemble.text, via_ensemble.token_ids)
+def test_ensemble_takes_the_trtllm_format(server):
+    """ensemble_base (preprocessing -> llm_base) takes TensorRT-LLM's [1, 1] tensors and answers as
+    llm_base does; llm_base takes vLLM's [1] tensors, and each refuses the other's shapes."""
+    direct = collect(grpc_stream(server.grpc_url, "llm_base", PROMPT, max_tokens=10, apply_chat_template=True, timeout_s=TIMEOUT_S))
+    via_ensemble = collect(grpc_stream(server.grpc_url, "ensemble_base", PROMPT, max_tokens=10, apply_chat_template=True,
+                                       trtllm_format=True, timeout_s=TIMEOUT_S))
+    assert (via_ensemble.text, via_ensemble.token_ids) == (direct.text, direct.token_ids)
+    assert via_ensemble.stats["num_input_tokens"] == direct.stats["num_input_tokens"]
+    with pytest.raises(GenerateError, match="shape"):
+        collect(grpc_stream(server.grpc_url, "ensemble_base", PROMPT, max_tokens=2, timeout_s=TIMEOUT_S))
+    with pytest.raises(GenerateError, match="shape"):
+        collect(grpc_stream(server.grpc_url, "llm_base", PROMPT, max_tokens=2, trtllm_format=True, timeout_s=TIMEOUT_S))
+
+
+def test_openai_frontend_trtllm_request_through_the_ensemble(server):
+    """The request Triton's OpenAI frontend builds for an ensemble or Python model by default (server
+    repo, python/openai/openai_frontend/engine/utils/triton.py, `_create_trtllm_generate_request`):
+    every tensor [1, 1], `stop_words` [1, k], the penalties as tensors, no `apply_chat_template`
+    (the frontend renders the chat itself), read back as one string per response."""
+    import json
+
+    chat = "<|im_start|>user\n" + PROMPT + "<|im_end|>\n<|im_start|>assistant\n"
+    values = {"text_input": [[chat]], "stream": [[True]], "max_tokens": [[12]], "stop_words": [["\n\n", "Paris"]],
+              "top_p": [[1.0]], "frequency_penalty": [[0.0]], "presence_penalty": [[0.0]], "seed": [[5]],
+              "temperature": [[0.0]]}
+    types = {"text_input": ("BYTES", np.object_), "stream": ("BOOL", np.bool_), "max_tokens": ("INT32", np.int32),
+             "stop_words": ("BYTES", np.object_), "seed": ("UINT64", np.uint64)}
+    inputs = []
+    for name, value in values.items():
+        dtype, np_type = types.get(name, ("FP32", np.float32))
+        arr = np.array([[v.encode() if isinstance(v, str) else v for v in row] for row in value], dtype=np_type)
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    assert inputs[0].shape() == [1, 1] and inputs[3].shape() == [1, 2]
+    via_ensemble = collect(grpc_stream_inputs(server.grpc_url, "ensemble_base", inputs, TIMEOUT_S))
+    direct = collect(grpc_stream(server.grpc_url, "llm_base", chat, timeout_s=TIMEOUT_S, max_tokens=12,
+                                 sampling_parameters=json.dumps({"stop": ["\n\n", "Paris"]})))
+    assert (via_ensemble.text, via_ensemble.token_ids, via_ensemble.finish_reason) == (
+        direct.text, direct.token_ids, direct.finish_reason)
+    assert via_ensemble.text and "Paris" not in via_ensemble.text
 
 
 def test_vllm_style_payload_with_string_values(server):
@@ -191,20 +228,20 @@ def test_wrong_input_type_names_the_field(server):
 
 
 def test_decoupled_model_errors_end_with_final(server):
-    """Errors raised by specdec itself (not preprocessing) must also end the stream; the stream
+    """Errors raised by the decoupled model itself (not preprocessing) must also end the stream; the stream
     stays usable for the next request."""
     results: queue.SimpleQueue = queue.SimpleQueue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     outputs = [grpcclient.InferRequestedOutput(n) for n in OUTPUTS]
     try:
         client.start_stream(callback=lambda result, error: results.put((result, error)))
-        client.async_stream_infer("specdec_base", grpc_inputs({"text_input": "hi", "max_tokens": 0}), outputs=outputs)
+        client.async_stream_infer("llm_base", grpc_inputs({"text_input": "hi", "max_tokens": 0}), outputs=outputs)
         _, error = results.get(timeout=TIMEOUT_S)
         assert error is not None and "max_tokens:" in error.message()
         time.sleep(0.5)
         assert results.empty(), "nothing may follow the error"
         client.async_stream_infer(
-            "specdec_base", grpc_inputs({"text_input": "hi", "max_tokens": 2}), outputs=outputs,
+            "llm_base", grpc_inputs({"text_input": "hi", "max_tokens": 2}), outputs=outputs,
             enable_empty_final_response=True,
         )
         while True:
@@ -220,17 +257,17 @@ def test_decoupled_model_errors_end_with_final(server):
 # ---- cancellation, metrics, concurrency -----------------------------------------------------
 
 
-def _start_long_stream(url: str, model: str, prompt: str, max_tokens: int):
+def _start_long_stream(url: str, model: str, prompt: str, max_tokens: int, trtllm_format: bool = False):
     results: queue.SimpleQueue = queue.SimpleQueue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     values = request_inputs(prompt, max_tokens=max_tokens, ignore_eos=True)
-    client.async_stream_infer(model, grpc_inputs(values), outputs=[grpcclient.InferRequestedOutput("output_ids")])
+    client.async_stream_infer(model, grpc_inputs(values, trtllm_format), outputs=[grpcclient.InferRequestedOutput("output_ids")])
     return client, results
 
 
 def _finished(server, reason: str) -> float:
-    return metric(server, "specserve:request_finished_total", model="specdec_base", finish_reason=reason)
+    return metric(server, "specserve:request_finished_total", model="llm_base", finish_reason=reason)
 
 
 def _wait_for(condition, timeout_s: float) -> bool:
@@ -246,13 +283,13 @@ def test_cancellation_frees_the_slots(server, e2e):
     """stop_stream(cancel_requests=True) on requests to the decoupled model aborts them at the next
     engine step: a request queued behind them starts at once."""
     aborted_before = _finished(server, "abort")
-    streams = [_start_long_stream(server.grpc_url, "specdec_base", f"Count from {i} to 1000.", 256) for i in range(e2e.slots)]
+    streams = [_start_long_stream(server.grpc_url, "llm_base", f"Count from {i} to 1000.", 256) for i in range(e2e.slots)]
     try:
         for _, results in streams:  # every slot is busy decoding a 256-token request
             _, error = results.get(timeout=TIMEOUT_S)
             assert error is None
-        assert metric(server, "specserve:num_requests_running", model="specdec_base") == e2e.slots
-        assert metric(server, "specserve:kv_slots_used", model="specdec_base") == e2e.slots
+        assert metric(server, "specserve:num_requests_running", model="llm_base") == e2e.slots
+        assert metric(server, "specserve:kv_slots_used", model="llm_base") == e2e.slots
     finally:
         for client, _ in streams:
             client.stop_stream(cancel_requests=True)
@@ -270,16 +307,16 @@ def test_cancellation_frees_the_slots(server, e2e):
 def test_a_full_queue_answers_unavailable_and_the_server_keeps_serving(server, e2e):
     """Every slot busy and max_queue_size requests waiting: the next request gets UNAVAILABLE at
     once, naming the limit; once they are cancelled, requests run again and the gauges read 0."""
-    streams = [_start_long_stream(server.grpc_url, "specdec_base", f"Count from {i} to 1000.", 256) for i in range(e2e.slots)]
+    streams = [_start_long_stream(server.grpc_url, "llm_base", f"Count from {i} to 1000.", 256) for i in range(e2e.slots)]
     try:
         for _, results in streams:
             assert results.get(timeout=TIMEOUT_S)[1] is None  # decoding
-        streams += [_start_long_stream(server.grpc_url, "specdec_base", "Hi", 8) for _ in range(e2e.max_queue_size)]
-        assert _wait_for(lambda: metric(server, "specserve:num_requests_waiting", model="specdec_base")
+        streams += [_start_long_stream(server.grpc_url, "llm_base", "Hi", 8) for _ in range(e2e.max_queue_size)]
+        assert _wait_for(lambda: metric(server, "specserve:num_requests_waiting", model="llm_base")
                          == e2e.max_queue_size, 10)
         start = time.perf_counter()
         with pytest.raises(GenerateError, match="max_queue_size"):
-            collect(grpc_stream(server.grpc_url, "specdec_base", "Hi", max_tokens=4, timeout_s=TIMEOUT_S))
+            collect(grpc_stream(server.grpc_url, "llm_base", "Hi", max_tokens=4, timeout_s=TIMEOUT_S))
         assert time.perf_counter() - start < 5.0  # refused at once (the UNAVAILABLE code: tests/unit/test_triton_model.py)
     finally:
         for client, _ in streams:
@@ -287,13 +324,13 @@ def test_a_full_queue_answers_unavailable_and_the_server_keeps_serving(server, e
             client.close()
     # the cancelled requests, queued ones included, leave within a few engine steps
     for gauge in ("num_requests_waiting", "num_requests_running", "kv_slots_used"):
-        assert _wait_for(lambda g=gauge: metric(server, f"specserve:{g}", model="specdec_base") == 0, 10), gauge
+        assert _wait_for(lambda g=gauge: metric(server, f"specserve:{g}", model="llm_base") == 0, 10), gauge
     quick_request_works(server)
 
 
 def test_closing_an_http_stream_cancels_it(server):
     aborted_before = _finished(server, "abort")
-    deltas = http_generate_stream(server.http_url, "specdec_base", "Count to 1000.", max_tokens=200, ignore_eos=True)
+    deltas = http_generate_stream(server.http_url, "llm_base", "Count to 1000.", max_tokens=200, ignore_eos=True)
     next(deltas)
     deltas.close()  # closes the connection
     assert _wait_for(lambda: _finished(server, "abort") > aborted_before, 15), "closing the SSE stream did not abort"
@@ -302,11 +339,11 @@ def test_closing_an_http_stream_cancels_it(server):
 @pytest.mark.xfail(
     strict=True,
     reason="Triton (2.51 and current core) checks an ensemble's cancellation only between steps, so a "
-    "decoupled step already streaming never sees it; cancel through specdec_<variant> directly",
+    "decoupled step already streaming never sees it; llm_<variant>, what clients call, gets it (the tests above)",
 )
 def test_cancelling_an_ensemble_stream_reaches_the_engine(server):
     aborted_before, length_before = _finished(server, "abort"), _finished(server, "length")
-    client, results = _start_long_stream(server.grpc_url, "llm_base", "Count to 1000.", 40)
+    client, results = _start_long_stream(server.grpc_url, "ensemble_base", "Count to 1000.", 40, trtllm_format=True)
     try:
         results.get(timeout=TIMEOUT_S)
         client.stop_stream(cancel_requests=True)
@@ -336,9 +373,9 @@ def test_metrics_are_exported(server):
         "specserve:kv_slots_used",
     ):
         assert f'{family}{{' in text, family
-    assert metric(server, "specserve:generation_tokens_total", model="specdec_base", version="1") > 0
-    assert metric(server, "specserve:time_to_first_token_seconds_count", model="specdec_base") > 0
-    assert metric(server, "specserve:spec_decode_tree_size_count", model="specdec_base") > 0  # size 1 per step
+    assert metric(server, "specserve:generation_tokens_total", model="llm_base", version="1") > 0
+    assert metric(server, "specserve:time_to_first_token_seconds_count", model="llm_base") > 0
+    assert metric(server, "specserve:spec_decode_tree_size_count", model="llm_base") > 0  # size 1 per step
 
 
 def test_concurrent_streams_each_get_their_own_tokens(server, tokenizer, reference_engine, mtbench_prompts):
@@ -367,7 +404,7 @@ def test_ngram_variant_is_lossless_and_drafts(server, e2e, tokenizer, reference_
     g = collect(grpc_stream(server.grpc_url, "llm_ngram", prompt, max_tokens=32, apply_chat_template=True, timeout_s=TIMEOUT_S))
     assert g.token_ids == ref.token_ids and g.text == ref.text
     assert g.stats["total_draft_tokens"] > 0
-    assert metric(server, "specserve:spec_decode_num_draft_tokens_total", model="specdec_ngram") > 0
+    assert metric(server, "specserve:spec_decode_num_draft_tokens_total", model="llm_ngram") > 0
 
 
 @pytest.mark.parametrize("variant", ["eagle2", "eagle3", "mtp", "standalone"])
@@ -382,4 +419,4 @@ def test_model_drafter_variants_are_lossless_and_accept(server, e2e, tokenizer, 
                                      timeout_s=TIMEOUT_S))
     assert g.token_ids == ref.token_ids and g.text == ref.text
     assert g.stats["total_draft_tokens"] > 0
-    assert metric(server, "specserve:spec_decode_num_accepted_tokens_total", model=f"specdec_{variant}") > 0
+    assert metric(server, "specserve:spec_decode_num_accepted_tokens_total", model=f"llm_{variant}") > 0

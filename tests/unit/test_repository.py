@@ -17,12 +17,12 @@ def test_committed_repository_equals_the_generated_one():
 def test_every_variant_has_its_three_parts_and_the_check_catches_an_edit(tmp_path):
     files = render_repository()
     for v in VARIANTS:
-        assert f'model_name: "specdec_{v.name}"' in files[f"llm_{v.name}/config.pbtxt"]
-        assert f'key: "algorithm" value: {{ string_value: "{v.algorithm}" }}' in files[f"specdec_{v.name}/config.pbtxt"]
+        assert f'model_name: "llm_{v.name}"' in files[f"ensemble_{v.name}/config.pbtxt"]
+        assert f'key: "algorithm" value: {{ string_value: "{v.algorithm}" }}' in files[f"llm_{v.name}/config.pbtxt"]
     assert main(["model-repository", "--model-repository", str(tmp_path)]) == 0
     assert main(["model-repository", "--model-repository", str(tmp_path), "--check"]) == 0
-    edited = tmp_path / "specdec_ngram" / "config.pbtxt"
+    edited = tmp_path / "llm_ngram" / "config.pbtxt"
     edited.write_text(edited.read_text().replace('"max_batch_size" value: { string_value: "8" }',
                                                   '"max_batch_size" value: { string_value: "4" }'))
-    assert stale_files(tmp_path) == ["specdec_ngram/config.pbtxt"]
+    assert stale_files(tmp_path) == ["llm_ngram/config.pbtxt"]
     assert main(["model-repository", "--model-repository", str(tmp_path), "--check"]) == 1

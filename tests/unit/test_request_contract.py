@@ -271,7 +271,7 @@ def test_prompt_length():
         check_prompt_length([], LIMITS)
 
 
-# ---- preprocessing -> specdec ---------------------------------------------------------------
+# ---- preprocessing -> llm ---------------------------------------------------------------
 
 
 class FakeTokenizer:
@@ -426,14 +426,17 @@ def test_configs_match_the_contract(variant):
     contract = {k: _triton(v) for k, v in CONTRACT_INPUTS.items()}
     outputs = {k: _triton(v) for k, v in OUTPUTS.items()}
     pre = (REPO / "preprocessing" / "config.pbtxt").read_text()
-    specdec = (REPO / f"specdec_{variant}" / "config.pbtxt").read_text()
-    ensemble = (REPO / f"llm_{variant}" / "config.pbtxt").read_text()
+    llm = (REPO / f"llm_{variant}" / "config.pbtxt").read_text()
+    ensemble = (REPO / f"ensemble_{variant}" / "config.pbtxt").read_text()
     assert _pbtxt_tensors(pre, "input") == contract
     assert _pbtxt_tensors(ensemble, "input") == contract
-    assert _pbtxt_tensors(specdec, "input") == {**contract, **{k: _triton(v) for k, v in INTERNAL_INPUTS.items()}}
-    assert _pbtxt_tensors(specdec, "output") == outputs
+    assert _pbtxt_tensors(llm, "input") == {**contract, **{k: _triton(v) for k, v in INTERNAL_INPUTS.items()}}
+    assert _pbtxt_tensors(llm, "output") == outputs
     assert _pbtxt_tensors(ensemble, "output") == outputs
-    assert "decoupled: true" in specdec
-    assert f'model_name: "specdec_{variant}"' in ensemble
-    params = dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', specdec))
+    assert "decoupled: true" in llm
+    assert f'model_name: "llm_{variant}"' in ensemble
+    dims = lambda text: set(re.findall(r"dims: \[ ([^\]]*) \]", text.split("output [")[0]))  # noqa: E731
+    assert dims(llm) == {"1", "-1"}  # vLLM's backend format
+    assert dims(ensemble) == dims(pre) == {"1, 1", "1, -1"}  # TensorRT-LLM's ensemble format
+    params = dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', llm))
     engine_config_from_parameters(params)  # every parameter is known and valid

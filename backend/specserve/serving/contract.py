@@ -6,7 +6,7 @@ OpenAI frontend send it): `text_input` plus optional `stream`, `exclude_input_in
 TRT-LLM-style scalar tensors (`max_tokens`, `min_length`, `temperature`, ...). Outputs are one
 response per engine delta (`output_arrays`).
 
-Between `preprocessing` and `specdec_<variant>` a request travels as `input_ids` (INT32 [-1]) and
+Between `preprocessing` and `llm_<variant>` (the ensemble `ensemble_<variant>`) a request travels as `input_ids` (INT32 [-1]) and
 `request_config` (BYTES [1]): the validated `GenerateRequest` as JSON (`parsing.encode_request_config`).
 This module validates nothing (`parsing` does) and imports no Triton.
 """
@@ -66,7 +66,7 @@ CONTRACT_INPUTS: dict[str, str] = {
     "return_cumulative_logprob": "BOOL",
     "return_perf_metrics": "BOOL",
 }
-# preprocessing -> specdec
+# preprocessing -> llm_<variant>
 INTERNAL_INPUTS: dict[str, str] = {"input_ids": "INT32", "request_config": "BYTES"}
 
 OUTPUTS: dict[str, str] = {

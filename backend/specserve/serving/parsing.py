@@ -310,7 +310,7 @@ def check_prompt_length(prompt_ids: list[int], limits: RequestLimits) -> None:
         )
 
 
-# ---- preprocessing -> specdec ---------------------------------------------------------------
+# ---- preprocessing -> llm ---------------------------------------------------------------
 
 
 def encode_request_config(request: GenerateRequest) -> np.ndarray:
@@ -378,8 +378,8 @@ class Tokenizer(Protocol):
 def parse_decoupled_inputs(
     inputs: Mapping[str, np.ndarray], limits: RequestLimits, tokenizer: Tokenizer
 ) -> tuple[list[int], GenerateRequest]:
-    """The decoupled model's inputs: `input_ids` + `request_config` from preprocessing (the
-    ensemble), or the client contract itself when a client calls `specdec_<variant>` directly."""
+    """The decoupled model's inputs: the client contract itself (a client calling `llm_<variant>`),
+    or `input_ids` + `request_config` from preprocessing (the ensemble `ensemble_<variant>`)."""
     internal = set(INTERNAL_INPUTS) & set(inputs)
     if internal:
         if internal != set(INTERNAL_INPUTS) or len(inputs) != len(INTERNAL_INPUTS):

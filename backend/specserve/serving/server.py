@@ -39,19 +39,19 @@ def default_repository() -> Path:
 
 
 def list_variants(repository: Path) -> list[str]:
-    """Variants with both an ensemble `llm_<v>` and its decoupled model `specdec_<v>`."""
+    """Variants with a decoupled model `llm_<v>` and its ensemble `ensemble_<v>`."""
     return sorted(
         p.name.removeprefix("llm_")
         for p in repository.glob("llm_*")
-        if (p / "config.pbtxt").is_file() and (repository / f"specdec_{p.name.removeprefix('llm_')}" / "config.pbtxt").is_file()
+        if (p / "config.pbtxt").is_file() and (repository / f"ensemble_{p.name.removeprefix('llm_')}" / "config.pbtxt").is_file()
     )
 
 
 def models_for(variants: Iterable[str]) -> list[str]:
-    """What `--load-model` needs for these variants: preprocessing, then each specdec + ensemble."""
+    """What `--load-model` needs for these variants: preprocessing, then each llm model + its ensemble."""
     models = ["preprocessing"]
     for v in variants:
-        models += [f"specdec_{v}", f"llm_{v}"]
+        models += [f"llm_{v}", f"ensemble_{v}"]
     return models
 
 

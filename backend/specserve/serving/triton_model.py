@@ -1,4 +1,4 @@
-"""The decoupled Triton Python model behind every `specdec_<variant>` (vLLM-backend style).
+"""The decoupled Triton Python model behind every `llm_<variant>` (vLLM-backend style).
 
 initialize builds the engine from config.pbtxt parameters and starts its loop thread; execute only
 parses and submits; the engine thread hands each `RequestOutput` delta to a response thread that
