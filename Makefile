@@ -71,8 +71,10 @@ $(GENAI_PERF):
 	$(GENAI_PERF_VENV)/bin/pip install -q genai-perf==0.0.16
 
 VARIANT ?= base
-profile: setup prepare $(GENAI_PERF)  # URL=host:8001 profiles a running server; otherwise one is started
-	$(PY) -m specserve_client.profile --variant $(VARIANT) --genai-perf $(GENAI_PERF) --out results/profile_$(VARIANT) \
+BACKEND ?= vllm
+profile: setup prepare $(GENAI_PERF)  # URL=host:8001 profiles a running server; BACKEND=tensorrtllm the ensemble
+	$(PY) -m specserve_client.profile --variant $(VARIANT) --backend $(BACKEND) --genai-perf $(GENAI_PERF) \
+	  --out results/profile_$(VARIANT)_$(BACKEND) \
 	  $(if $(URL),--url $(URL))
 
 soak: setup prepare  # starts its own server; exits 1 on a lost or mixed-up response or gauges not back to 0

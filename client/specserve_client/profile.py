@@ -1,8 +1,9 @@
-"""Profile `llm_<variant>` with genai-perf over a range of concurrencies (`make profile`).
+"""Profile a served variant with genai-perf over a range of concurrencies (`make profile`).
 
     python -m specserve_client.profile --variant base --concurrency 1,2,4,8 --out results/profile
 
-Runs `genai-perf profile --endpoint-type kserve --backend vllm --streaming` (synthetic prompts
+Runs `genai-perf profile --endpoint-type kserve --backend vllm --streaming` against `llm_<variant>`
+(or `--backend tensorrtllm` against the ensemble `ensemble_<variant>`, in its [1, 1] format) (synthetic prompts
 tokenized by the served model's tokenizer) once per concurrency, each into its own artifact
 directory `<out>/c<N>/`, then collects genai-perf's own figures (output tokens/s, requests/s, time
 to first token, inter-token latency, request latency) into `<out>/profile.json`, `<out>/profile.md`
@@ -37,12 +38,15 @@ FIGURES = [
 ]
 
 
-def genai_perf_command(genai_perf: Path, url: str, model: str, tokenizer: str, concurrency: int, requests: int,
-                       input_tokens: int, output_tokens: int, artifacts: Path) -> list[str]:
+MODEL_PREFIX = {"vllm": "llm", "tensorrtllm": "ensemble"}  # genai-perf's request format -> the model that takes it
+
+
+def genai_perf_command(genai_perf: Path, url: str, model: str, backend: str, tokenizer: str, concurrency: int,
+                       requests: int, input_tokens: int, output_tokens: int, artifacts: Path) -> list[str]:
     # No --warmup-request-count: with it, tritonclient 2.50's perf_analyzer never ends its
     # measurement against a decoupled model.
     return [
-        str(genai_perf), "profile", "-m", model, "--endpoint-type", "kserve", "--backend", "vllm", "--streaming",
+        str(genai_perf), "profile", "-m", model, "--endpoint-type", "kserve", "--backend", backend, "--streaming",
         "-u", url, "--tokenizer", tokenizer, "--concurrency", str(concurrency), "--request-count", str(requests),
         "--synthetic-input-tokens-mean", str(input_tokens), "--synthetic-input-tokens-stddev", "0",
         "--output-tokens-mean", str(output_tokens), "--output-tokens-mean-deterministic",
@@ -88,6 +92,8 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variant", default="base")
+    p.add_argument("--backend", choices=sorted(MODEL_PREFIX), default="vllm",
+                   help="genai-perf's request format: vllm (llm_<variant>) or tensorrtllm (ensemble_<variant>)")
     p.add_argument("--concurrency", default="1,2,4,8", help="comma-separated")
     p.add_argument("--requests", type=int, default=16, help="requests measured per concurrency")
     p.add_argument("--input-tokens", type=int, default=128)
@@ -103,13 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     env = perf_analyzer_env()
     env["PATH"] = os.pathsep.join([str(Path(find_perf_analyzer()).parent), env.get("PATH", "")])
-    model = f"llm_{args.variant}"
-    version = subprocess.run([str(args.genai_perf), "--version"], capture_output=True, text=True, env=env).stdout.strip()
+    model = f"{MODEL_PREFIX[args.backend]}_{args.variant}"
+    version = subprocess.run([str(args.genai_perf), "--version"], capture_output=True, text=True,
+                             env=env).stdout.strip().removeprefix("genai-perf").strip()
     rows = []
     with server_for(args.variant, args.url, args.repository) as url:
         for concurrency in [int(c) for c in args.concurrency.split(",")]:
             artifacts = args.out / f"c{concurrency}"
-            cmd = genai_perf_command(args.genai_perf, url, model, args.tokenizer, concurrency, args.requests,
+            cmd = genai_perf_command(args.genai_perf, url, model, args.backend, args.tokenizer, concurrency, args.requests,
                                      args.input_tokens, args.output_tokens, artifacts)
             print(" ".join(cmd), flush=True)
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -121,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             rows.append({"concurrency": concurrency, **figures(exports[-1])})
             print(json.dumps(rows[-1]), flush=True)
-    meta = {"model": model, "genai_perf_version": version, "requests": args.requests,
+    meta = {"model": model, "backend": args.backend, "genai_perf_version": version, "requests": args.requests,
             "input_tokens": args.input_tokens, "output_tokens": args.output_tokens}
     write_report(args.out, rows, meta)
     print((args.out / "profile.md").read_text())

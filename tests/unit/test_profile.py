@@ -11,7 +11,7 @@ EXPORT = Path(__file__).parents[2] / "bench/measured/2026-11-23-sdpa/genai_perf/
 
 
 def test_the_command_is_a_streaming_kserve_vllm_profile_without_warmup(tmp_path):
-    cmd = genai_perf_command(Path("gp"), "localhost:8001", "llm_base", "models/m", 4, 16, 128, 64, tmp_path)
+    cmd = genai_perf_command(Path("gp"), "localhost:8001", "llm_base", "vllm", "models/m", 4, 16, 128, 64, tmp_path)
     line = " ".join(cmd)
     assert cmd[:2] == ["gp", "profile"] and "--streaming" in cmd
     assert "--endpoint-type kserve --backend vllm" in line and "--concurrency 4" in line and "--request-count 16" in line
