@@ -1,13 +1,15 @@
 """Eager against compiled (AOTInductor) forwards on the CPU, side by side on the same prompts.
 
-For each algorithm, an engine with `cpu_compile` off and one with it on run every chunk of prompts
-in turn (interleaved, as `specserve bench` runs its engines), greedy, served defaults; the JSON
-gives both engines' tokens per second, their ratio, whether their outputs are the same, and where
-step time goes (`StepProfile`). Compiled programs come from the compile cache (compiled on first
-use).
+For each algorithm, one engine per mode runs every chunk of prompts in turn (interleaved, as
+`specserve bench` runs its engines), greedy, served defaults. Modes: `eager` (`cpu_compile` off),
+`onednn` (compiled, but every target forward through the prefill program: oneDNN's matmuls at
+every size) and `compiled` (as served: steps of a few rows through the step program, whose
+matmuls were autotuned on this CPU). The JSON gives each engine's tokens per second, its ratio to
+the first mode, whether their outputs are the same, and where step time goes (`StepProfile`).
+Compiled programs come from the compile cache (compiled on first use).
 
-    .venv/bin/python bench/cpu_compile.py --algorithm none,eagle,mtp --dataset mtbench --num-prompts 12 \
-        --max-new-tokens 128 --json results/cpu_compile.json
+    .venv/bin/python bench/cpu_compile.py --algorithm none,eagle,mtp --modes onednn,compiled --dataset mtbench \
+        --num-prompts 12 --max-new-tokens 128 --json results/cpu_compile.json
 """
 
 from __future__ import annotations
@@ -35,18 +37,22 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--modes", default="eager,compiled", help="comma-separated: eager, onednn, compiled")
     p.add_argument("--json", default="results/cpu_compile.json")
     args = p.parse_args()
 
     model_dir = str(default_model_dir())
     base = EngineConfig(model_dir=model_dir, max_batch_size=args.batch_size, dtype=auto_dtype("cpu"))
     questions = load_questions(args.dataset, args.num_prompts)
+    modes = args.modes.split(",")
     runs: dict[str, EngineRun] = {}
     for algorithm in args.algorithm.split(","):
         spec = SpecConfig(algorithm=algorithm, **served_drafter(algorithm))
-        for compiled in (False, True):
-            runs[f"{algorithm} {'compiled' if compiled else 'eager'}"] = EngineRun(
-                Engine(replace(base, spec=spec, cpu_compile=compiled)), args.max_new_tokens)
+        for mode in modes:
+            engine = Engine(replace(base, spec=spec, cpu_compile=mode != "eager"))
+            if mode == "onednn" and engine.compiled is not None:
+                engine.compiled.step_runner = None  # every target forward through the prefill program
+            runs[f"{algorithm} {mode}"] = EngineRun(engine, args.max_new_tokens)
     tokenizer = next(iter(runs.values())).engine.tokenizer
     prompts = [tokenizer.encode(render_chat(model_dir, q), add_special_tokens=False).ids for q in questions]
     for r in runs.values():
@@ -55,19 +61,22 @@ def main() -> None:
         for r in runs.values():
             r.run(prompts[i : i + args.batch_size])
 
-    report: dict = {"dataset": args.dataset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+    report: dict = {"modes": modes, "dataset": args.dataset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                     "batch_size": args.batch_size, "dtype": base.dtype, "hardware": describe(), "runs": {}}
     for name, r in runs.items():
         report["runs"][name] = {"tokens_per_s": round(r.tokens_per_s, 2), "accept_length": round(r.accept_length, 3),
                                 "profile_ms": r.engine.profile.per_step_ms(), "shapes": r.engine.chooser.summary()}
     for algorithm in args.algorithm.split(","):
-        eager, compiled = runs[f"{algorithm} eager"], runs[f"{algorithm} compiled"]
-        report["runs"][f"{algorithm} compiled"] |= {
-            "vs_eager": round(compiled.tokens_per_s / eager.tokens_per_s, 3),
-            "same_output_fraction": sum(a == b for a, b in zip(compiled.outputs, eager.outputs)) / len(prompts),
-        }
-        print(f"{algorithm:8s} eager {eager.tokens_per_s:6.1f} tok/s  compiled {compiled.tokens_per_s:6.1f} tok/s"
-              f"  ({compiled.tokens_per_s / eager.tokens_per_s:.2f}x)")
+        first = runs[f"{algorithm} {modes[0]}"]
+        line = f"{algorithm:8s} {modes[0]} {first.tokens_per_s:6.1f} tok/s"
+        for mode in modes[1:]:
+            r = runs[f"{algorithm} {mode}"]
+            report["runs"][f"{algorithm} {mode}"] |= {
+                f"vs_{modes[0]}": round(r.tokens_per_s / first.tokens_per_s, 3),
+                "same_output_fraction": sum(a == b for a, b in zip(r.outputs, first.outputs)) / len(prompts),
+            }
+            line += f"  {mode} {r.tokens_per_s:6.1f} tok/s ({r.tokens_per_s / first.tokens_per_s:.2f}x)"
+        print(line)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
 

@@ -6,7 +6,11 @@ AOTInductor (inductor's C++ backend) with the weights frozen and prepacked for o
 PyTorch spends a good part of a small model's step between the matmuls (dispatch, small ops); the
 compiled program does not (docs/benchmarks.md has the figures).
 
-`CompiledTarget` is the target's forward (prefill, decode, tree verification); `CompiledHead`
+`CompiledTarget` is the target's forward in two programs: one for steps of at most `STEP_ROWS`
+rows (batch x tokens: decode and tree verification) whose matmuls inductor autotunes on this CPU
+between its C++ micro-kernel template and oneDNN (`STEP_CONFIGS`: the template wins at a few rows,
+where oneDNN's small-M kernels are far from the memory bound), and one for prefills, which keeps
+oneDNN's prepacked matmuls (the template, tuned for a few rows, loses there). `CompiledHead` is
 one forward of a one-layer draft head (EAGLE-2/3, MTP) over its own cache. Each package is stored
 in a compile cache under a key of everything the program depends on (`program_key`), so a restart
 loads it in well under a second instead of compiling again. Processes that want the same package
@@ -15,8 +19,9 @@ take turns through a file lock: one compiles, the others load.
 The programs only read their KV cache: they return the new tokens' K/V, which are written
 afterwards with one indexed copy (inductor would copy a cache mutated inside the program whole).
 Keys are each request's first S cache entries followed by the new tokens; the mask says which of
-them a token sees. The target's logits come from the eager, prepacked lm_head at the positions
-asked for, so a prefill does not pay for every prompt position's logits.
+them a token sees. The step program computes every row's logits itself (a step needs them all);
+after the prefill program they come from the eager, prepacked lm_head at the positions asked for,
+so a prefill does not pay for every prompt position's logits.
 
 This module does not decide when programs are used (the engine and drafters do) and does nothing
 on CUDA.
@@ -44,6 +49,9 @@ from specserve.models.llama import Attend, Attention, ForwardOutput, LlamaModel
 log = logging.getLogger(__name__)
 
 KEY_ALIGN = 16  # prefix keys read per request: a multiple of this (fewer distinct sizes, never 0 or 1)
+STEP_ROWS = 16  # forwards of at most this many rows (batch x tokens) run the step program
+PREFILL_CONFIGS = {"freezing": True}  # inductor settings: frozen weights, oneDNN's prepacked matmuls
+STEP_CONFIGS = {**PREFILL_CONFIGS, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 Runner = Callable[..., list[torch.Tensor]]
 T = TypeVar("T")
 
@@ -65,7 +73,8 @@ def program_key(tensors: Iterable[tuple[str, torch.Tensor]], *parts: object) -> 
     return h.hexdigest()[:24]
 
 
-def load_or_compile(path: Path, export: Callable[[], torch.export.ExportedProgram]) -> tuple[Runner, bool]:
+def load_or_compile(path: Path, export: Callable[[], torch.export.ExportedProgram],
+                    inductor_configs: dict | None = None) -> tuple[Runner, bool]:
     """The package at `path`, compiled from `export()` first if it is not there; (runner, compiled now)."""
     start = time.perf_counter()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,7 +85,8 @@ def load_or_compile(path: Path, export: Callable[[], torch.export.ExportedProgra
             with torch.inference_mode(False), torch.no_grad():
                 program = export()
             tmp = path.with_suffix(".tmp.pt2")
-            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs={"freezing": True})
+            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
+                                                     inductor_configs=inductor_configs or PREFILL_CONFIGS)
             tmp.replace(path)  # whole packages only: a crash mid-compile leaves nothing under the key
         runner = torch._inductor.aoti_load_package(str(path))
     log.info("%s %s in %.1f s", "compiled" if compiled_now else "loaded", path, time.perf_counter() - start)
@@ -132,13 +142,13 @@ class ReadOnlyForward(nn.Module):
 
     forward(tokens (B, T), positions (B, T), slots (B,), cache_lens (B,), new_mask (B, T, T) bool,
     kv (L, 2, slots, Hkv, S, D)) -> hidden (B, T, H) final-norm output, new_kv (B, T, L, 2, Hkv, D),
-    and with aux layers aux (B, T, len(aux_layers) * H). Token t of row b sees prefix entries
-    s < cache_lens[b] and new token j where new_mask[b, t, j].
+    with aux layers aux (B, T, len(aux_layers) * H), and with_logits logits (B, T, V) float32 last.
+    Token t of row b sees prefix entries s < cache_lens[b] and new token j where new_mask[b, t, j].
     """
 
-    def __init__(self, model: LlamaModel, aux_layers: tuple[int, ...]) -> None:
+    def __init__(self, model: LlamaModel, aux_layers: tuple[int, ...], with_logits: bool = False) -> None:
         super().__init__()
-        self.model, self.aux_layers = model, aux_layers
+        self.model, self.aux_layers, self.with_logits = model, aux_layers, with_logits
         cos, sin = model.rope
         self.register_buffer("cos", cos, persistent=False)  # (max_len, D)
         self.register_buffer("sin", sin, persistent=False)
@@ -153,13 +163,14 @@ class ReadOnlyForward(nn.Module):
         new_kv: list[torch.Tensor] = []
         hidden, aux = self.model.run_layers(
             tokens, lambda i, attn, x: readonly_attend(kv[i], slots, mask, cos, sin, new_kv)(attn, x), self.aux_layers)
-        outputs = (hidden, torch.stack(new_kv, dim=2))
-        return outputs if aux is None else (*outputs, aux)
+        outputs = (hidden, torch.stack(new_kv, dim=2), *(() if aux is None else (aux,)))
+        return (*outputs, self.model.lm_head(hidden).float()) if self.with_logits else outputs
 
 
 class CompiledTarget:
-    """The compiled forward of one target with one KV cache; build it before the target's linears
-    are prepacked for eager use (export reads the plain weights)."""
+    """The compiled forwards of one target with one KV cache (a step program and a prefill
+    program); build it before the target's linears are prepacked for eager use (export reads the
+    plain weights)."""
 
     def __init__(self, model: LlamaModel, cache: KVCache, aux_layers: tuple[int, ...], max_batch_size: int,
                  max_tokens: int, cache_dir: Path) -> None:
@@ -167,13 +178,17 @@ class CompiledTarget:
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
         key = program_key(model.state_dict().items(), "target", tuple(cache.data.shape), self.aux_layers,
                           max_batch_size, max_tokens)
-        self.path = cache_dir / f"target-{key}.pt2"
-        self.runner, self.compiled_now = load_or_compile(self.path, self._export)
+        self.path, self.step_path = cache_dir / f"target-{key}.pt2", cache_dir / f"target-step-{key}.pt2"
+        self.runner, self.compiled_now = load_or_compile(self.path, lambda: self._export(max_tokens, False))
+        step = compiled_or_none("target step program", lambda: load_or_compile(
+            self.step_path, lambda: self._export(min(STEP_ROWS, max_tokens), True), STEP_CONFIGS))
+        self.step_runner = step[0] if step else None
+        self.compiled_now |= bool(step and step[1])
 
-    def _export(self) -> torch.export.ExportedProgram:
+    def _export(self, max_tokens: int, with_logits: bool) -> torch.export.ExportedProgram:
         Dim = torch.export.Dim
         batch = Dim("batch", min=1, max=max(2, self.max_batch_size))  # a Dim spans two sizes at least
-        tokens = Dim("tokens", min=1, max=self.max_tokens)
+        tokens = Dim("tokens", min=1, max=max_tokens)
         keys = Dim("keys", min=2, max=self.cache.max_len - 1)
         dynamic = ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch}, {0: batch},
                    {0: batch, 1: tokens, 2: tokens}, {4: keys})
@@ -181,7 +196,7 @@ class CompiledTarget:
         b, t = 2, 3  # sizes of 1 would be specialised
         example = (torch.zeros(b, t, **i64), torch.arange(t, **i64).expand(b, t).contiguous(), torch.zeros(b, **i64),
                    torch.zeros(b, **i64), torch.ones(b, t, t, dtype=torch.bool).tril(), prefix_keys(self.cache, KEY_ALIGN))
-        return torch.export.export(ReadOnlyForward(self.model, self.aux_layers).eval(), example,
+        return torch.export.export(ReadOnlyForward(self.model, self.aux_layers, with_logits).eval(), example,
                                    dynamic_shapes=dynamic, strict=False)
 
     def fits(self, batch_size: int, num_tokens: int, max_cache_len: int) -> bool:
@@ -199,9 +214,16 @@ class CompiledTarget:
         assert self.fits(b, t, max(host_cache_lens)), "check fits() first"
         # the program reads its inputs with the strides it was exported with: contiguous, and the cache's own
         inputs = (x.contiguous() for x in (tokens, positions, slots, cache_lens, new_mask))
-        outputs = self.runner(*inputs, prefix_keys(self.cache, s))
+        small = b * t <= STEP_ROWS and self.step_runner is not None
+        outputs = (self.step_runner if small else self.runner)(*inputs, prefix_keys(self.cache, s))
         write_new_kv(self.cache, slots, cache_lens[:, None] + torch.arange(t, device=tokens.device), outputs[1])
-        return self.model.output(outputs[0], outputs[2] if self.aux_layers else None, logit_index)
+        aux = outputs[2] if self.aux_layers else None
+        if not small:
+            return self.model.output(outputs[0], aux, logit_index)
+        logits = outputs[-1]  # (B, T, V): every row's
+        if logit_index is not None:
+            logits = torch.gather(logits, 1, logit_index[:, :, None].expand(-1, -1, logits.shape[-1]))
+        return ForwardOutput(logits=logits, hidden=outputs[0], aux_hidden=aux)
 
 
 class ReadOnlyHeadStep(nn.Module):
