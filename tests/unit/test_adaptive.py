@@ -149,18 +149,20 @@ def test_warm_up_acceptance_is_forgotten_and_each_draft_measured_afresh():
         c.observe(1, shape, 0.010, [4])  # a repetitive warm-up prompt: every draft looks great
     c.forget_acceptance()
     picks = []
-    for _ in range(6):
+    for _ in range(7):
         picks.append(c.choose(1))
         c.observe(1, picks[-1], 0.010, [1])  # real text: drafts accept nothing
-    # each drafting shape min_samples times, smallest first, before any estimate is used
-    assert picks == [c.menu[1]] * 2 + [c.menu[2]] * 2 + [c.menu[3]] * 2
+    # every shape until its time has min_samples samples (warm-up gave one), each drafting shape
+    # min_samples times for its acceptance, smallest first, before any estimate is used
+    assert picks == [c.menu[0]] + [c.menu[1]] * 2 + [c.menu[2]] * 2 + [c.menu[3]] * 2
     assert c.best(1) == c.menu[0]
 
 
 def test_one_unlucky_step_does_not_lock_a_shape_out():
     c = _chooser(min_samples=3)
     none, four = c.menu[0], c.menu[3]
-    c.observe(1, none, 0.010, [1])  # 100 tokens/s
+    for _ in range(3):
+        c.observe(1, none, 0.010, [1])  # 100 tokens/s
     for shape in c.menu[1:3]:
         for _ in range(3):
             c.observe(1, shape, 0.020, [1])  # 50 tokens/s
@@ -169,6 +171,25 @@ def test_one_unlucky_step_does_not_lock_a_shape_out():
     c.observe(1, four, 0.015, [3])
     c.observe(1, four, 0.015, [3])  # 2.33 / 15 ms = 156 tokens/s
     assert c.best(1) == four
+
+
+def test_one_slow_step_does_not_lock_plain_decoding_out():
+    """A first call on a new shape, or a busy host, can make one step several times slower: the
+    time estimate is the median of the first samples, and later a slow step moves it a tenth at most."""
+    c = _chooser(min_samples=3)
+    none = c.menu[0]
+    for seconds in (0.050, 0.010, 0.010):  # the first plain step ran five times slower
+        c.observe(1, none, seconds, [1])
+    for shape in c.menu[1:]:
+        for _ in range(3):
+            c.observe(1, shape, 0.012, [1.1])  # 92 tokens/s: drafts that do not pay
+    assert c.best(1) == none
+    assert c.step_time[(1, none)].value == 0.010
+    for _ in range(20):
+        c.observe(1, none, 0.010, [1])
+    c.observe(1, none, 0.100, [1])  # one spike: clipped to 2x, then weighted 1/10
+    assert c.step_time[(1, none)].value == pytest.approx(0.011)
+    assert c.best(1) == none
 
 
 def test_exploration_reaches_the_runner_up_beyond_the_neighbours():

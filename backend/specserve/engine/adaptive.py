@@ -6,13 +6,14 @@ the n - 1 likeliest nodes). n = 1 is plain decoding: no draft forward at all, an
 drafters defer their catch-up until they draft again. The menu is n = 1, 2, 3, 4, 6, 8, 12, ...
 up to the configured num_draft_tokens.
 
-`ShapeChooser` keeps, per batch-size bucket and shape, a moving average of the step's wall time
-(measured at warm-up, then on every step) and, per shape, of the accept length (tokens a request
-gains per step, the bonus token included). A step runs the shape with the largest
+`ShapeChooser` keeps, per batch-size bucket and shape, an estimate of the step's wall time
+(measured at warm-up, then on every step: the median of the first samples, then a moving average
+that one slow step moves by a tenth at most) and, per shape, the mean accept length (tokens a
+request gains per step, the bonus token included). A step runs the shape with the largest
 accept_length / step_time for its bucket, where a drafting shape must beat plain decoding by
-`margin` (step times on a busy CPU are noisy: a near-tie is not worth a draft). A drafting
-shape's acceptance counts as unmeasured until `min_samples` steps have run it: one unlucky step
-must not lock a good shape out. Every `explore_every`-th step runs another shape instead, so the
+`margin` (step times on a busy CPU are noisy: a near-tie is not worth a draft). A shape's time,
+and a drafting shape's acceptance, count as unmeasured until `min_samples` steps have run it: one
+slow or unlucky step (a first call on a new shape, a busy host) must not lock a shape out. Every `explore_every`-th step runs another shape instead, so the
 estimates around the best one stay current: its neighbours on the menu and the runner-up, in turn
 (every 4 x `explore_every` steps while plain decoding is best; shapes estimated below
 `explore_within` of the best are not tried).
@@ -42,17 +43,29 @@ def shape_menu(num_steps: int, topk: int, num_draft_tokens: int) -> tuple[DraftS
 
 
 class _Average:
-    """A running mean over the first `horizon` samples, then an exponential moving average."""
+    """A running mean over the first `horizon` samples, then an exponential moving average.
 
-    def __init__(self, horizon: int) -> None:
-        self.horizon, self.count, self.value = horizon, 0, 0.0
+    robust (for times, whose noise is one-sided: a step is never faster than its work, often
+    slower): the median of the first `horizon` samples, then a moving average of samples clipped
+    to twice the estimate."""
+
+    def __init__(self, horizon: int, robust: bool = False) -> None:
+        self.horizon, self.robust, self.count, self.value = horizon, robust, 0, 0.0
+        self._first: list[float] = []
 
     def add(self, x: float) -> None:
         self.count += 1
+        if self.robust and self.count <= self.horizon:
+            bisect.insort(self._first, x)
+            n = len(self._first)
+            self.value = (self._first[(n - 1) // 2] + self._first[n // 2]) / 2
+            return
+        if self.robust:
+            x = min(x, 2.0 * self.value)
         self.value += (x - self.value) / min(self.count, self.horizon)
 
     def reset(self) -> None:
-        self.count, self.value = 0, 0.0
+        self.count, self.value, self._first = 0, 0.0, []
 
 
 class ShapeChooser:
@@ -66,7 +79,7 @@ class ShapeChooser:
         self.margin = margin
         self.explore_within = explore_within
         self.min_samples = min_samples
-        self.step_time = {(b, s): _Average(horizon=10) for b in self.buckets for s in self.menu}  # seconds
+        self.step_time = {(b, s): _Average(horizon=10, robust=True) for b in self.buckets for s in self.menu}  # seconds
         self.accept = {s: _Average(horizon=40) for s in self.menu}  # tokens per request per step
         self.chosen: Counter[DraftShape] = Counter()
         self._steps = 0
@@ -79,9 +92,11 @@ class ShapeChooser:
     def rate(self, batch_size: int, shape: DraftShape) -> float | None:
         """Expected accept length per second of one request, or None while unmeasured."""
         t, a = self.step_time[(self.bucket(batch_size), shape)], self.accept[shape]
+        if t.count < self.min_samples:
+            return None
         if not shape.drafts:
-            return 1.0 / t.value if t.count else None
-        return a.value / t.value if t.count and a.count >= self.min_samples else None
+            return 1.0 / t.value
+        return a.value / t.value if a.count >= self.min_samples else None
 
     def best(self, batch_size: int) -> DraftShape:
         """The measured shape with the highest rate; unmeasured shapes first, smallest first."""
