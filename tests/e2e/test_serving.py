@@ -113,7 +113,7 @@ def test_ensemble_takes_the_trtllm_format(server):
 
 def test_openai_frontend_trtllm_request_through_the_ensemble(server):
     """The request Triton's OpenAI frontend builds for an ensemble or Python model by default (server
-    repo, python/openai/openai_frontend/engine/utils/triton.py, `_create_trtllm_generate_request`):
+    repo at 0019b9d, python/openai/openai_frontend/engine/utils/triton.py, `_create_trtllm_generate_request`):
     every tensor [1, 1], `stop_words` [1, k], the penalties as tensors, no `apply_chat_template`
     (the frontend renders the chat itself), read back as one string per response."""
     import json
