@@ -36,7 +36,7 @@ def e2e() -> E2EConfig:
     return E2EConfig(variants=VARIANTS)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # gone after the module: its engines hold gigabytes the later tests need
 def server(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path, e2e: E2EConfig) -> Iterator[TritonProcess]:
     root = tmp_path_factory.mktemp("triton")
     chosen = list(e2e.variants)
@@ -58,7 +58,7 @@ def tokenizer(smollm2_dir: Path):
     return PromptTokenizer(smollm2_dir)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def reference_engine(smollm2_dir: Path):
     """The same engine as the server's, in this process (for greedy references): the compiled target
     forward, as served (its package comes from the same compile cache)."""
