@@ -13,10 +13,10 @@ request gains per step, the bonus token included). A step runs the shape with th
 accept_length / step_time for its bucket, where a drafting shape must beat plain decoding by
 `margin` (step times on a busy CPU are noisy: a near-tie is not worth a draft). A shape's time,
 and a drafting shape's acceptance, count as unmeasured until `min_samples` steps have run it: one
-slow or unlucky step (a first call on a new shape, a busy host) must not lock a shape out. Every `explore_every`-th step runs another shape instead, so the
-estimates around the best one stay current: its neighbours on the menu and the runner-up, in turn
-(every 4 x `explore_every` steps while plain decoding is best; shapes estimated below
-`explore_within` of the best are not tried).
+slow or unlucky step (a first call on a new shape, a busy host) must not lock a shape out. Every
+`explore_every`-th step runs another shape instead, so the estimates around the best one stay
+current: its neighbours on the menu and the runner-up, in turn (every 4 x `explore_every` steps
+while plain decoding is best; shapes estimated below `explore_within` of the best are not tried).
 
 This module measures nothing itself and knows nothing about models or trees: the engine reports
 each step's batch size, shape, time and accept lengths (`observe`).
@@ -25,6 +25,7 @@ each step's batch size, shape, time and accept lengths (`observe`).
 from __future__ import annotations
 
 import bisect
+import statistics
 from collections import Counter
 from collections.abc import Sequence
 
@@ -56,9 +57,8 @@ class _Average:
     def add(self, x: float) -> None:
         self.count += 1
         if self.robust and self.count <= self.horizon:
-            bisect.insort(self._first, x)
-            n = len(self._first)
-            self.value = (self._first[(n - 1) // 2] + self._first[n // 2]) / 2
+            self._first.append(x)
+            self.value = statistics.median(self._first)
             return
         if self.robust:
             x = min(x, 2.0 * self.value)
