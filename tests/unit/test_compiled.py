@@ -8,12 +8,17 @@ package instead of compiling. One compile cache serves the module (each package 
 
 from __future__ import annotations
 
+import getpass
+import os
+import tempfile
+import time
+
 import pytest
 import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.engine import Engine
-from specserve.models.compiled import CompiledTarget, can_compile, program_key
+from specserve.models.compiled import STALE_AFTER_DAYS, CompiledTarget, can_compile, program_key, remove_stale
 from specserve.models.kv_cache import KVCache
 from specserve.models.weights import load_llama
 
@@ -45,10 +50,16 @@ def _tree_mask(b: int) -> torch.Tensor:
     return mask.expand(b, 4, 4).clone()
 
 
-def test_compiled_forward_matches_eager(tiny_target_dir, compile_dir):
+def test_compiled_forward_matches_eager(tiny_target_dir, compile_dir, tmp_path, monkeypatch):
     model = load_llama(tiny_target_dir, torch.float32)
     eager_cache, compiled_cache = _cache(model), _cache(model)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where compiling and loading put their scratch
     compiled = CompiledTarget(model, compiled_cache, AUX, max_batch_size=3, max_tokens=64, cache_dir=compile_dir)
+    assert compiled.compiled_now and compiled.step_runner is not None
+    # no inductor cache or unpacked package left behind; inductor keeps its precompiled headers (once)
+    left = {str(p.relative_to(tmp_path)) for p in tmp_path.glob("*/*")} | {p.name for p in tmp_path.glob("*")}
+    assert left <= {f"torchinductor_{getpass.getuser()}", f"torchinductor_{getpass.getuser()}/precompiled_headers"}
+    assert sorted(p.name for p in compile_dir.glob("*.pt2")) == sorted([compiled.path.name, compiled.step_path.name])
     g = torch.Generator().manual_seed(3)
     slots = torch.tensor([2, 0, 1])  # not in order: keys are gathered per slot
     lens = [7, 30, 12]
@@ -94,6 +105,16 @@ def test_a_second_build_loads_the_stored_package(tiny_target_dir, compile_dir):
     before = key()
     model.layers[0].mlp.down_proj.weight.data[0, 0] += 1  # other weights, another program
     assert key() != before
+
+
+def test_packages_unused_for_weeks_are_removed(tmp_path):
+    now = time.time()
+    for name, days in [("old", STALE_AFTER_DAYS + 1), ("recent", STALE_AFTER_DAYS - 1)]:
+        (tmp_path / f"target-{name}.pt2").write_bytes(b"")
+        (tmp_path / f"target-{name}.pt2.lock").write_bytes(b"")
+        os.utime(tmp_path / f"target-{name}.pt2", (now, now - days * 86400))
+    remove_stale(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target-recent.pt2", "target-recent.pt2.lock"]
 
 
 def _engine(tiny_target_dir, compile_dir, cpu_compile, algorithm="none", **spec):

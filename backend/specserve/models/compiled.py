@@ -31,9 +31,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shutil
+import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -52,6 +55,7 @@ KEY_ALIGN = 16  # prefix keys read per request: a multiple of this (fewer distin
 STEP_ROWS = 16  # forwards of at most this many rows (batch x tokens) run the step program
 PREFILL_CONFIGS = {"freezing": True}  # inductor settings: frozen weights, oneDNN's prepacked matmuls
 STEP_CONFIGS = {**PREFILL_CONFIGS, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+STALE_AFTER_DAYS = 14  # a compile-cache package unused this long is deleted when another is compiled
 Runner = Callable[..., list[torch.Tensor]]
 T = TypeVar("T")
 
@@ -75,22 +79,59 @@ def program_key(tensors: Iterable[tuple[str, torch.Tensor]], *parts: object) -> 
 
 def load_or_compile(path: Path, export: Callable[[], torch.export.ExportedProgram],
                     inductor_configs: dict | None = None) -> tuple[Runner, bool]:
-    """The package at `path`, compiled from `export()` first if it is not there; (runner, compiled now)."""
+    """The package at `path`, compiled from `export()` first if it is not there; (runner, compiled now).
+
+    Neither step leaves a copy of the program behind: inductor compiles in a scratch cache that
+    is removed afterwards (the package holds everything a load needs), and the package is
+    unpacked into a scratch directory removed once its library is loaded. A program holds its
+    weights, so each copy would cost as much disk as the model."""
     start = time.perf_counter()
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
         compiled_now = not path.is_file()
         if compiled_now:
             log.info("compiling %s for this CPU (once; kept in %s)", path.name, path.parent)
-            with torch.inference_mode(False), torch.no_grad():
-                program = export()
             tmp = path.with_suffix(".tmp.pt2")
-            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
-                                                     inductor_configs=inductor_configs or PREFILL_CONFIGS)
+            with _scratch_env("TORCHINDUCTOR_CACHE_DIR", "specserve-inductor-"):
+                with torch.inference_mode(False), torch.no_grad():
+                    program = export()
+                torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
+                                                         inductor_configs=inductor_configs or PREFILL_CONFIGS)
             tmp.replace(path)  # whole packages only: a crash mid-compile leaves nothing under the key
-        runner = torch._inductor.aoti_load_package(str(path))
+            remove_stale(path.parent)
+        os.utime(path)  # a package's modification time is its last use
+        with _scratch_env("TMPDIR", "specserve-aoti-"):  # where the loader unpacks the package
+            runner = torch._inductor.aoti_load_package(str(path))
     log.info("%s %s in %.1f s", "compiled" if compiled_now else "loaded", path, time.perf_counter() - start)
     return runner, compiled_now
+
+
+@contextmanager
+def _scratch_env(variable: str, prefix: str) -> Iterator[None]:
+    """Points the environment variable at a new temporary directory, removed (with what was
+    written there) and the variable restored on exit. The C++ loader reads TMPDIR when it runs;
+    the library it loads stays mapped after its file is gone."""
+    old = os.environ.get(variable)
+    with tempfile.TemporaryDirectory(prefix=prefix) as scratch:
+        os.environ[variable] = scratch
+        try:
+            yield
+        finally:
+            if old is None:
+                del os.environ[variable]
+            else:
+                os.environ[variable] = old
+
+
+def remove_stale(cache_dir: Path, max_age_days: float = STALE_AFTER_DAYS) -> None:
+    """Deletes packages not used for max_age_days: a new torch, model or version of this module
+    makes new keys, and the old packages (each the size of the model or more) would stay forever."""
+    cutoff = time.time() - max_age_days * 86400
+    for old in cache_dir.glob("*.pt2"):
+        if old.stat().st_mtime < cutoff:
+            log.info("removing %s: unused for %d days", old.name, max_age_days)
+            old.unlink(missing_ok=True)
+            Path(str(old) + ".lock").unlink(missing_ok=True)
 
 
 def compiled_or_none(what: str, build: Callable[[], T]) -> T | None:
