@@ -157,7 +157,7 @@ class DynamicTreeBuilder:
     Step 0 takes the drafter's topk tokens after the root. Each later step expands every beam node
     by its topk children, scores them by cumulative probability (parent score x child prob) and
     keeps the best topk of the topk^2 as the next beam. `build` reranks all scored nodes, keeps the
-    best num_draft_tokens - 1, sorts them so parents precede children and prepends the root.
+    best num_draft_tokens - 1 in rank order (parents precede children) and prepends the root.
     The drafter owns the forwards; this class only does the bookkeeping.
     """
 
@@ -186,9 +186,11 @@ class DynamicTreeBuilder:
         return self.beam
 
     def build(self, num_draft_tokens: int) -> DraftTree:
-        """Top (num_draft_tokens - 1) nodes by score (ties: older first, so parents win), root first."""
+        """Top (num_draft_tokens - 1) nodes by score (ties: older first, so parents win), root first,
+        in rank order: a parent outranks its children, so it precedes them, and the tree for a
+        smaller budget is a prefix of this one."""
         ranked = sorted(range(1, len(self.tokens)), key=lambda i: (-self.scores[i], i))
-        kept = sorted(ranked[: num_draft_tokens - 1])
+        kept = ranked[: num_draft_tokens - 1]
         index = {0: 0, **{old: new + 1 for new, old in enumerate(kept)}}
         return DraftTree.from_parents(
             [self.tokens[0], *(self.tokens[i] for i in kept)],

@@ -51,6 +51,20 @@ def test_costs_are_kept_per_batch_bucket():
     assert c.best(3) == c.menu[0] and c.best(4) == c.menu[0]  # 3 -> bucket 4: 2 in 45 ms loses to 1 in 20
 
 
+def test_a_nested_drafters_step_measures_the_acceptance_of_every_smaller_shape():
+    c = ShapeChooser(shape_menu(5, 4, 8), batch_buckets=(1, 2))
+    menu = {str(s): s for s in c.menu}
+    # two requests drafted 8 nodes: one accepted nodes 1 and 5 (+ bonus), the other node 2 only
+    c.observe(2, menu["5/4/8"], 0.03, [3, 2], accepted_nodes=[[0, 1, 5], [0, 2]])
+    got = {k: round(a.value, 3) for k, a in c.accept.items() if a.count}
+    # budget n keeps nodes below n: 2 -> node 1 only (2, 1), 3 -> (2, 2), 4 and 6 -> (2, 2); 8 as verified
+    assert {str(k): v for k, v in got.items()} == {"1/4/2": 1.5, "2/4/3": 2.0, "3/4/4": 2.0, "5/4/6": 2.5,
+                                                   "5/4/8": 2.5}
+    assert c.accept[menu["0/1/1"]].count == 0  # plain decoding needs no acceptance
+    c.observe(1, menu["1/4/2"], 0.02, [2], accepted_nodes=[[0, 1]])
+    assert c.accept[menu["5/4/8"]].count == 1  # a small step says nothing about larger budgets
+
+
 def test_exploration_visits_the_neighbours_of_the_best_shape():
     c = _chooser(explore_every=4)
     for shape in c.menu:

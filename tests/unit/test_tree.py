@@ -69,9 +69,9 @@ def test_dynamic_tree_matches_a_hand_computed_eagle2_tree():
     # children scores: 0.36, 0.15 (under node 1), 0.15, 0.0625 (under node 2); best two: 3, then 4 (tie -> older)
     assert beam == [3, 4]
     tree = builder.build(num_draft_tokens=5)
-    # kept: 1 (0.6), 3 (0.36), 2 (0.25), 4 (0.15); node 5 (0.15) loses the tie to 4
-    assert tree.tokens.tolist() == [0, 1, 2, 11, 12]
-    assert tree.parents.tolist() == [-1, 0, 0, 1, 1]
+    # kept, in rank order: 1 (0.6), 3 (0.36), 2 (0.25), 4 (0.15); node 5 (0.15) loses the tie to 4
+    assert tree.tokens.tolist() == [0, 1, 11, 2, 12]
+    assert tree.parents.tolist() == [-1, 0, 1, 0, 1]
 
 
 def test_dynamic_tree_keeps_parents_of_kept_nodes():
@@ -84,6 +84,20 @@ def test_dynamic_tree_keeps_parents_of_kept_nodes():
         tree = builder.build(num_draft_tokens=n)
         assert tree.num_nodes == n
         assert all(0 <= p < i for i, p in enumerate(tree.parents.tolist()) if i > 0)
+
+
+def test_a_smaller_budget_keeps_a_prefix_of_a_larger_budgets_tree():
+    """What lets one verify measure the acceptance of every smaller shape (`ShapeChooser.observe`)."""
+    torch.manual_seed(1)
+    builder = DynamicTreeBuilder(root=3)
+    beam = builder.expand(torch.randperm(50)[:4][None], torch.rand(1, 4), topk=4)
+    for _ in range(3):
+        beam = builder.expand(torch.stack([torch.randperm(50)[:4] for _ in beam]), torch.rand(len(beam), 4), topk=4)
+    big = builder.build(num_draft_tokens=12)
+    for n in (2, 3, 4, 6, 8):
+        small = builder.build(num_draft_tokens=n)
+        assert small.tokens.tolist() == big.tokens[:n].tolist()
+        assert small.parents.tolist() == big.parents[:n].tolist()
 
 
 def test_unbatch_gives_back_the_trees_without_padding():

@@ -71,6 +71,9 @@ class Drafter:
     """Base class: the hooks default to doing nothing; `propose` must be written."""
 
     aux_layers: tuple[int, ...] = ()  # target layers whose inputs the drafter needs (EAGLE-3)
+    # whether the tree for a smaller token budget (same topk) is always a prefix of the tree for a
+    # larger one, so one verify also tells the accept length every smaller shape would have had
+    nested_trees: bool = False
 
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree] | TreeBatch:
         """One tree per sequence, root = seq.token_ids[-1], of at most `shape.num_draft_tokens`

@@ -136,10 +136,10 @@ def grow_trees_on_device(
         beam_nodes, beam_scores, beam_tokens = start + flat, cand_scores.gather(1, flat), cand_tokens.gather(1, flat)
         parent_state = states[batch_rows, rows]
         visible = torch.gather(visible, 1, rows[:, :, None].expand(-1, -1, visible.shape[-1]))
-    # rerank: best n - 1 nodes, back in node order (a parent outranks its children and precedes them)
+    # rerank: best n - 1 nodes in rank order (a parent outranks its children, so it precedes them:
+    # the tree for a smaller budget is a prefix of this one)
     n = min(num_draft_tokens, num)
-    ranked = torch.sort(all_scores[:, 1:], dim=1, descending=True, stable=True).indices[:, : n - 1] + 1
-    kept = torch.sort(ranked, dim=1).values  # (B, n - 1)
+    kept = torch.sort(all_scores[:, 1:], dim=1, descending=True, stable=True).indices[:, : n - 1] + 1  # (B, n - 1)
     new_index = torch.zeros(b, num, dtype=torch.int64, device=dev)  # old node -> tree node (the root stays 0)
     new_index.scatter_(1, kept, torch.arange(1, n, device=dev).expand(b, n - 1))
     tree_tokens = torch.cat([roots[:, None], all_tokens.gather(1, kept)], dim=1)  # (B, n)

@@ -55,6 +55,8 @@ def load_token_map(path: str | Path) -> torch.Tensor:
 
 
 class EagleDrafter(Drafter):
+    nested_trees = True  # trees come out in rank order (`grow_trees_on_device`)
+
     def __init__(self, spec: SpecConfig, ctx: DraftContext) -> None:
         self.spec = spec
         if spec.algorithm == "mtp":  # heads ship inside the target's checkpoint unless a path is given

@@ -40,6 +40,8 @@ def first_layers(target: LlamaModel, k: int) -> LlamaModel:
 
 
 class StandaloneDrafter(Drafter):
+    nested_trees = True  # trees come out in rank order (`DynamicTreeBuilder.build`)
+
     def __init__(self, spec: SpecConfig, ctx: DraftContext) -> None:
         self.spec = spec
         if spec.drafter_path:

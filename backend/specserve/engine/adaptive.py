@@ -9,7 +9,10 @@ up to the configured num_draft_tokens.
 `ShapeChooser` keeps, per batch-size bucket and shape, an estimate of the step's wall time
 (measured at warm-up, then on every step: the median of the first samples, then a moving average
 that one slow step moves by a tenth at most) and, per shape, the mean accept length (tokens a
-request gains per step, the bonus token included). A step runs the shape with the largest
+request gains per step, the bonus token included). Where the drafter's trees are nested (EAGLE's
+dynamic tree: a smaller budget keeps a prefix of a larger budget's nodes), a step that drafts n
+tokens also measures the acceptance of every smaller budget, so shapes below the one running need
+no exploring for their acceptance. A step runs the shape with the largest
 accept_length / step_time for its bucket, where a drafting shape must beat plain decoding by
 `margin` (step times on a busy CPU are noisy: a near-tie is not worth a draft). A shape's time,
 and a drafting shape's acceptance, count as unmeasured until `min_samples` steps have run it: one
@@ -133,13 +136,26 @@ class ShapeChooser:
             picks.append(runner_up)
         return [s for s in picks if (self.rate(batch_size, s) or best_rate) >= self.explore_within * best_rate]
 
-    def observe(self, batch_size: int, shape: DraftShape, seconds: float, accept_lengths: Sequence[int]) -> None:
-        """One step's wall time and per-request accept lengths; shapes off the menu are ignored."""
+    def observe(self, batch_size: int, shape: DraftShape, seconds: float, accept_lengths: Sequence[int],
+                accepted_nodes: Sequence[Sequence[int]] | None = None) -> None:
+        """One step's wall time and per-request accept lengths; shapes off the menu are ignored.
+
+        accepted_nodes: per request, the accepted node indices (root first), given when the
+        drafter's trees are nested (a smaller budget's tree is a prefix of this one): a request
+        would then have accepted, under budget n, the root and its accepted nodes below n, so every
+        smaller drafting shape's acceptance is measured on this step too."""
         if shape not in self.accept:
             return
         self.step_time[(self.bucket(batch_size), shape)].add(seconds)
-        if shape.drafts and accept_lengths:
-            self.accept[shape].add(sum(accept_lengths) / len(accept_lengths))
+        if not shape.drafts or not accept_lengths:
+            return
+        self.accept[shape].add(sum(accept_lengths) / len(accept_lengths))
+        if accepted_nodes:
+            for smaller in self.menu:
+                if smaller.drafts and smaller.num_draft_tokens < shape.num_draft_tokens:
+                    n = smaller.num_draft_tokens
+                    lengths = [1 + sum(j < n for j in nodes[1:]) for nodes in accepted_nodes]
+                    self.accept[smaller].add(sum(lengths) / len(lengths))
 
     def forget_acceptance(self) -> None:
         """After warm-up on a synthetic prompt: its accept lengths say nothing about real text

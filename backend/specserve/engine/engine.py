@@ -481,7 +481,11 @@ class Engine:
             self.drafter.on_accept([reqs[i] for i in live], out, accepted)
             p.drafter_update += clock() - t4
         if self._observe:
-            self.chooser.observe(len(reqs), shape, clock() - start, [len(e) for e in emitted])
+            seconds, lengths = clock() - start, [len(e) for e in emitted]
+            nested = None
+            if shape.drafts and self.drafter.nested_trees and len(self.chooser.menu) > 1:
+                nested = [row[:n] for row, n in zip(result.accepted_nodes.tolist(), lengths)]
+            self.chooser.observe(len(reqs), shape, seconds, lengths, nested)
 
     def _clock(self) -> float:
         """Host time; on CUDA, after the queued work (only when profiling: it costs a sync)."""
