@@ -156,6 +156,7 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         "hardware": describe(),
         "interleaved": True,
         "cpu_compile": base_engine.compiled is not None,  # the target's AOTInductor-compiled forward
+        "compiled_step_buckets": list(base_engine.compiled_step_buckets),  # batch sizes whose steps run it
     }
     hf = lookup = None
     if hf_baseline:

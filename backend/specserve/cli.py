@@ -39,6 +39,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="run the target eagerly on CPU (default: its AOTInductor-compiled forward, compiled once per "
                         "model and CPU and kept in --compile-cache-dir)")
     p.add_argument("--compile-cache-dir", default="", help="compiled programs (default ~/.cache/specserve/compiled)")
+    p.add_argument("--compiled-steps", default="auto", choices=["auto", "always"],
+                   help="which decode / verify steps run the compiled program: auto = per batch size, the faster "
+                        "of it and the eager forward as timed at start-up; always = every step it covers")
     p.add_argument("--num-steps", type=int, default=0, help="draft depth (0 = SGLang's default)")
     p.add_argument("--topk", type=int, default=0, help="branching per draft step (0 = default)")
     p.add_argument("--num-draft-tokens", type=int, default=0, help="tree size incl. root (0 = default)")
@@ -86,6 +89,7 @@ def _engine_config(args: argparse.Namespace, algorithm: str, max_batch_size: int
                         graph_mode="off" if args.disable_cuda_graph else "auto",
                         cuda_graph_max_bs=args.cuda_graph_max_bs, spec=_spec(args, algorithm),
                         cpu_compile=not args.disable_cpu_compile, compile_cache_dir=args.compile_cache_dir,
+                        compiled_steps=args.compiled_steps,
                         profile=getattr(args, "profile", False))
 
 

@@ -222,11 +222,17 @@ class EngineConfig:
     # off here, on in the CLI and the served configs (their disable_cpu_compile switch)
     cpu_compile: bool = False
     compile_cache_dir: str = ""  # compiled programs kept across restarts ("" = ~/.cache/specserve/compiled)
+    # with cpu_compile: which steps (decode, tree verify) run the compiled step program. auto: per
+    # batch-size bucket, whichever of it and the eager forward was faster when timed at start-up
+    # (on some CPUs oneDNN's eager bf16 matmuls win); always: every step the program covers
+    compiled_steps: str = "auto"
     profile: bool = False  # on CUDA, synchronize around each step phase so StepProfile is exact
     max_queue_size: int = 0
     request_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.compiled_steps not in ("auto", "always"):
+            raise ValueError(f"compiled_steps: must be auto or always, got {self.compiled_steps!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_batch_size <= 0:

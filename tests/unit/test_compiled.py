@@ -119,7 +119,7 @@ def test_packages_unused_for_weeks_are_removed(tmp_path):
 
 def _engine(tiny_target_dir, compile_dir, cpu_compile, algorithm="none", **spec):
     return Engine(EngineConfig(model_dir=str(tiny_target_dir), dtype="float32", max_batch_size=4, max_seq_len=128,
-                               cpu_compile=cpu_compile, compile_cache_dir=str(compile_dir),
+                               cpu_compile=cpu_compile, compile_cache_dir=str(compile_dir), compiled_steps="always",
                                spec=SpecConfig(algorithm=algorithm, **spec)))
 
 
@@ -188,3 +188,24 @@ def test_compiled_head_matches_eager(tmp_path, tiny_target_dir, compile_dir, alg
             want = eager._forward(tok, hid, pos, wpos, mask, key_len, [0, 1])
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(compiled.cache.data, eager.cache.data, rtol=1e-4, atol=1e-4)
+
+
+def test_steps_run_compiled_only_where_timed_faster(tiny_target_dir, compile_dir, monkeypatch):
+    """compiled_steps=auto: per batch bucket, the faster of the two step forwards as timed at
+    start-up (stand-in forwards with known costs here); a mix of both stays lossless."""
+    def fake_forwards(self, b, t, context):
+        costs = {"compiled": 0.002 if b == 1 else 0.006, "eager": 0.004}
+        return {name: (lambda c=c: time.sleep(c)) for name, c in costs.items()}
+
+    monkeypatch.setattr(Engine, "_step_forwards", fake_forwards)
+    eng = Engine(EngineConfig(model_dir=str(tiny_target_dir), dtype="float32", max_batch_size=4, max_seq_len=128,
+                              cpu_compile=True, compile_cache_dir=str(compile_dir)))
+    assert eng.chooser.buckets == [1, 2, 4] and eng.compiled_step_buckets == (1,)
+    monkeypatch.undo()
+    ref = _engine(tiny_target_dir, compile_dir, False)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (6, 17, 30)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    expected = [o.token_ids for o in ref.generate(prompts, params)]
+    assert [o.token_ids for o in eng.generate(prompts, params)] == expected  # batch 3: eager
+    assert [eng.generate([p], params)[0].token_ids for p in prompts] == expected  # batch 1: compiled

@@ -19,10 +19,11 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -206,8 +207,62 @@ class Engine:
         pinned = not config.spec.adaptive or bool(config.spec.num_steps or config.spec.topk or config.spec.num_draft_tokens)
         menu = (full,) if pinned or spec.algorithm == "none" else shape_menu(spec.num_steps, spec.topk, spec.num_draft_tokens)
         self.chooser = ShapeChooser(menu, default_batch_sizes(config.max_batch_size))
+        # batch-size buckets whose steps run the compiled step program (the others run eagerly)
+        self.compiled_step_buckets: tuple[int, ...] = ()
+        if self.compiled is not None:
+            buckets = tuple(self.chooser.buckets)
+            self.compiled_step_buckets = self._faster_compiled(buckets) if config.compiled_steps == "auto" else buckets
         if len(menu) > 1:
             self._warm_up()
+
+    @torch.inference_mode()
+    def _faster_compiled(self, buckets: Sequence[int], repeats: int = 7) -> tuple[int, ...]:
+        """The buckets where a step through the compiled program beats the eager forward: each
+        bucket's decode step (and its tree verify, for a drafting algorithm) timed both ways,
+        interleaved, on free slots at a mid-length context; the median of `repeats` after two
+        untimed calls. The K/V written land in free slots, which a prefill overwrites."""
+        context = min(256, self.config.max_seq_len // 2)
+        tree = min(self.spec.num_draft_tokens, MAX_TREE_NODES) if self.spec.algorithm != "none" else 1
+        faster = []
+        for b in buckets:
+            if b > self.cache.num_free:
+                continue
+            times = {"compiled": 0.0, "eager": 0.0}
+            for t in sorted({1, tree}):
+                run = self._step_forwards(b, t, context)
+                samples: dict[str, list[float]] = {name: [] for name in run}
+                for i in range(repeats + 2):
+                    for name, forward in run.items():
+                        start = time.perf_counter()
+                        forward()
+                        if i >= 2:
+                            samples[name].append(time.perf_counter() - start)
+                for name in run:
+                    times[name] += statistics.median(samples[name])
+            if times["compiled"] < times["eager"]:
+                faster.append(b)
+            log.info("target step at batch %d: compiled %.1f ms, eager %.1f ms -> %s", b, times["compiled"] * 1e3,
+                     times["eager"] * 1e3, "compiled" if b in faster else "eager")
+        return tuple(faster)
+
+    def _step_forwards(self, b: int, t: int, context: int) -> dict[str, Callable[[], object]]:
+        """A step of b requests with t-node chains at `context` cached tokens, through the compiled
+        program and eagerly (what `_verify_step` runs), on the first b slots."""
+        dev = self.device
+        tokens = torch.zeros(b, t, dtype=torch.int64, device=dev)
+        slots, host_lens = torch.arange(b, device=dev), [context] * b
+        cache_lens = torch.full((b,), context, device=dev)
+        positions = cache_lens[:, None] + torch.arange(t, device=dev)
+        mask = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(b, t, t)
+        aux = self.drafter.aux_layers
+
+        def eager() -> object:
+            attn = self.model.attention_inputs(positions, slots, cache_lens, None if t == 1 else mask, self.cache,
+                                               host_lens, list(range(b)))
+            return self.model(tokens, attn, self.cache, aux_layers=aux)
+
+        return {"compiled": lambda: self.compiled.forward(tokens, positions, slots, cache_lens, mask, host_lens),
+                "eager": eager}
 
     def _attention_backend(self, graph_batch_size: int | None = None, graph_num_tokens: int = 1) -> AttentionBackend:
         if self.attention == "torch":
@@ -446,7 +501,8 @@ class Engine:
         bucket = self.graphs.bucket_for(*batch.tokens.shape) if self.graphs else None
         if bucket is not None:
             out = self.graphs.forward(batch.tokens, positions, slots, cache_lens, new_mask, host_lens)
-        elif self.compiled is not None and self.compiled.fits(*batch.tokens.shape, max(host_lens)):
+        elif (self.compiled is not None and self.chooser.bucket(len(reqs)) in self.compiled_step_buckets
+              and self.compiled.fits(*batch.tokens.shape, max(host_lens))):
             out = self.compiled.forward(batch.tokens, positions, slots, cache_lens, batch.mask, host_lens)
         else:
             attn = self.model.attention_inputs(
