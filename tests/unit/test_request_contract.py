@@ -381,6 +381,8 @@ def test_engine_config_from_parameters():
     cached = engine_config_from_parameters({"compile_cache_dir": "/abs/cache"})
     assert cached.compile_cache_path == Path("/abs/cache")
     assert engine_config_from_parameters({}).compile_cache_path == Path.home() / ".cache/specserve/compiled"
+    assert engine_config_from_parameters({}).compiled_steps == "auto"
+    assert engine_config_from_parameters({"compiled_steps": "always"}).compiled_steps == "always"
 
 
 @pytest.mark.parametrize(
@@ -389,7 +391,8 @@ def test_engine_config_from_parameters():
      ({"num_steps": "two"}, "num_steps"), ({"dtype": "int8"}, "dtype"), ({"typo_key": "1"}, "typo_key"),
      ({"attention_backend": "xformers"}, "attention_backend"), ({"disable_cuda_graph": "maybe"}, "disable_cuda_graph"),
      ({"cuda_graph_max_bs": "-1"}, "cuda_graph_max_bs"), ({"disable_by_batch_size": "-2"}, "disable_by_batch_size"),
-     ({"adaptive": "sometimes"}, "adaptive"), ({"disable_cpu_compile": "maybe"}, "disable_cpu_compile")],
+     ({"adaptive": "sometimes"}, "adaptive"), ({"disable_cpu_compile": "maybe"}, "disable_cpu_compile"),
+     ({"compiled_steps": "never"}, "compiled_steps")],
 )
 def test_engine_config_errors(params, field):
     with pytest.raises(ValueError, match=rf"^{field}:"):

@@ -42,6 +42,7 @@ ENGINE_PARAMETERS: tuple[tuple[str, str], ...] = (
     ("cuda_graph_max_bs", "0"),
     ("disable_cpu_compile", "false"),
     ("compile_cache_dir", ""),
+    ("compiled_steps", "auto"),
     ("default_max_tokens", "128"),
     ("apply_chat_template", "false"),
 )
