@@ -209,6 +209,7 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
             "same_output_fraction": sum(a == b for a, b in zip(run.outputs, base.outputs)) / len(prompts),
             "tokens": sum(len(o) for o in run.outputs),
             "adaptive": len(run.engine.chooser.menu) > 1,
+            "compiled_step_buckets": list(run.engine.compiled_step_buckets),
             "shapes": run.engine.chooser.summary(),
         }
         if profile:
