@@ -156,7 +156,6 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         "hardware": describe(),
         "interleaved": True,
         "cpu_compile": base_engine.compiled is not None,  # the target's AOTInductor-compiled forward
-        "compiled_step_buckets": list(base_engine.compiled_step_buckets),  # batch sizes whose steps run it
     }
     hf = lookup = None
     if hf_baseline:
@@ -180,6 +179,8 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
             r.run(prompts[i : i + batch_size])
 
     report["baseline_tokens_per_s"] = round(base.tokens_per_s, 2)
+    report["compiled_step_buckets"] = list(base_engine.compiled_step_buckets)  # as chosen at the end
+    report["baseline_step_paths"] = base_engine.paths.summary()
     if profile:
         report["baseline_profile_ms"] = base.engine.profile.per_step_ms()
     if hf is not None:
@@ -210,6 +211,7 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
             "tokens": sum(len(o) for o in run.outputs),
             "adaptive": len(run.engine.chooser.menu) > 1,
             "compiled_step_buckets": list(run.engine.compiled_step_buckets),
+            "step_paths": run.engine.paths.summary(),  # forwards through the compiled program / eagerly
             "shapes": run.engine.chooser.summary(),
         }
         if profile:

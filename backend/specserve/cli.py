@@ -40,8 +40,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "model and CPU and kept in --compile-cache-dir)")
     p.add_argument("--compile-cache-dir", default="", help="compiled programs (default ~/.cache/specserve/compiled)")
     p.add_argument("--compiled-steps", default="auto", choices=["auto", "always"],
-                   help="which decode / verify steps run the compiled program: auto = per batch size, the faster "
-                        "of it and the eager forward as timed at start-up; always = every step it covers")
+                   help="which decode / verify steps run the compiled program: auto = per batch size and tree size, "
+                        "the faster of it and the eager forward, timed at start-up and while serving; "
+                        "always = every step it covers")
     p.add_argument("--num-steps", type=int, default=0, help="draft depth (0 = SGLang's default)")
     p.add_argument("--topk", type=int, default=0, help="branching per draft step (0 = default)")
     p.add_argument("--num-draft-tokens", type=int, default=0, help="tree size incl. root (0 = default)")

@@ -223,8 +223,9 @@ class EngineConfig:
     cpu_compile: bool = False
     compile_cache_dir: str = ""  # compiled programs kept across restarts ("" = ~/.cache/specserve/compiled)
     # with cpu_compile: which steps (decode, tree verify) run the compiled step program. auto: per
-    # batch-size bucket, whichever of it and the eager forward was faster when timed at start-up
-    # (on some CPUs oneDNN's eager bf16 matmuls win); always: every step the program covers
+    # batch-size bucket and tree size, whichever of it and the eager forward is faster, timed at
+    # start-up and on every step (on some CPUs oneDNN's eager bf16 matmuls win); always: every step
+    # the program covers
     compiled_steps: str = "auto"
     profile: bool = False  # on CUDA, synchronize around each step phase so StepProfile is exact
     max_queue_size: int = 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
-from specserve.engine.adaptive import ShapeChooser, shape_menu
+from specserve.engine.adaptive import PathChooser, ShapeChooser, shape_menu
 from specserve.engine.engine import Engine
 from specserve.tree import DraftShape
 
@@ -222,3 +222,37 @@ def test_neighbours_far_below_the_best_are_not_explored():
     for shape in c.menu[2:]:
         c.observe(1, shape, 0.030, [1.2])
     assert {c.choose(1) for _ in range(20)} == {c.menu[0]}
+
+
+def test_path_chooser_runs_the_faster_path_and_the_other_every_explore_every_steps():
+    c = PathChooser(explore_every=8)
+    c.seed((1, 1), "compiled", 0.030)
+    c.seed((1, 1), "eager", 0.025)
+    picks = [c.choose((1, 1)) for _ in range(32)]
+    assert picks.count("compiled") == 4 and all(picks[i] == "compiled" for i in (7, 15, 23, 31))
+
+
+def test_path_chooser_leaves_a_path_that_turns_slow():
+    """A program timed faster at start-up that runs slower in the loop is left after a few steps."""
+    c = PathChooser(explore_every=4)
+    key = (1, 1)
+    c.seed(key, "compiled", 0.020)
+    c.seed(key, "eager", 0.025)
+    steps = 0
+    while c.best(key) == "compiled":
+        path = c.choose(key)
+        c.observe(key, path, 0.030 if path == "compiled" else 0.025)
+        steps += 1
+        assert steps < 40
+    assert c.best((1, 4)) == "compiled"  # keys are separate; unmeasured paths run first
+    c.observe((1, 4), "compiled", 0.01)
+    assert c.best((1, 4)) == "compiled"
+    for _ in range(3):
+        c.observe((1, 4), "compiled", 0.01)
+    assert c.best((1, 4)) == "eager"
+
+
+def test_a_pinned_path_chooser_always_runs_the_program():
+    c = PathChooser(explore_every=2, pinned=True)
+    c.seed((1, 1), "eager", 0.001)
+    assert {c.choose((1, 1)) for _ in range(10)} == {"compiled"}

@@ -21,8 +21,14 @@ slow or unlucky step (a first call on a new shape, a busy host) must not lock a 
 current: its neighbours on the menu and the runner-up, in turn (every 4 x `explore_every` steps
 while plain decoding is best; shapes estimated below `explore_within` of the best are not tried).
 
+`PathChooser` makes the other per-step choice on a CPU: whether the target's forward runs through
+the compiled step program or eagerly. Neither is faster on every CPU, and on some the program's
+speed differs from one process to the next, so a timing taken at start-up only seeds the choice:
+each (batch-size bucket, tokens per request) key runs its faster measured path and, every
+`explore_every`-th step, the other, so a path that turns slow is left within a few dozen steps.
+
 This module measures nothing itself and knows nothing about models or trees: the engine reports
-each step's batch size, shape, time and accept lengths (`observe`).
+each step's batch size, shape, time and accept lengths (`observe`), and each forward's path and time.
 """
 
 from __future__ import annotations
@@ -170,4 +176,59 @@ class ShapeChooser:
             "chosen": {str(s): n for s, n in sorted(self.chosen.items())},
             "accept_length": {str(s): round(a.value, 3) for s, a in self.accept.items() if a.count},
             "step_ms": {f"bs{b}:{s}": round(t.value * 1e3, 2) for (b, s), t in self.step_time.items() if t.count},
+        }
+
+
+class PathChooser:
+    """Per step: `choose(key)` -> "compiled" or "eager"; after the forward: `observe(key, path, seconds)`.
+
+    key: (batch-size bucket, tokens per request). A path counts as unmeasured until `min_samples`
+    forwards have run it (`seed` counts as that many); unmeasured paths run first, compiled first.
+    pinned: always the compiled program (no exploring, nothing measured)."""
+
+    PATHS = ("compiled", "eager")
+
+    def __init__(self, explore_every: int = 32, min_samples: int = 3, pinned: bool = False) -> None:
+        self.explore_every, self.min_samples, self.pinned = explore_every, min_samples, pinned
+        self.times: dict[tuple[int, int], dict[str, _Average]] = {}
+        self.chosen: Counter[str] = Counter()
+        self._steps: Counter[tuple[int, int]] = Counter()
+
+    def _averages(self, key: tuple[int, int]) -> dict[str, _Average]:
+        return self.times.setdefault(key, {p: _Average(horizon=10, robust=True) for p in self.PATHS})
+
+    def seed(self, key: tuple[int, int], path: str, seconds: float) -> None:
+        """A start-up timing (a median of several forwards): counts as `min_samples` samples."""
+        avg = self._averages(key)[path]
+        for _ in range(self.min_samples):
+            avg.add(seconds)
+
+    def best(self, key: tuple[int, int]) -> str:
+        if self.pinned:
+            return "compiled"
+        avgs = self._averages(key)
+        unmeasured = [p for p in self.PATHS if avgs[p].count < self.min_samples]
+        if unmeasured:
+            return unmeasured[0]
+        return min(self.PATHS, key=lambda p: avgs[p].value)
+
+    def choose(self, key: tuple[int, int]) -> str:
+        path = self.best(key)
+        if not self.pinned:
+            self._steps[key] += 1
+            if self._steps[key] % self.explore_every == 0:
+                path = next(p for p in self.PATHS if p != path)
+        self.chosen[path] += 1
+        return path
+
+    def observe(self, key: tuple[int, int], path: str, seconds: float) -> None:
+        if not self.pinned:
+            self._averages(key)[path].add(seconds)
+
+    def summary(self) -> dict:
+        """What the bench JSON reports: forwards per path, and per key each path's estimate (ms)."""
+        return {
+            "chosen": dict(sorted(self.chosen.items())),
+            "forward_ms": {f"bs{b}:t{t}": {p: round(a.value * 1e3, 2) for p, a in avgs.items() if a.count}
+                           for (b, t), avgs in sorted(self.times.items())},
         }

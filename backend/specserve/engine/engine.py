@@ -34,7 +34,7 @@ import specserve_kernels as K
 from specserve.config import EngineConfig, SamplingParams
 from specserve.drafters import DraftContext, Drafter
 from specserve.drafters.factory import build_drafter
-from specserve.engine.adaptive import ShapeChooser, shape_menu
+from specserve.engine.adaptive import PathChooser, ShapeChooser, shape_menu
 from specserve.engine.detokenize import IncrementalDetokenizer
 from specserve.engine.outputs import (
     FINISH_ABORT,
@@ -207,27 +207,24 @@ class Engine:
         pinned = not config.spec.adaptive or bool(config.spec.num_steps or config.spec.topk or config.spec.num_draft_tokens)
         menu = (full,) if pinned or spec.algorithm == "none" else shape_menu(spec.num_steps, spec.topk, spec.num_draft_tokens)
         self.chooser = ShapeChooser(menu, default_batch_sizes(config.max_batch_size))
-        # batch-size buckets whose steps run the compiled step program (the others run eagerly)
-        self.compiled_step_buckets: tuple[int, ...] = ()
-        if self.compiled is not None:
-            buckets = tuple(self.chooser.buckets)
-            self.compiled_step_buckets = self._faster_compiled(buckets) if config.compiled_steps == "auto" else buckets
+        # per step: the compiled step program or the eager forward, whichever is measured faster
+        self.paths = PathChooser(pinned=config.compiled_steps == "always")
+        if self.compiled is not None and config.compiled_steps == "auto":
+            self._time_step_paths(self.chooser.buckets)
         if len(menu) > 1:
             self._warm_up()
 
     @torch.inference_mode()
-    def _faster_compiled(self, buckets: Sequence[int], repeats: int = 7) -> tuple[int, ...]:
-        """The buckets where a step through the compiled program beats the eager forward: each
-        bucket's decode step (and its tree verify, for a drafting algorithm) timed both ways,
-        interleaved, on free slots at a mid-length context; the median of `repeats` after two
-        untimed calls. The K/V written land in free slots, which a prefill overwrites."""
+    def _time_step_paths(self, buckets: Sequence[int], repeats: int = 7) -> None:
+        """Seed the path choice: each bucket's decode step (and its tree verify, for a drafting
+        algorithm) timed through the compiled program and eagerly, interleaved, on free slots at a
+        mid-length context; the median of `repeats` after two untimed calls. The K/V written land
+        in free slots, which a prefill overwrites. Serving steps keep measuring both paths."""
         context = min(256, self.config.max_seq_len // 2)
         tree = min(self.spec.num_draft_tokens, MAX_TREE_NODES) if self.spec.algorithm != "none" else 1
-        faster = []
         for b in buckets:
             if b > self.cache.num_free:
                 continue
-            times = {"compiled": 0.0, "eager": 0.0}
             for t in sorted({1, tree}):
                 run = self._step_forwards(b, t, context)
                 samples: dict[str, list[float]] = {name: [] for name in run}
@@ -238,12 +235,17 @@ class Engine:
                         if i >= 2:
                             samples[name].append(time.perf_counter() - start)
                 for name in run:
-                    times[name] += statistics.median(samples[name])
-            if times["compiled"] < times["eager"]:
-                faster.append(b)
-            log.info("target step at batch %d: compiled %.1f ms, eager %.1f ms -> %s", b, times["compiled"] * 1e3,
-                     times["eager"] * 1e3, "compiled" if b in faster else "eager")
-        return tuple(faster)
+                    self.paths.seed((b, t), name, statistics.median(samples[name]))
+                log.info("target step at batch %d, %d token(s): compiled %.1f ms, eager %.1f ms -> %s", b, t,
+                         statistics.median(samples["compiled"]) * 1e3, statistics.median(samples["eager"]) * 1e3,
+                         self.paths.best((b, t)))
+
+    @property
+    def compiled_step_buckets(self) -> tuple[int, ...]:
+        """The batch-size buckets whose decode steps run the compiled step program now."""
+        if self.compiled is None:
+            return ()
+        return tuple(b for b in self.chooser.buckets if self.paths.best((b, 1)) == "compiled")
 
     def _step_forwards(self, b: int, t: int, context: int) -> dict[str, Callable[[], object]]:
         """A step of b requests with t-node chains at `context` cached tokens, through the compiled
@@ -499,10 +501,13 @@ class Engine:
         positions = cache_lens[:, None] + batch.depth  # (B, N)
         new_mask = None if batch.is_root_only else batch.mask
         bucket = self.graphs.bucket_for(*batch.tokens.shape) if self.graphs else None
+        path_key = (self.chooser.bucket(len(reqs)), batch.tokens.shape[1])
+        path = None
+        if self.compiled is not None and self.compiled.fits(*batch.tokens.shape, max(host_lens)):
+            path = self.paths.choose(path_key)
         if bucket is not None:
             out = self.graphs.forward(batch.tokens, positions, slots, cache_lens, new_mask, host_lens)
-        elif (self.compiled is not None and self.chooser.bucket(len(reqs)) in self.compiled_step_buckets
-              and self.compiled.fits(*batch.tokens.shape, max(host_lens))):
+        elif path == "compiled":
             out = self.compiled.forward(batch.tokens, positions, slots, cache_lens, batch.mask, host_lens)
         else:
             attn = self.model.attention_inputs(
@@ -511,6 +516,8 @@ class Engine:
             out = self.model(batch.tokens, attn, self.cache, aux_layers=self.drafter.aux_layers)
         t2 = clock()
         p.forward += t2 - t1
+        if path is not None:
+            self.paths.observe(path_key, path, t2 - t1)
         result, emitted, logprobs = self._verify(reqs, batch, out.logits)
         if not batch.is_root_only:
             K.compact_kv(self.cache.data, slots, cache_lens, result.accepted_nodes, result.accept_length)

@@ -73,7 +73,7 @@ def engine_config_from_parameters(params: Mapping[str, str]) -> EngineConfig:
     against the project root. device: empty or "auto" = cuda when available; attention_backend,
     disable_cuda_graph and cuda_graph_max_bs as SGLang names them; disable_cpu_compile (default false:
     the target's compiled forward on CPU), compile_cache_dir (empty = ~/.cache/specserve/compiled) and
-    compiled_steps (auto: the compiled step program where timed faster; always). Every SpecConfig
+    compiled_steps (auto: the compiled step program where measured faster; always). Every SpecConfig
     field (algorithm, num_steps, topk, num_draft_tokens, ngram_*) may be set by its name;
     empty values keep the default. Unknown keys are an error (typos should not pass silently).
     """
