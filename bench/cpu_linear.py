@@ -4,7 +4,11 @@ the 121 weight matrices of SmolLM2-135M (or any --hidden/--intermediate/--layers
 read once per pass so caches stay cold, as in a decode step. Reported as GB/s of weights read,
 next to a read-only reduction's bandwidth.
 
+`--few-rows`: a draft head's float32 logits instead (a --draft-vocab x --hidden weight):
+`F.linear` against `few_row_linear`, the same product ordered weight @ x^T.
+
     .venv/bin/python bench/cpu_linear.py [--tokens 1 4 16]
+    .venv/bin/python bench/cpu_linear.py --few-rows [--tokens 1 4 8 32]
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.bench import read_bandwidth_gbs
-from specserve.models.cpu_linear import PackedLinear, can_pack
+from specserve.models.cpu_linear import PackedLinear, can_pack, few_row_linear
 
 
 def best_seconds(fn, repeats: int = 5) -> float:  # noqa: ANN001
@@ -45,6 +49,17 @@ def linears(args: argparse.Namespace) -> None:
               f"packed {pack * 1e3:6.2f} ms ({nbytes / pack / 1e9:4.1f} GB/s)   {plain / pack:.2f}x")
 
 
+@torch.inference_mode()
+def few_rows(args: argparse.Namespace) -> None:
+    weight = torch.randn(args.draft_vocab, args.hidden) * 0.02
+    print(f"float32 logits over {args.draft_vocab} x {args.hidden} ({weight.nbytes / 1e6:.0f} MB)")
+    for t in args.tokens:
+        x = torch.randn(t, args.hidden)
+        plain = best_seconds(lambda x=x: F.linear(x, weight), repeats=20)
+        fast = best_seconds(lambda x=x: few_row_linear(x, weight), repeats=20)
+        print(f"rows {t:2d}: F.linear {plain * 1e3:6.2f} ms   few_row_linear {fast * 1e3:6.2f} ms   {plain / fast:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=576)
@@ -52,7 +67,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--few-rows", action="store_true", help="float32 draft logits: F.linear vs few_row_linear")
+    parser.add_argument("--draft-vocab", type=int, default=8192)
     args = parser.parse_args()
+    if args.few_rows:
+        return few_rows(args)
     if not can_pack(torch.device("cpu"), torch.bfloat16):
         raise SystemExit("this CPU's oneDNN has no bf16 linear: nothing to compare")
     linears(args)

@@ -232,6 +232,15 @@ def test_path_chooser_runs_the_faster_path_and_the_other_every_explore_every_ste
     assert picks.count("compiled") == 4 and all(picks[i] == "compiled" for i in (7, 15, 23, 31))
 
 
+def test_path_chooser_tries_a_far_slower_path_less_often():
+    """Eager at 3x the program's time: tried every 3 x explore_every steps, not every explore_every."""
+    c = PathChooser(explore_every=8)
+    c.seed((1, 1), "compiled", 0.020)
+    c.seed((1, 1), "eager", 0.060)
+    picks = [c.choose((1, 1)) for _ in range(96)]
+    assert picks.count("eager") == 4 and all(picks[i] == "eager" for i in (23, 47, 71, 95))
+
+
 def test_path_chooser_leaves_a_path_that_turns_slow():
     """A program timed faster at start-up that runs slower in the loop is left after a few steps."""
     c = PathChooser(explore_every=4)

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.models.cpu_linear import PackedLinear, can_pack
+from specserve.models.cpu_linear import PackedLinear, apply_few_rows, can_pack, few_row_linear
 from specserve.models.llama import MLP, Attend, Attention, LlamaModel, RMSNorm
 from specserve.models.weights import read_safetensors, take
 
@@ -174,7 +174,7 @@ class EagleHead(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., V') float32; V' = draft vocab (EAGLE-3), hot ids, or the target vocab."""
         if self.cfg.algorithm == "eagle3":
-            return self.lm_head(self.norm(h)).float()
+            return apply_few_rows(self.lm_head, self.norm(h)).float()
         return self.target_head.logits(h)
 
     def set_hot_ids(self, hot_ids: torch.Tensor) -> None:
@@ -217,7 +217,7 @@ class SharedLmHead:
             self.packed = PackedLinear(self.rows)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return (self.packed(h) if self.packed is not None else F.linear(h, self.rows)).float()
+        return (self.packed(h) if self.packed is not None else few_row_linear(h, self.rows)).float()
 
     def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
         return idx if self.hot_ids is None else self.hot_ids[idx]

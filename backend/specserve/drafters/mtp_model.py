@@ -26,6 +26,7 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.drafters.eagle_model import SharedLmHead
+from specserve.models.cpu_linear import apply_few_rows
 from specserve.models.llama import Attend, DecoderLayer, LlamaModel, RMSNorm
 from specserve.models.weights import read_safetensors, take
 
@@ -82,7 +83,7 @@ class MtpHead(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self.final_norm(h)
-        return self.head(h).float() if self.head is not None else self.target_head.logits(h)
+        return apply_few_rows(self.head, h).float() if self.head is not None else self.target_head.logits(h)
 
     def set_hot_ids(self, hot_ids: torch.Tensor) -> None:
         if self.head is not None:
