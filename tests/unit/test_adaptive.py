@@ -241,6 +241,23 @@ def test_path_chooser_tries_a_far_slower_path_less_often():
     assert picks.count("eager") == 4 and all(picks[i] == "eager" for i in (23, 47, 71, 95))
 
 
+def test_only_steps_on_the_settled_path_stand_for_a_shapes_time():
+    """Exploring forwards (an unmeasured path, or the slower one) are kept out of the shape's step
+    time; their acceptance still counts."""
+    paths = PathChooser(explore_every=4)
+    key = (1, 4)
+    assert not paths.settled_on(key, "compiled")  # nothing measured yet
+    paths.seed(key, "compiled", 0.020)
+    assert not paths.settled_on(key, "compiled")  # eager not measured yet
+    paths.seed(key, "eager", 0.060)
+    assert paths.settled_on(key, "compiled") and not paths.settled_on(key, "eager")
+    assert PathChooser(pinned=True).settled_on(key, "compiled")
+    c = _chooser()
+    shape = c.menu[-1]
+    c.observe(1, shape, None, [3])
+    assert c.step_time[(1, shape)].count == 0 and c.accept[shape].count == 1
+
+
 def test_path_chooser_leaves_a_path_that_turns_slow():
     """A program timed faster at start-up that runs slower in the loop is left after a few steps."""
     c = PathChooser(explore_every=4)

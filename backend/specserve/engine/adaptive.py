@@ -146,9 +146,11 @@ class ShapeChooser:
             picks.append(runner_up)
         return [s for s in picks if (self.rate(batch_size, s) or best_rate) >= self.explore_within * best_rate]
 
-    def observe(self, batch_size: int, shape: DraftShape, seconds: float, accept_lengths: Sequence[int],
+    def observe(self, batch_size: int, shape: DraftShape, seconds: float | None, accept_lengths: Sequence[int],
                 accepted_nodes: Sequence[Sequence[int]] | None = None) -> None:
         """One step's wall time and per-request accept lengths; shapes off the menu are ignored.
+        seconds None: a step whose time does not stand for the shape's (its forward explored a slower
+        path, see `PathChooser.settled_on`); its acceptance still counts.
 
         accepted_nodes: per request, the accepted node indices (root first), given when the
         drafter's trees are nested (a smaller budget's tree is a prefix of this one): a request
@@ -156,7 +158,8 @@ class ShapeChooser:
         smaller drafting shape's acceptance is measured on this step too."""
         if shape not in self.accept:
             return
-        self.step_time[(self.bucket(batch_size), shape)].add(seconds)
+        if seconds is not None:
+            self.step_time[(self.bucket(batch_size), shape)].add(seconds)
         if not shape.drafts or not accept_lengths:
             return
         self.accept[shape].add(sum(accept_lengths) / len(accept_lengths))
@@ -225,6 +228,16 @@ class PathChooser:
         fast, slow = sorted(a.value for a in avgs.values())
         slowdown = slow / fast if fast > 0 else 1.0
         return self.explore_every * (math.ceil(slowdown) if slowdown > self.explore_within else 1)
+
+    def settled_on(self, key: tuple[int, int], path: str) -> bool:
+        """Whether `path` is the one this key's steps run: pinned, or both paths measured and this one
+        the faster. A forward on any other path explores it, and its step's time says nothing about
+        the draft shape's cost (the engine keeps it out of `ShapeChooser`'s estimates: eager steps
+        at 2-4x the program's time, counted there, locked drafting shapes out for good)."""
+        if self.pinned:
+            return True
+        measured = all(a.count >= self.min_samples for a in self._averages(key).values())
+        return measured and self.best(key) == path
 
     def choose(self, key: tuple[int, int]) -> str:
         path = self.best(key)

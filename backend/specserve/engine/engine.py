@@ -215,17 +215,18 @@ class Engine:
             self._warm_up()
 
     @torch.inference_mode()
-    def _time_step_paths(self, buckets: Sequence[int], repeats: int = 7) -> None:
-        """Seed the path choice: each bucket's decode step (and its tree verify, for a drafting
-        algorithm) timed through the compiled program and eagerly, interleaved, on free slots at a
-        mid-length context; the median of `repeats` after two untimed calls. The K/V written land
-        in free slots, which a prefill overwrites. Serving steps keep measuring both paths."""
+    def _time_step_paths(self, buckets: Sequence[int], repeats: int = 5) -> None:
+        """Seed the path choice: each bucket's step at every tree size of the shape menu (1 = decode)
+        timed through the compiled program and eagerly, interleaved, on free slots at a mid-length
+        context; the median of `repeats` after two untimed calls. The K/V written land in free
+        slots, which a prefill overwrites. Serving steps keep measuring both paths. Seeding every
+        size lets the warm-up's shape timings, and serving's first steps, run on the faster path."""
         context = min(256, self.config.max_seq_len // 2)
-        tree = min(self.spec.num_draft_tokens, MAX_TREE_NODES) if self.spec.algorithm != "none" else 1
+        sizes = sorted({1, *(min(s.num_draft_tokens, MAX_TREE_NODES) for s in self.chooser.menu)})
         for b in buckets:
             if b > self.cache.num_free:
                 continue
-            for t in sorted({1, tree}):
+            for t in sizes:
                 run = self._step_forwards(b, t, context)
                 samples: dict[str, list[float]] = {name: [] for name in run}
                 for i in range(repeats + 2):
@@ -544,7 +545,8 @@ class Engine:
             self.drafter.on_accept([reqs[i] for i in live], out, accepted)
             p.drafter_update += clock() - t4
         if self._observe:
-            seconds, lengths = clock() - start, [len(e) for e in emitted]
+            lengths = [len(e) for e in emitted]
+            seconds = clock() - start if path is None or self.paths.settled_on(path_key, path) else None
             nested = None
             if shape.drafts and self.drafter.nested_trees and len(self.chooser.menu) > 1:
                 nested = [row[:n] for row, n in zip(result.accepted_nodes.tolist(), lengths)]
