@@ -215,7 +215,7 @@ class Engine:
             self._warm_up()
 
     @torch.inference_mode()
-    def _time_step_paths(self, buckets: Sequence[int], repeats: int = 5) -> None:
+    def _time_step_paths(self, buckets: Sequence[int], repeats: int = 3) -> None:
         """Seed the path choice: each bucket's step at every tree size of the shape menu (1 = decode)
         timed through the compiled program and eagerly, interleaved, on free slots at a mid-length
         context; the median of `repeats` after two untimed calls. The K/V written land in free
