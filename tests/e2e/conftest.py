@@ -36,6 +36,12 @@ def e2e() -> E2EConfig:
     return E2EConfig(variants=VARIANTS)
 
 
+@pytest.fixture(scope="session")
+def engine_params() -> dict[str, str]:
+    """config.pbtxt parameters of every llm model the e2e servers run."""
+    return dict(ENGINE_PARAMS)
+
+
 @pytest.fixture(scope="module")  # gone after the module: its engines hold gigabytes the later tests need
 def server(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path, e2e: E2EConfig) -> Iterator[TritonProcess]:
     root = tmp_path_factory.mktemp("triton")
