@@ -147,6 +147,25 @@ def test_a_drafter_that_costs_more_than_it_saves_is_left_idle(tmp_path, tiny_tar
     assert out.token_ids == ref[0].token_ids
 
 
+def test_a_requests_first_draft_does_not_count_in_its_shapes_time(tmp_path, tiny_target_dir):
+    """That step's catch-up runs the head over the whole prompt: a one-off, not what the shape costs
+    a step. Its acceptance counts; every later drafting step's time counts."""
+    eng = _engine(tiny_target_dir, "eagle", 1, **_drafter_spec(tmp_path, "eagle"), num_steps=2, topk=2,
+                  num_draft_tokens=4)  # pinned: every step drafts
+    observe, seen = eng.chooser.observe, []
+
+    def spy(batch_size, shape, seconds, *args):  # noqa: ANN001, ANN202
+        seen.append((shape.drafts, seconds))
+        return observe(batch_size, shape, seconds, *args)
+
+    eng.chooser.observe = spy
+    for prompt in (list(range(10, 70)), list(range(80, 100))):
+        seen.clear()
+        eng.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))
+        drafted = [seconds for drafts, seconds in seen if drafts]
+        assert len(drafted) >= 2 and drafted[0] is None and None not in drafted[1:], seen
+
+
 def test_a_draft_must_beat_plain_decoding_by_the_margin():
     c = ShapeChooser(shape_menu(1, 1, 2), batch_buckets=(1,), margin=0.05, min_samples=1)
     c.observe(1, c.menu[0], 0.010, [1])  # 100 tokens/s

@@ -489,6 +489,8 @@ class Engine:
         p, clock = self.profile, self._clock
         start = t0 = clock()
         shape = self._shape_for(len(reqs))
+        # a request's first draft catches the drafter up over its whole prompt: a one-off, not the shape's cost
+        first_draft = shape.drafts and any(r.num_draft_tokens == 0 for r in reqs)
         if shape.drafts:
             proposal: list[DraftTree] | TreeBatch = self.drafter.propose(reqs, shape)
         else:  # plain decoding this step; a drafter catches up on what it missed when it drafts again
@@ -546,7 +548,8 @@ class Engine:
             p.drafter_update += clock() - t4
         if self._observe:
             lengths = [len(e) for e in emitted]
-            seconds = clock() - start if path is None or self.paths.settled_on(path_key, path) else None
+            settled = path is None or self.paths.settled_on(path_key, path)
+            seconds = clock() - start if settled and not first_draft else None
             nested = None
             if shape.drafts and self.drafter.nested_trees and len(self.chooser.menu) > 1:
                 nested = [row[:n] for row, n in zip(result.accepted_nodes.tolist(), lengths)]
