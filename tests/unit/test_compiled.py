@@ -19,6 +19,7 @@ import torch
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.engine import Engine
 from specserve.models.compiled import STALE_AFTER_DAYS, CompiledTarget, can_compile, program_key, remove_stale
+from specserve.models.few_row_head import FEW_ROWS
 from specserve.models.kv_cache import KVCache
 from specserve.models.weights import load_llama
 
@@ -153,9 +154,10 @@ def test_compiled_engines_are_lossless(tmp_path, tiny_target_dir, compile_dir, a
 
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
 def test_compiled_head_matches_eager(tmp_path, tiny_target_dir, compile_dir, algorithm):
-    """A draft head's compiled forward gives the eager head's states and K/V: a catch-up over fresh
+    """A draft head's compiled forwards give the eager head's states and K/V: a catch-up over fresh
     prompts (EAGLE-3: the fused target features), one after a prefix, then a beam step whose nodes
-    sit at scattered cache entries and see their prefix and themselves."""
+    sit at scattered cache entries and see their prefix and themselves. Forwards of more than
+    FEW_ROWS rows run the head's program, the beam's run its few-row program."""
     from test_eagle import write_checkpoint
 
     from specserve.drafters.beam import causal_extend_mask
@@ -165,17 +167,22 @@ def test_compiled_head_matches_eager(tmp_path, tiny_target_dir, compile_dir, alg
                 num_draft_tokens=6)
     compiled = _engine(tiny_target_dir, compile_dir, True, algorithm, **spec).drafter
     eager = _engine(tiny_target_dir, compile_dir, False, algorithm, **spec).drafter
-    assert compiled.compiled is not None and eager.compiled is None
+    assert compiled.compiled is not None and compiled.few_rows is not None and eager.compiled is None
+    ran = {"head": 0, "few rows": 0}
+    for name, program in (("head", compiled.compiled), ("few rows", compiled.few_rows)):
+        for width, runner in program.runners.items():
+            program.runners[width] = lambda *a, runner=runner, name=name: (ran.__setitem__(name, ran[name] + 1),
+                                                                           runner(*a))[1]
     g = torch.Generator().manual_seed(9)
     cfg = compiled.head.cfg
-    b, t = 2, 5
+    b, t, first = 2, FEW_ROWS // 2 + 4, FEW_ROWS // 2 + 1  # the first catch-up: more than FEW_ROWS rows
     tokens = torch.randint(3, VOCAB, (b, t), generator=g)
     feats = torch.randn(b, t, cfg.feature_size, generator=g)
     positions = torch.arange(t).expand(b, t)
-    steps = [(tokens[:, :3], feats[:, :3], positions[:, :3], positions[:, :3], None, 3)]
-    start = torch.tensor([3, 3])  # the catch-up over the rest, after a prefix
-    steps.append((tokens[:, 3:], feats[:, 3:], positions[:, 3:], positions[:, 3:],
-                  causal_extend_mask(start, t - 3, t), t))
+    steps = [(tokens[:, :first], feats[:, :first], positions[:, :first], positions[:, :first], None, first)]
+    start = torch.tensor([first, first])  # the catch-up over the rest, after a prefix
+    steps.append((tokens[:, first:], feats[:, first:], positions[:, first:], positions[:, first:],
+                  causal_extend_mask(start, t - first, t), t))
     base = torch.tensor([t, t])
     visible = torch.eye(2, dtype=torch.bool).expand(b, 2, 2)
     beam_pos = torch.tensor([[t + 1, t + 2], [t + 1, t + 2]])  # after a scratch entry nobody sees
@@ -188,6 +195,8 @@ def test_compiled_head_matches_eager(tmp_path, tiny_target_dir, compile_dir, alg
             want = eager._forward(tok, hid, pos, wpos, mask, key_len, [0, 1])
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(compiled.cache.data, eager.cache.data, rtol=1e-4, atol=1e-4)
+    # EAGLE-2's catch-up reads target states as wide as the head's own: the few-row program takes its second one
+    assert ran == ({"head": 1, "few rows": 2} if algorithm == "eagle" else {"head": 2, "few rows": 1})
 
 
 def test_steps_run_compiled_only_where_timed_faster(tiny_target_dir, compile_dir, monkeypatch):

@@ -43,6 +43,7 @@ from specserve.drafters.mtp_model import load_mtp
 from specserve.models.compiled import CompiledHead, compiled_or_none
 from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.cuda_graph import DraftGraphs
+from specserve.models.few_row_head import FewRowHead
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, rope_table
 from specserve.tree import DraftShape, DraftTree, TreeBatch
@@ -94,8 +95,12 @@ class EagleDrafter(Drafter):
         cache_dir = ctx.compile_cache_dir
         self.compiled = None if cache_dir is None else compiled_or_none(f"{spec.algorithm} head", lambda: CompiledHead(
             self.head, self.head.embed_weight, self.rope, self.cache, widths, cache_dir))
-        if pack_for_inference(self.head):  # bf16 on CPU: the head's linears and its share of the target's lm_head
-            self.head.target_head.pack()
+        # drafting steps are a few rows: a second program, its matmuls autotuned for them
+        self.few_rows = None if self.compiled is None else compiled_or_none(
+            f"{spec.algorithm} head (few rows)", lambda: FewRowHead(
+                self.head, self.head.embed_weight, self.rope, self.cache, self.head.cfg.hidden_size, cache_dir))
+        pack_for_inference(self.head)  # bf16 on CPU: the head's linears
+        self.head.pack_logits()  # on CPU: its output layer (bf16: packed; float32: int8 where that is faster here)
         self.graphs = None if not ctx.graph_batch_sizes else DraftGraphs(
             self._draft_static, ctx.graph_batch_sizes, self.cache.reserve(), torch.device(ctx.device),
             ctx.capture_graphs,
@@ -112,7 +117,8 @@ class EagleDrafter(Drafter):
                 mask = causal_extend_mask(torch.zeros(len(tokens), dtype=torch.int64, device=self.device),
                                           tokens.shape[1], key_len)
             slots_t = slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, device=self.device)
-            return self.compiled.forward(tokens, hidden, positions, write_pos, mask, slots_t)
+            few = self.few_rows is not None and self.few_rows.covers(tokens, hidden, key_len)
+            return (self.few_rows if few else self.compiled).forward(tokens, hidden, positions, write_pos, mask, slots_t)
         a = scattered_attention_inputs(self.rope, positions, write_pos, slots, mask, key_len)
         layer_cache = self.cache.layer(0)
         return self.head(tokens, hidden, lambda attn, x: attn(x, layer_cache, a))
