@@ -170,6 +170,24 @@ def test_greedy_lossless_with_continuous_batching(tmp_path, tiny_target_dir, alg
 
 
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
+def test_int8_draft_logits_stay_lossless(tmp_path, tiny_target_dir, monkeypatch, algorithm):
+    """The draft logits through int8 weights (as on a CPU where that is timed faster): the drafts
+    change at most, the outputs do not."""
+    from specserve.drafters import eagle_model
+    from specserve.models.cpu_linear import Int8Linear
+
+    monkeypatch.setattr(eagle_model, "int8_if_faster", Int8Linear)
+    path = write_checkpoint(tmp_path / algorithm, algorithm)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    eng = _engine(tiny_target_dir, algorithm, batch=2, drafter_path=str(path), num_steps=3, topk=2, num_draft_tokens=6)
+    head = eng.drafter.head
+    assert isinstance(head.lm_head if algorithm == "eagle3" else head.target_head.packed, Int8Linear)
+    outs = eng.generate(_prompts(), params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in _engine(tiny_target_dir).generate(_prompts(), params)]
+    assert all(o.num_draft_tokens > 0 for o in outs)
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
 def test_draft_cache_matches_recompute_and_training_unroll(tmp_path, tiny_target_dir, target, algorithm):
     """After prefill and several verify steps, (1) the drafter's last hidden state equals a dense
     recompute over the whole sequence with fresh target features, and (2) a chain draft (topk=1)

@@ -1,13 +1,25 @@
-"""`few_row_linear`: F.linear's product in the other order for a few float32 rows on CPU, F.linear itself elsewhere."""
+"""`few_row_linear`: F.linear's product in the other order for a few float32 rows on CPU, F.linear itself elsewhere;
+`Int8Linear`: the draft logits' approximation, used where it is timed faster."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.models.cpu_linear import FEW_ROWS, PackedLinear, apply_few_rows, can_pack, few_row_linear
+from specserve.models import cpu_linear
+from specserve.models.cpu_linear import (
+    FEW_ROWS,
+    Int8Linear,
+    PackedLinear,
+    apply_few_rows,
+    can_pack,
+    few_row_linear,
+    int8_if_faster,
+)
 
 
 @pytest.mark.parametrize("shape", [(1, 96), (4, 96), (2, 4, 96), (FEW_ROWS + 1, 96)])
@@ -40,3 +52,31 @@ def test_apply_few_rows_routes_plain_linears_and_leaves_others():
         if can_pack(torch.device("cpu"), torch.bfloat16):
             packed = PackedLinear(plain.weight.bfloat16())
             assert torch.equal(apply_few_rows(packed, x.bfloat16()), packed(x.bfloat16()))
+
+
+def test_int8_linear_approximates_the_product_and_keeps_the_ranking():
+    torch.manual_seed(0)
+    w, x = torch.randn(300, 96) * 0.1, torch.randn(2, 4, 96)
+    with torch.inference_mode():
+        out, ref = Int8Linear(w)(x), F.linear(x, w)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert (out - ref).abs().max() <= 0.02 * ref.abs().max()
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
+def test_int8_is_used_only_where_it_is_timed_faster(monkeypatch):
+    """Chosen by timing both paths here; float32 CPU weights only."""
+    w = torch.randn(64, 32)
+    slow_int8 = Int8Linear.forward
+
+    def sleepy(self, x):  # noqa: ANN001, ANN202
+        time.sleep(0.003)
+        return slow_int8(self, x)
+
+    monkeypatch.setattr(Int8Linear, "forward", sleepy)
+    assert int8_if_faster(w) is None
+    monkeypatch.undo()
+    exact = cpu_linear.few_row_linear
+    monkeypatch.setattr(cpu_linear, "few_row_linear", lambda x, weight: (time.sleep(0.003), exact(x, weight))[1])
+    assert isinstance(int8_if_faster(w), Int8Linear)
+    assert int8_if_faster(w.bfloat16()) is None

@@ -7,10 +7,17 @@ bit-identical to `F.linear`.
 
 This module packs inference-only weights: a packed linear has no autograd and is never saved.
 It does nothing on CUDA, in fp32, or where oneDNN lacks bf16. In fp32 on a CPU, `few_row_linear`
-is the faster order of the same product for a draft head's logits.
+is the faster order of the same product for a draft head's logits, and `Int8Linear` an
+approximation of it (int8 weights) for those logits alone, used where `int8_if_faster` times it
+faster on this CPU: a draft's logits only rank its candidate tokens, and verification decides
+exactly whatever they are.
 """
 
 from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -95,3 +102,53 @@ def apply_few_rows(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(layer) is nn.Linear and layer.bias is None:
         return few_row_linear(x, layer.weight)
     return layer(x)
+
+
+class Int8Linear(nn.Module):
+    """Bias-free `F.linear(x, weight)`, approximately: the weight stored as int8 with one float
+    scale per output row (symmetric), the input rounded to bf16, through torch's weight-only int8
+    kernel (`torch._weight_int8pack_mm`, as gpt-fast and torchao use it on CPU). A quarter of the
+    float32 weight's bytes to read. For a draft head's logits only (they rank candidate tokens;
+    verification is exact): never for the target. Inference only, CPU.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # (out,)
+        self.weight_int8 = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.scales = scales.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> (..., out) float32."""
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        out = torch._weight_int8pack_mm(rows, self.weight_int8, self.scales)
+        return out.float().reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
+
+
+def _median_ms(fn: Callable[[], object], repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+@torch.no_grad()
+def int8_if_faster(weight: torch.Tensor, rows: tuple[int, ...] = (1, 4)) -> Int8Linear | None:
+    """An `Int8Linear` of a float32 CPU weight (out, in) when it is faster than `few_row_linear`
+    on this CPU at these row counts (summed; timed here, ~1 ms per row count and path for a draft
+    vocabulary), else None (also on CUDA, in other dtypes, or where the int8 kernel is missing)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not hasattr(torch, "_weight_int8pack_mm"):
+        return None
+    int8 = Int8Linear(weight)
+    xs = [torch.randn(n, weight.shape[1]) for n in rows]
+    exact = sum(_median_ms(lambda x=x: few_row_linear(x, weight)) for x in xs)
+    approx = sum(_median_ms(lambda x=x: int8(x)) for x in xs)
+    return int8 if approx < exact else None
