@@ -43,7 +43,7 @@ serve: setup prepare
 	$(VENV)/bin/specserve serve --variants $(VARIANTS)
 
 lint: setup
-	$(VENV)/bin/ruff check backend kernels client tests
+	$(VENV)/bin/ruff check backend kernels client tests bench
 
 test: setup prepare lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -5,7 +5,8 @@ read once per pass so caches stay cold, as in a decode step. Reported as GB/s of
 next to a read-only reduction's bandwidth.
 
 `--few-rows`: a draft head's float32 logits instead (a --draft-vocab x --hidden weight):
-`F.linear` against `few_row_linear`, the same product ordered weight @ x^T.
+`F.linear` against `few_row_linear`, the same product ordered weight @ x^T, and against
+`Int8Linear`, its int8-weight approximation.
 
     .venv/bin/python bench/cpu_linear.py [--tokens 1 4 16]
     .venv/bin/python bench/cpu_linear.py --few-rows [--tokens 1 4 8 32]
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.bench import read_bandwidth_gbs
-from specserve.models.cpu_linear import PackedLinear, can_pack, few_row_linear
+from specserve.models.cpu_linear import Int8Linear, PackedLinear, can_pack, few_row_linear
 
 
 def best_seconds(fn, repeats: int = 5) -> float:  # noqa: ANN001
@@ -52,12 +53,15 @@ def linears(args: argparse.Namespace) -> None:
 @torch.inference_mode()
 def few_rows(args: argparse.Namespace) -> None:
     weight = torch.randn(args.draft_vocab, args.hidden) * 0.02
+    int8 = Int8Linear(weight)
     print(f"float32 logits over {args.draft_vocab} x {args.hidden} ({weight.nbytes / 1e6:.0f} MB)")
     for t in args.tokens:
         x = torch.randn(t, args.hidden)
         plain = best_seconds(lambda x=x: F.linear(x, weight), repeats=20)
         fast = best_seconds(lambda x=x: few_row_linear(x, weight), repeats=20)
-        print(f"rows {t:2d}: F.linear {plain * 1e3:6.2f} ms   few_row_linear {fast * 1e3:6.2f} ms   {plain / fast:.2f}x")
+        approx = best_seconds(lambda x=x: int8(x), repeats=20)
+        print(f"rows {t:2d}: F.linear {plain * 1e3:6.2f} ms   few_row_linear {fast * 1e3:6.2f} ms   {plain / fast:.2f}x   "
+              f"Int8Linear {approx * 1e3:6.2f} ms   {plain / approx:.2f}x")
 
 
 def main() -> None:
@@ -67,7 +71,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--few-rows", action="store_true", help="float32 draft logits: F.linear vs few_row_linear")
+    parser.add_argument("--few-rows", action="store_true", help="float32 draft logits: F.linear vs few_row_linear vs Int8Linear")
     parser.add_argument("--draft-vocab", type=int, default=8192)
     args = parser.parse_args()
     if args.few_rows:
