@@ -147,23 +147,26 @@ def test_a_drafter_that_costs_more_than_it_saves_is_left_idle(tmp_path, tiny_tar
     assert out.token_ids == ref[0].token_ids
 
 
-def test_a_requests_first_draft_does_not_count_in_its_shapes_time(tmp_path, tiny_target_dir):
-    """That step's catch-up runs the head over the whole prompt: a one-off, not what the shape costs
-    a step. Its acceptance counts; every later drafting step's time counts."""
-    eng = _engine(tiny_target_dir, "eagle", 1, **_drafter_spec(tmp_path, "eagle"), num_steps=2, topk=2,
-                  num_draft_tokens=4)  # pinned: every step drafts
-    observe, seen = eng.chooser.observe, []
+def test_drafts_that_catch_up_on_skipped_tokens_do_not_count_in_their_shapes_time(tmp_path, tiny_target_dir):
+    """A request's first draft (its drafter catches up over the whole prompt) and a draft after
+    plain steps (over the tokens it skipped) cost the switch, not the shape's steady state: their
+    time is left out, their acceptance counts; drafts after drafts count."""
+    eng = _engine(tiny_target_dir, "eagle", 1, **_drafter_spec(tmp_path, "eagle"))
+    plain, draft = eng.chooser.menu[0], eng.chooser.menu[-1]
+    plan = [draft, draft, draft, plain, plain, draft, draft, plain, draft]
+    picks, seen = iter(plan), []
+    observe = eng.chooser.observe
 
     def spy(batch_size, shape, seconds, *args):  # noqa: ANN001, ANN202
-        seen.append((shape.drafts, seconds))
+        seen.append((shape, seconds))
         return observe(batch_size, shape, seconds, *args)
 
+    eng.chooser.choose = lambda batch_size: next(picks)
     eng.chooser.observe = spy
-    for prompt in (list(range(10, 70)), list(range(80, 100))):
-        seen.clear()
-        eng.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))
-        drafted = [seconds for drafts, seconds in seen if drafts]
-        assert len(drafted) >= 2 and drafted[0] is None and None not in drafted[1:], seen
+    eng.generate([list(range(10, 70))], SamplingParams(max_tokens=len(plan) + 1, ignore_eos=True))
+    assert [shape for shape, _ in seen] == plan
+    counted = [seconds is not None for _, seconds in seen]
+    assert counted == [False, True, True, True, True, False, True, True, False]
 
 
 def test_a_draft_must_beat_plain_decoding_by_the_margin():

@@ -150,8 +150,9 @@ class ShapeChooser:
                 accepted_nodes: Sequence[Sequence[int]] | None = None) -> None:
         """One step's wall time and per-request accept lengths; shapes off the menu are ignored.
         seconds None: a step whose time does not stand for the shape's (its forward explored a slower
-        path, see `PathChooser.settled_on`, or its drafter caught up over a new request's prompt);
-        its acceptance still counts.
+        path, see `PathChooser.settled_on`, or it drafted after plain steps, so its drafter caught
+        up on the tokens it had skipped, a new request's whole prompt included); its acceptance
+        still counts.
 
         accepted_nodes: per request, the accepted node indices (root first), given when the
         drafter's trees are nested (a smaller budget's tree is a prefix of this one): a request

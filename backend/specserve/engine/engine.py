@@ -120,6 +120,7 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0
+    drafted_last_step: bool = False  # so the drafter has seen all but the last step's tokens
     pending_ids: list[int] = field(default_factory=list)  # generated since the last output
     pending_accept_lengths: list[int] = field(default_factory=list)
     pending_tree_sizes: list[int] = field(default_factory=list)
@@ -489,8 +490,9 @@ class Engine:
         p, clock = self.profile, self._clock
         start = t0 = clock()
         shape = self._shape_for(len(reqs))
-        # a request's first draft catches the drafter up over its whole prompt: a one-off, not the shape's cost
-        first_draft = shape.drafts and any(r.num_draft_tokens == 0 for r in reqs)
+        # a draft after plain steps (or a request's first, over its whole prompt) catches the drafter
+        # up on the tokens it skipped: the cost of switching, not of the shape's steady state
+        catching_up = shape.drafts and not all(r.drafted_last_step for r in reqs)
         if shape.drafts:
             proposal: list[DraftTree] | TreeBatch = self.drafter.propose(reqs, shape)
         else:  # plain decoding this step; a drafter catches up on what it missed when it drafts again
@@ -531,6 +533,7 @@ class Engine:
             n = len(tokens)  # accept_length: root + accepted drafts; the bonus is the next root
             r.cache_len += n
             r.num_verify_steps += 1
+            r.drafted_last_step = shape.drafts
             r.num_draft_tokens += num_nodes - 1
             r.num_accepted_tokens += n - 1
             r.pending_accept_lengths.append(n)
@@ -549,7 +552,7 @@ class Engine:
         if self._observe:
             lengths = [len(e) for e in emitted]
             settled = path is None or self.paths.settled_on(path_key, path)
-            seconds = clock() - start if settled and not first_draft else None
+            seconds = clock() - start if settled and not catching_up else None
             nested = None
             if shape.drafts and self.drafter.nested_trees and len(self.chooser.menu) > 1:
                 nested = [row[:n] for row, n in zip(result.accepted_nodes.tolist(), lengths)]
