@@ -19,7 +19,9 @@ and a drafting shape's acceptance, count as unmeasured until `min_samples` steps
 slow or unlucky step (a first call on a new shape, a busy host) must not lock a shape out. Every
 `explore_every`-th step runs another shape instead, so the estimates around the best one stay
 current: its neighbours on the menu and the runner-up, in turn (every 4 x `explore_every` steps
-while plain decoding is best; shapes estimated below `explore_within` of the best are not tried).
+while plain decoding is best, then for two steps: a draft after plain steps catches up on them,
+and only the second one's time stands for the shape; shapes estimated below `explore_within` of
+the best are not tried).
 
 `PathChooser` makes the other per-step choice on a CPU: whether the target's forward runs through
 the compiled step program or eagerly. Neither is faster on every CPU, and on some the program's
@@ -97,6 +99,7 @@ class ShapeChooser:
         self.chosen: Counter[DraftShape] = Counter()
         self._steps = 0
         self._explored = 0
+        self._again: DraftShape | None = None  # an explored draft's second step (see `choose`)
 
     def bucket(self, batch_size: int) -> int:
         i = bisect.bisect_left(self.buckets, batch_size)
@@ -122,14 +125,18 @@ class ShapeChooser:
 
     def choose(self, batch_size: int) -> DraftShape:
         self._steps += 1
-        shape = self.best(batch_size)
+        shape, self._again = self._again or self.best(batch_size), None
         # plain decoding explores 4x less often: a draft it tries costs a whole draft step
         period = self.explore_every * (1 if shape.drafts else 4)
         if self._steps >= period:
             self._steps = 0
             candidates = self._explore_candidates(batch_size, shape)
             self._explored += 1
-            shape = candidates[self._explored % len(candidates)] if candidates else shape
+            explored = candidates[self._explored % len(candidates)] if candidates else shape
+            if explored.drafts and not shape.drafts:
+                # drafted twice: the first catches up on the plain steps, the second is timed
+                self._again = explored
+            shape = explored
         self.chosen[shape] += 1
         return shape
 
