@@ -120,37 +120,6 @@ def test_an_exception_outside_a_step_ends_every_request():
         loop.shutdown()
 
 
-def test_cancellation_is_polled_off_the_engine_thread():
-    class Recording(FakeEngine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.aborted: list[str] = []
-
-        def has_work(self) -> bool:
-            return False  # never steps: only the poller can notice the cancellation
-
-        def abort(self, request_id: str) -> None:
-            self.aborted.append(request_id)
-
-    polled_on: list[str] = []
-
-    def is_cancelled() -> bool:
-        polled_on.append(threading.current_thread().name)
-        return True
-
-    loop = EngineLoop(Recording, poll_interval_s=0.01)
-    try:
-        rid = loop.submit([7], SamplingParams(max_tokens=1), lambda out: None, is_cancelled=is_cancelled)
-        for _ in range(200):
-            if rid in loop.engine.aborted:
-                break
-            threading.Event().wait(0.01)
-        assert rid in loop.engine.aborted
-        assert set(polled_on) == {"specserve-cancel-poll"}
-    finally:
-        loop.shutdown()
-
-
 def test_load_is_reported_after_steps_and_back_to_zero_when_idle():
     class WithLoad(FakeEngine):
         def load(self) -> EngineLoad:

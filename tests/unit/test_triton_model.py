@@ -97,15 +97,17 @@ def triton_model():
 
 
 class FakeSender:
-    def __init__(self) -> None:
+    def __init__(self, cancelled: bool = False) -> None:
         self.sent: list[tuple[FakeResponse | None, int]] = []
+        self.cancelled, self.polled_on = cancelled, []
 
     def send(self, response: FakeResponse | None = None, flags: int = 0) -> None:
         assert not any(f & FINAL for _, f in self.sent), "nothing may follow FINAL"
         self.sent.append((response, flags))
 
     def is_cancelled(self) -> bool:
-        return False
+        self.polled_on.append(threading.current_thread().name)
+        return self.cancelled
 
     @property
     def finals(self) -> int:
@@ -227,11 +229,19 @@ class FakeLoop:
     def __init__(self, error: Exception | None = None) -> None:
         self.error, self.submitted = error, []
 
-    def submit(self, prompt_ids, params, on_output, is_cancelled=None, request_id=None):
+    def submit(self, prompt_ids, params, on_output, request_id=None):
         if self.error:
             raise self.error
-        self.submitted.append((prompt_ids, params, is_cancelled))
+        self.submitted.append((prompt_ids, params))
         return "r"
+
+
+class FakeTritonThread:
+    def __init__(self) -> None:
+        self.opened: list[tuple[str, Any]] = []
+
+    def open(self, request_id: str, stream: Any) -> None:
+        self.opened.append((request_id, stream))
 
 
 def model_with(triton_model, loop: FakeLoop):
@@ -242,7 +252,7 @@ def model_with(triton_model, loop: FakeLoop):
     m.tokenizer = types.SimpleNamespace(encode=lambda text, chat: [ord(c) for c in text], decode_token=chr)
     m.metrics = None
     m.closing = threading.Event()
-    m.responses = None
+    m.triton_thread = FakeTritonThread()
     m.loop = loop
     return m
 
@@ -256,9 +266,10 @@ def test_execute_submits_and_sends_nothing_yet(triton_model):
     m = model_with(triton_model, loop)
     request = FakeRequest({"text_input": text("hi"), "max_tokens": np.array([3], dtype=np.int32)})
     assert m.execute([request]) is None
-    (ids, params, is_cancelled), = loop.submitted
+    (ids, params), = loop.submitted
     assert ids == [ord("h"), ord("i")] and params.max_tokens == 3
-    assert is_cancelled == request.sender.is_cancelled
+    (request_id, stream), = m.triton_thread.opened  # its cancellation is polled from now on
+    assert request_id == "r" and stream.sender is request.sender
     assert request.sender.sent == []
 
 
@@ -292,8 +303,61 @@ def test_a_failed_final_send_still_ends_the_request(triton_model):
         real_send(response, flags)
 
     sender.send = failing_send
-    thread = triton_model._ResponseThread()
+    thread = triton_model._TritonThread(abort=print, set_load=print)
     thread.put(s, out("a", [1], True, "stop"))
     thread.close()
     (response, flags), = sender.sent
     assert flags == FINAL and response.error.code == FakeError.INTERNAL
+
+
+def _wait_for(condition, timeout_s: float = 2.0) -> bool:
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return True
+        threading.Event().wait(0.01)
+    return condition()
+
+
+def test_cancellation_is_polled_on_the_triton_thread_and_aborts_the_request(triton_model):
+    aborted: list[str] = []
+    thread = triton_model._TritonThread(abort=aborted.append, set_load=print, poll_interval_s=0.01)
+    s, sender = stream_for(triton_model, stream=True)
+    sender.cancelled = True
+    thread.open("r1", s)
+    assert _wait_for(lambda: aborted == ["r1"])
+    threading.Event().wait(0.05)
+    assert aborted == ["r1"]  # aborted once, then no longer polled
+    thread.put(s, out("", [], True, "abort"))  # the engine's abort output: the request's FINAL
+    thread.close()
+    assert set(sender.polled_on) == {"specserve-triton"}
+    (response, flags), = sender.sent
+    assert flags == FINAL and response.error.code == FakeError.CANCELLED
+
+
+def test_a_request_is_never_polled_after_its_last_output(triton_model):
+    aborted: list[str] = []
+    thread = triton_model._TritonThread(abort=aborted.append, set_load=print, poll_interval_s=0.01)
+    done, done_sender = stream_for(triton_model, stream=True)
+    thread.put(done, out("a", [1], True, "stop"))  # finished before `open` reached the thread
+    thread.open("r1", done)
+    running, running_sender = stream_for(triton_model, stream=True)
+    thread.open("r2", running)
+    assert _wait_for(lambda: len(running_sender.polled_on) >= 3)
+    thread.put(running, out("b", [2], True, "stop"))
+    threading.Event().wait(0.05)
+    polls = len(running_sender.polled_on)
+    threading.Event().wait(0.05)
+    thread.close()
+    assert done_sender.polled_on == [] and len(running_sender.polled_on) == polls and aborted == []
+    assert done_sender.finals == 1 and running_sender.finals == 1
+
+
+def test_the_load_gauges_are_set_on_the_triton_thread(triton_model):
+    from specserve.engine.outputs import EngineLoad
+
+    seen: list[tuple[EngineLoad, str]] = []
+    thread = triton_model._TritonThread(abort=print, set_load=lambda load: seen.append(
+        (load, threading.current_thread().name)))
+    thread.load(EngineLoad(waiting=1, running=2, kv_slots_used=2))
+    thread.close()
+    assert seen == [(EngineLoad(1, 2, 2), "specserve-triton")]

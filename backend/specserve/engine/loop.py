@@ -11,10 +11,10 @@ and the aborts and timeouts the step had already ended still go out) and the loo
 request gets a final error output, `submit` refuses with `EngineStopped`, and `on_stopped` tells
 the server (which marks the model not ready).
 
-A second thread polls the submitters' `is_cancelled` hooks (a round trip to Triton each) every
-`poll_interval_s` and aborts those requests, so the engine thread never waits on them.
-`on_step` receives the engine's load whenever it changes (the serving gauges). This module knows
-nothing about Triton.
+Cancellation is the caller's: `abort(request_id)` from any thread ends the request within a
+step. `on_step` receives the engine's load whenever it changes (the serving gauges); a caller
+whose gauges are slow to set hands the value to a thread of its own. This module knows nothing
+about Triton.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import logging
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from specserve.config import SamplingParams
 from specserve.engine.engine import Engine
@@ -32,12 +31,6 @@ from specserve.engine.outputs import FINISH_ERROR, EngineLoad, RequestOutput
 log = logging.getLogger(__name__)
 
 OutputCallback = Callable[[RequestOutput], None]
-
-
-@dataclass(frozen=True)
-class _Subscriber:
-    on_output: OutputCallback
-    is_cancelled: Callable[[], bool] | None
 
 
 class EngineStopped(RuntimeError):
@@ -51,7 +44,6 @@ class EngineLoop:
         on_step: Callable[[EngineLoad], None] | None = None,
         on_stopped: Callable[[str], None] | None = None,
         max_failed_steps: int = 3,
-        poll_interval_s: float = 0.05,
     ) -> None:
         """Start the loop thread, build the engine on it, and return once it is ready.
 
@@ -59,7 +51,7 @@ class EngineLoop:
         on_step: called on the loop thread with the engine's load whenever it changes (after a step, when idle).
         on_stopped: called once, on the loop thread, with the reason, if the loop stops by failure.
         """
-        self._subs: dict[str, _Subscriber] = {}
+        self._subs: dict[str, OutputCallback] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -67,7 +59,6 @@ class EngineLoop:
         self._startup_error: BaseException | None = None
         self._on_step, self._on_stopped = on_step, on_stopped
         self.max_failed_steps = max_failed_steps
-        self.poll_interval_s = poll_interval_s
         self.stopped_reason: str | None = None  # set when the loop stopped by failure
         self._last_load: EngineLoad | None = None
         self._thread = threading.Thread(target=self._start, args=(engine_factory,), name="specserve-engine",
@@ -76,8 +67,6 @@ class EngineLoop:
         self._ready.wait()
         if self._startup_error is not None:
             raise self._startup_error
-        self._poller = threading.Thread(target=self._poll_cancelled, name="specserve-cancel-poll", daemon=True)
-        self._poller.start()
 
     def _start(self, engine_factory: Callable[[], Engine]) -> None:
         try:
@@ -98,7 +87,6 @@ class EngineLoop:
         prompt_ids: list[int],
         params: SamplingParams,
         on_output: OutputCallback,
-        is_cancelled: Callable[[], bool] | None = None,
         request_id: str | None = None,
     ) -> str:
         """Queue a request; raises ValueError (naming the field) when it can never run, QueueFull
@@ -107,7 +95,7 @@ class EngineLoop:
             if self.stopped_reason is not None:
                 raise EngineStopped(self.stopped_reason)
             rid = self.engine.add_request(prompt_ids, params, request_id)
-            self._subs[rid] = _Subscriber(on_output, is_cancelled)
+            self._subs[rid] = on_output
         self._wake.set()
         return rid
 
@@ -129,7 +117,6 @@ class EngineLoop:
         self._wake.set()
         self._stop.set()
         self._thread.join(timeout)
-        self._poller.join(timeout)
 
     def _run(self) -> None:
         failures = 0
@@ -168,35 +155,23 @@ class EngineLoop:
         with self._lock:
             self.stopped_reason = reason
             subs, self._subs = self._subs, {}
-        for rid, sub in subs.items():
+        for rid, on_output in subs.items():
             out = RequestOutput(rid, [], "", finished=True, finish_reason=FINISH_ERROR, error=reason)
             try:
-                sub.on_output(out)
+                on_output(out)
             except Exception:  # noqa: BLE001 - keep ending the others
                 log.error("output callback failed for %s:\n%s", rid, traceback.format_exc())
         if self._on_stopped is not None:
             self._on_stopped(reason)
 
-    def _poll_cancelled(self) -> None:
-        while not self._stop.wait(self.poll_interval_s):
-            with self._lock:
-                subs = list(self._subs.items())
-            for rid, sub in subs:
-                try:
-                    cancelled = sub.is_cancelled is not None and sub.is_cancelled()
-                except Exception:  # noqa: BLE001 - a closed sender: its request ends on its own
-                    cancelled = False
-                if cancelled:
-                    self.abort(rid)
-
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             with self._lock:
-                sub = self._subs.pop(out.request_id, None) if out.finished else self._subs.get(out.request_id)
-            if sub is None:
+                on_output = self._subs.pop(out.request_id, None) if out.finished else self._subs.get(out.request_id)
+            if on_output is None:
                 continue
             try:
-                sub.on_output(out)
+                on_output(out)
             except Exception:  # noqa: BLE001 - a broken client callback only affects its request
                 log.error("output callback failed for %s:\n%s", out.request_id, traceback.format_exc())
                 if not out.finished:

@@ -139,7 +139,7 @@ class ServingMetrics:
             self.tree_size.observe(float(n))
 
     def set_load(self, load: EngineLoad) -> None:
-        """After each engine step (on the engine thread)."""
+        """When the engine's load changes (on the model's Triton thread)."""
         self.requests_waiting.set(float(load.waiting))
         self.requests_running.set(float(load.running))
         self.kv_slots_used.set(float(load.kv_slots_used))

@@ -1,9 +1,11 @@
 """The decoupled Triton Python model behind every `llm_<variant>` (vLLM-backend style).
 
 initialize builds the engine from config.pbtxt parameters and starts its loop thread; execute only
-parses and submits; the engine thread hands each `RequestOutput` delta to a response thread that
-sends it through the request's response sender (so the engine never waits on Triton's IPC);
-finalize aborts what is left and joins both threads.
+parses and submits; the engine thread hands each `RequestOutput` delta to the model's Triton
+thread, the one thread that calls into Triton after `execute`: it sends each delta through the
+request's response sender, polls the open requests' cancellation and sets the load gauges (so the
+engine never waits on Triton's IPC, and no two threads call into the Python backend's stub at
+once); finalize aborts what is left and joins both threads.
 
 Every request ends with exactly one FINAL: after its last delta (stream=true), after its single
 data response (stream=false: one response with the whole text, then a flag-only FINAL, which is
@@ -17,6 +19,7 @@ The contract is `contract`, parsing `parsing`, parameters `parameters`, metrics 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import locale
 import logging
@@ -33,7 +36,7 @@ import triton_python_backend_utils as pb_utils
 from specserve.config import SamplingParams
 from specserve.engine.engine import Engine, QueueFull
 from specserve.engine.loop import EngineLoop, EngineStopped
-from specserve.engine.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_TIMEOUT, RequestOutput
+from specserve.engine.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_TIMEOUT, EngineLoad, RequestOutput
 from specserve.serving import parameters
 from specserve.serving.contract import (
     GenerateRequest,
@@ -60,7 +63,7 @@ def _error(message: str, code: int) -> Any:
 
 
 class _ResponseStream:
-    """One request's responses; `handle` runs on the response thread, in delta order."""
+    """One request's responses; `handle` runs on the Triton thread, in delta order."""
 
     def __init__(self, sender: Any, request: GenerateRequest, metrics: ServingMetrics, closing: threading.Event,
                  decode_token: Callable[[int], str]) -> None:
@@ -76,9 +79,11 @@ class _ResponseStream:
         self.logprobs: list[dict[int, tuple[float, int]]] = []
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.finished = False  # its last output was handled (whether or not its FINAL went out)
         self.final_sent = False
 
     def handle(self, out: RequestOutput) -> None:
+        self.finished = self.finished or out.finished
         if out.token_ids and self.first_token is None:
             self.first_token = time.perf_counter()
         self.metrics.on_delta(
@@ -158,30 +163,80 @@ class _ResponseStream:
             log.error("could not end a request after an error:\n%s", traceback.format_exc())
 
 
-class _ResponseThread:
-    """Sends responses in arrival order so the engine thread never blocks on Triton's IPC."""
+class _TritonThread:
+    """The one thread that calls into Triton once `execute` has handed a request over.
 
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[_ResponseStream, RequestOutput] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="specserve-responses", daemon=True)
+    It sends each request's responses in arrival order, polls the open requests' `is_cancelled`
+    (a round trip to the server each) every `poll_interval_s` and hands the cancelled ones to
+    `abort`, and sets the load gauges (`set_load`). The engine thread only queues work here. A
+    request is polled from `open` until its last output is handled, never after its FINAL.
+    """
+
+    def __init__(self, abort: Callable[[str], None], set_load: Callable[[EngineLoad], None],
+                 poll_interval_s: float = 0.05) -> None:
+        self._queue: queue.SimpleQueue[tuple[str, Any, Any] | None] = queue.SimpleQueue()
+        self._open: dict[str, _ResponseStream] = {}  # touched by this thread only
+        self._abort, self._set_load, self.poll_interval_s = abort, set_load, poll_interval_s
+        self._thread = threading.Thread(target=self._run, name="specserve-triton", daemon=True)
         self._thread.start()
 
+    def open(self, request_id: str, stream: _ResponseStream) -> None:
+        """Poll this request's cancellation until its last output."""
+        self._queue.put(("open", request_id, stream))
+
     def put(self, stream: _ResponseStream, out: RequestOutput) -> None:
-        self._queue.put((stream, out))
+        self._queue.put(("output", stream, out))
+
+    def load(self, load: EngineLoad) -> None:
+        self._queue.put(("load", load, None))
 
     def close(self, timeout: float = 10.0) -> None:
         self._queue.put(None)
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            stream, out = item
+        next_poll = time.monotonic() + self.poll_interval_s
+        while True:
             try:
-                stream.handle(out)
+                item = self._queue.get(timeout=max(0.0, next_poll - time.monotonic()))
+            except queue.Empty:
+                item = ("poll", None, None)
+            if item is None:
+                return
+            try:
+                self._do(*item)
             except Exception:  # noqa: BLE001 - one broken response must not stop the others
-                log.error("sending a response failed:\n%s", traceback.format_exc())
-                if out.finished:
-                    stream.abandon("internal error while sending the response")
+                log.error("the Triton thread's %s failed:\n%s", item[0], traceback.format_exc())
+                if item[0] == "output" and item[2].finished:
+                    item[1].abandon("internal error while sending the response")
+            if time.monotonic() >= next_poll:
+                self._poll_cancelled()
+                next_poll = time.monotonic() + self.poll_interval_s
+
+    def _do(self, kind: str, a: Any, b: Any) -> None:
+        """output: a = the stream, b = its RequestOutput; open: a = the request id, b = its stream;
+        load: a = the EngineLoad; poll: nothing (the poll follows every item)."""
+        if kind == "output":
+            a.handle(b)
+        elif kind == "open":
+            request_id, stream = a, b
+            if not stream.finished:  # its last output may have come first
+                self._open[request_id] = stream
+        elif kind == "load":
+            self._set_load(a)
+
+    def _poll_cancelled(self) -> None:
+        for request_id, stream in list(self._open.items()):
+            if stream.finished:  # its last output is handled: no more round trips for it
+                del self._open[request_id]
+                continue
+            try:
+                cancelled = stream.sender.is_cancelled()
+            except Exception:  # noqa: BLE001 - a closed sender: its request ends on its own
+                cancelled = False
+            if cancelled:
+                del self._open[request_id]
+                self._abort(request_id)
 
 
 def utf8_text_files() -> None:
@@ -199,6 +254,7 @@ def utf8_text_files() -> None:
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         utf8_text_files()
+        faulthandler.enable(all_threads=True)  # a crash in the stub logs every thread's Python stack
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException(
@@ -218,8 +274,8 @@ class TritonPythonModel:
 
         self.model_name = args["model_name"]
         self.closing = threading.Event()
-        self.responses = _ResponseThread()
-        self.loop = EngineLoop(build_engine, on_step=self.metrics.set_load, on_stopped=self._unload)
+        self.triton_thread = _TritonThread(abort=lambda request_id: self.loop.abort(request_id), set_load=self.metrics.set_load)
+        self.loop = EngineLoop(build_engine, on_step=self.triton_thread.load, on_stopped=self._unload)
         pb_utils.Logger.log_info(
             f"{args['model_name']}: {engine_config.spec.algorithm} on {engine_config.device}, "
             f"{engine_config.max_batch_size} slots x {engine_config.max_seq_len} tokens, "
@@ -237,12 +293,8 @@ class TritonPythonModel:
             inputs = {t.name(): t.as_numpy() for t in request.inputs()}
             prompt_ids, generate = parse_decoupled_inputs(inputs, self.limits, self.tokenizer)
             stream = _ResponseStream(sender, generate, self.metrics, self.closing, self.tokenizer.decode_token)
-            self.loop.submit(
-                prompt_ids,
-                generate.params,
-                lambda out: self.responses.put(stream, out),
-                is_cancelled=sender.is_cancelled,
-            )
+            request_id = self.loop.submit(prompt_ids, generate.params, lambda out: self.triton_thread.put(stream, out))
+            self.triton_thread.open(request_id, stream)
         except (RequestError, ValueError) as e:  # the engine raises ValueError naming the field too
             sender.send(_error(str(e), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
         except (QueueFull, EngineStopped) as e:
@@ -266,5 +318,5 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.closing.set()
-        self.loop.shutdown()  # aborts what is left; their FINALs go through the response thread
-        self.responses.close()
+        self.loop.shutdown()  # aborts what is left; their FINALs go through the Triton thread
+        self.triton_thread.close()
