@@ -62,7 +62,7 @@ def test_a_nested_drafters_step_measures_the_acceptance_of_every_smaller_shape()
                                                    "5/4/8": 2.5}
     assert c.accept[menu["0/1/1"]].count == 0  # plain decoding needs no acceptance
     c.observe(1, menu["1/4/2"], 0.02, [2], accepted_nodes=[[0, 1]])
-    assert c.accept[menu["5/4/8"]].count == 1  # a small step says nothing about larger budgets
+    assert c.accept[menu["5/4/8"]].count == 2  # a small step says nothing about larger budgets
 
 
 def test_exploration_visits_the_neighbours_of_the_best_shape():
@@ -159,9 +159,9 @@ def test_drafts_that_catch_up_on_skipped_tokens_do_not_count_in_their_shapes_tim
     picks, seen = iter(plan), []
     observe = eng.chooser.observe
 
-    def spy(batch_size, shape, seconds, *args):  # noqa: ANN001, ANN202
+    def spy(batch_size, shape, seconds, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         seen.append((shape, seconds))
-        return observe(batch_size, shape, seconds, *args)
+        return observe(batch_size, shape, seconds, *args, **kwargs)
 
     eng.chooser.choose = lambda batch_size: next(picks)
     eng.chooser.observe = spy
@@ -169,6 +169,20 @@ def test_drafts_that_catch_up_on_skipped_tokens_do_not_count_in_their_shapes_tim
     assert [shape for shape, _ in seen] == plan
     counted = [seconds is not None for _, seconds in seen]
     assert counted == [False, True, True, True, True, False, True, True, False]
+
+
+def test_a_drafter_without_catch_up_has_every_draft_timed(tiny_target_dir):
+    """NGRAM reads the tokens themselves, so a draft after plain steps costs what any draft costs."""
+    eng = _engine(tiny_target_dir, "ngram", 1)
+    assert not eng.drafter.catches_up and not eng.chooser.drafts_catch_up
+    plain, draft = eng.chooser.menu[0], eng.chooser.menu[-1]
+    plan = [draft, plain, draft, draft]
+    picks, seen = iter(plan), []
+    observe = eng.chooser.observe
+    eng.chooser.choose = lambda batch_size: next(picks)
+    eng.chooser.observe = lambda bs, shape, seconds, *a, **kw: (seen.append(seconds), observe(bs, shape, seconds, *a, **kw))
+    eng.generate([list(range(10, 70))], SamplingParams(max_tokens=len(plan) + 1, ignore_eos=True))
+    assert len(seen) >= 3 and all(seconds is not None for seconds in seen)  # step 3 drafted after a plain one
 
 
 def test_a_draft_must_beat_plain_decoding_by_the_margin():
@@ -181,19 +195,45 @@ def test_a_draft_must_beat_plain_decoding_by_the_margin():
     assert c.best(1) == c.menu[1]
 
 
-def test_warm_up_acceptance_is_forgotten_and_each_draft_measured_afresh():
+def test_warm_up_timings_stand_and_acceptance_is_measured_afresh_smallest_first():
     c = _chooser(min_samples=2)
     for shape in c.menu:
-        c.observe(1, shape, 0.010, [4])  # a repetitive warm-up prompt: every draft looks great
+        c.observe(1, shape, 0.010, [4], warm_up=True)  # a repetitive warm-up prompt: every draft looks great
     c.forget_acceptance()
     picks = []
-    for _ in range(7):
+    for _ in range(5):
         picks.append(c.choose(1))
         c.observe(1, picks[-1], 0.010, [1])  # real text: drafts accept nothing
-    # every shape until its time has min_samples samples (warm-up gave one), each drafting shape
-    # min_samples times for its acceptance, smallest first, before any estimate is used
-    assert picks == [c.menu[0]] + [c.menu[1]] * 2 + [c.menu[2]] * 2 + [c.menu[3]] * 2
-    assert c.best(1) == c.menu[0]
+    # the warm-up's times count as measured; the smallest drafting shape's acceptance is measured,
+    # and as it accepts nothing, no larger shape could do better: plain decoding from then on
+    assert picks == [c.menu[1]] * 2 + [c.menu[0]] * 3
+    assert c.accept[c.menu[2]].count == 0 and c.accept[c.menu[3]].count == 0
+
+
+def test_where_drafts_cost_far_more_than_they_could_win_larger_shapes_are_never_run():
+    """Batch 4 on a small CPU: a draft step costs 1.2-2x a plain one. One step of the smallest draft
+    measures its acceptance on all four requests; its bound rules the larger shapes out."""
+    c = _chooser(min_samples=3)
+    for shape, seconds in zip(c.menu, (0.035, 0.043, 0.060, 0.070)):
+        c.observe(4, shape, seconds, [1] * 4, warm_up=True)
+    c.forget_acceptance()
+    picks = []
+    for _ in range(20):
+        picks.append(c.choose(4))
+        c.observe(4, picks[-1], None, [1, 1, 1, 2] if picks[-1].drafts else [1] * 4)
+    assert picks == [c.menu[1]] + [c.menu[0]] * 19  # 1.25 in 43 ms loses to 1 in 35
+    assert c.accept[c.menu[1]].count == 4
+    # the bound: 0.25 tokens per draft node, times 2 and 3 nodes, at most 1 + the depth
+    assert c.acceptance_bound(c.menu[2]) == pytest.approx(1.5) and c.acceptance_bound(c.menu[3]) == pytest.approx(1.75)
+    assert c.acceptance_bound(c.menu[1]) is None  # nothing smaller measured: always worth a try
+
+
+def test_a_drafter_without_catch_up_explores_a_draft_for_one_step():
+    c = ShapeChooser(shape_menu(3, 1, 4), batch_buckets=(1,), explore_every=4, min_samples=1, drafts_catch_up=False)
+    for shape in c.menu:
+        c.observe(1, shape, 0.010 * shape.num_draft_tokens, [1.8])
+    picks = [c.choose(1) for _ in range(33)]
+    assert [i for i, shape in enumerate(picks) if shape != c.menu[0]] == [15, 31]
 
 
 def test_one_unlucky_step_does_not_lock_a_shape_out():

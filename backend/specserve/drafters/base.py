@@ -74,6 +74,9 @@ class Drafter:
     # whether the tree for a smaller token budget (same topk) is always a prefix of the tree for a
     # larger one, so one verify also tells the accept length every smaller shape would have had
     nested_trees: bool = False
+    # whether `propose` runs a model over the tokens a request gained since its last draft (its
+    # whole prompt at first), so a draft after plain steps costs more than one after a draft
+    catches_up: bool = False
 
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree] | TreeBatch:
         """One tree per sequence, root = seq.token_ids[-1], of at most `shape.num_draft_tokens`

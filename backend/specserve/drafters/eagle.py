@@ -57,6 +57,7 @@ def load_token_map(path: str | Path) -> torch.Tensor:
 
 class EagleDrafter(Drafter):
     nested_trees = True  # trees come out in rank order (`grow_trees_on_device`)
+    catches_up = True
 
     def __init__(self, spec: SpecConfig, ctx: DraftContext) -> None:
         self.spec = spec

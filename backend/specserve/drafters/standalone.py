@@ -41,6 +41,7 @@ def first_layers(target: LlamaModel, k: int) -> LlamaModel:
 
 class StandaloneDrafter(Drafter):
     nested_trees = True  # trees come out in rank order (`DynamicTreeBuilder.build`)
+    catches_up = True
 
     def __init__(self, spec: SpecConfig, ctx: DraftContext) -> None:
         self.spec = spec

@@ -9,19 +9,21 @@ up to the configured num_draft_tokens.
 `ShapeChooser` keeps, per batch-size bucket and shape, an estimate of the step's wall time
 (measured at warm-up, then on every step: the median of the first samples, then a moving average
 that one slow step moves by a tenth at most) and, per shape, the mean accept length (tokens a
-request gains per step, the bonus token included). Where the drafter's trees are nested (EAGLE's
-dynamic tree: a smaller budget keeps a prefix of a larger budget's nodes), a step that drafts n
-tokens also measures the acceptance of every smaller budget, so shapes below the one running need
-no exploring for their acceptance. A step runs the shape with the largest
-accept_length / step_time for its bucket, where a drafting shape must beat plain decoding by
-`margin` (step times on a busy CPU are noisy: a near-tie is not worth a draft). A shape's time,
-and a drafting shape's acceptance, count as unmeasured until `min_samples` steps have run it: one
-slow or unlucky step (a first call on a new shape, a busy host) must not lock a shape out. Every
-`explore_every`-th step runs another shape instead, so the estimates around the best one stay
-current: its neighbours on the menu and the runner-up, in turn (every 4 x `explore_every` steps
-while plain decoding is best, then for two steps: a draft after plain steps catches up on them,
-and only the second one's time stands for the shape; shapes estimated below `explore_within` of
-the best are not tried).
+request gains per step, the bonus token included; each request of a step is one sample). Where the
+drafter's trees are nested (EAGLE's dynamic tree: a smaller budget keeps a prefix of a larger
+budget's nodes), a step that drafts n tokens also measures the acceptance of every smaller budget.
+A step runs the shape with the largest accept_length / step_time for its bucket, where a drafting
+shape must beat plain decoding by `margin` (step times on a busy CPU are noisy: a near-tie is not
+worth a draft). A shape's time, and a drafting shape's acceptance, count as unmeasured until
+`min_samples` samples have come in (a warm-up timing counts as that many): one slow or unlucky
+step must not lock a shape out. A drafting shape of unmeasured acceptance runs only if an
+optimistic bound on its acceptance (from the smaller shapes measured) could beat the best shape:
+at batch 4 on a small CPU a draft step costs 1.3-4x a plain one, and measuring every shape's
+acceptance there cost more than drafting ever won. Every `explore_every`-th step runs another
+shape instead, so the estimates around the best one stay current: its neighbours on the menu and
+the runner-up, in turn (every 4 x `explore_every` steps while plain decoding is best; a drafter
+that catches up on skipped tokens then drafts for two steps, and only the second one's time
+stands for the shape; shapes estimated below `explore_within` of the best are not tried).
 
 `PathChooser` makes the other per-step choice on a CPU: whether the target's forward runs through
 the compiled step program or eagerly. Neither is faster on every CPU, and on some the program's
@@ -63,21 +65,21 @@ class _Average:
 
     robust (for times, whose noise is one-sided: a step is never faster than its work, often
     slower): the median of the first `horizon` samples, then a moving average of samples clipped
-    to twice the estimate."""
+    to twice the estimate. A sample of weight w counts as w equal samples."""
 
     def __init__(self, horizon: int, robust: bool = False) -> None:
         self.horizon, self.robust, self.count, self.value = horizon, robust, 0, 0.0
         self._first: list[float] = []
 
-    def add(self, x: float) -> None:
-        self.count += 1
+    def add(self, x: float, weight: int = 1) -> None:
+        self.count += weight
         if self.robust and self.count <= self.horizon:
-            self._first.append(x)
+            self._first += [x] * weight
             self.value = statistics.median(self._first)
             return
         if self.robust:
             x = min(x, 2.0 * self.value)
-        self.value += (x - self.value) / min(self.count, self.horizon)
+        self.value += (x - self.value) * min(1.0, weight / min(self.count, self.horizon))
 
     def reset(self) -> None:
         self.count, self.value, self._first = 0, 0.0, []
@@ -87,8 +89,11 @@ class ShapeChooser:
     """Per step: `choose(batch_size)` -> a shape of the menu; after it: `observe(...)`."""
 
     def __init__(self, menu: Sequence[DraftShape], batch_buckets: Sequence[int], explore_every: int = 16,
-                 margin: float = 0.05, explore_within: float = 0.8, min_samples: int = 3) -> None:
+                 margin: float = 0.05, explore_within: float = 0.8, min_samples: int = 3,
+                 drafts_catch_up: bool = True) -> None:
+        """drafts_catch_up: the drafter's first draft after plain steps catches up on them (`Drafter.catches_up`)."""
         self.menu = tuple(menu)
+        self.drafts_catch_up = drafts_catch_up
         self.buckets = sorted(set(batch_buckets))
         self.explore_every = explore_every
         self.margin = margin
@@ -114,14 +119,43 @@ class ShapeChooser:
             return 1.0 / t.value
         return a.value / t.value if a.count >= self.min_samples else None
 
+    def acceptance_bound(self, shape: DraftShape) -> float | None:
+        """An optimistic accept length for a drafting shape whose acceptance is not measured yet,
+        from the largest smaller drafting shape that is: its accepted tokens per draft node, times
+        this shape's draft nodes (a chain accepts its k-th token only after the ones before it, and a
+        tree keeps its likeliest nodes first, so further nodes add no more than the average so far),
+        and at most 1 + the draft's depth. None when no smaller drafting shape is measured."""
+        smaller = [s for s in self.menu if s.drafts and s.num_draft_tokens < shape.num_draft_tokens
+                   and self.accept[s].count >= self.min_samples]
+        if not smaller:
+            return None
+        ref = smaller[-1]
+        per_node = (self.accept[ref].value - 1.0) / (ref.num_draft_tokens - 1)
+        return min(1.0 + per_node * (shape.num_draft_tokens - 1), 1.0 + shape.num_steps)
+
+    def _worth_measuring(self, batch_size: int, shape: DraftShape, best_rate: float) -> bool:
+        """Whether a drafting shape of unmeasured acceptance could beat `best_rate` (handicapped
+        by the margin, as `best` would): the smallest such shape always could."""
+        bound = self.acceptance_bound(shape)
+        t = self.step_time[(self.bucket(batch_size), shape)].value
+        return bound is None or bound / t / (1.0 + self.margin) >= best_rate
+
     def best(self, batch_size: int) -> DraftShape:
-        """The measured shape with the highest rate; unmeasured shapes first, smallest first."""
+        """The measured shape with the highest rate. First, shapes whose time is unmeasured,
+        smallest first; then drafting shapes whose acceptance is unmeasured, smallest first, if their
+        `acceptance_bound` could beat the best measured rate (at a large batch, where a draft step
+        costs far more than a plain one, most are never run)."""
+        b = self.bucket(batch_size)
+        untimed = [s for s in self.menu if self.step_time[(b, s)].count < self.min_samples]
+        if untimed:
+            return untimed[0]
         rates = [(self.rate(batch_size, s), s) for s in self.menu]
-        unmeasured = [s for r, s in rates if r is None]
-        if unmeasured:
-            return unmeasured[0]
-        handicap = [(r / (1.0 + self.margin) if s.drafts else r, s) for r, s in rates]
-        return max(handicap, key=lambda rs: (rs[0], -rs[1].num_draft_tokens))[1]
+        handicap = [(r / (1.0 + self.margin) if s.drafts else r, s) for r, s in rates if r is not None]
+        top_rate, top = max(handicap, key=lambda rs: (rs[0], -rs[1].num_draft_tokens))
+        for r, s in rates:
+            if r is None and self._worth_measuring(batch_size, s, top_rate):
+                return s
+        return top
 
     def choose(self, batch_size: int) -> DraftShape:
         self._steps += 1
@@ -133,7 +167,7 @@ class ShapeChooser:
             candidates = self._explore_candidates(batch_size, shape)
             self._explored += 1
             explored = candidates[self._explored % len(candidates)] if candidates else shape
-            if explored.drafts and not shape.drafts:
+            if explored.drafts and not shape.drafts and self.drafts_catch_up:
                 # drafted twice: the first catches up on the plain steps, the second is timed
                 self._again = explored
             shape = explored
@@ -142,20 +176,31 @@ class ShapeChooser:
 
     def _explore_candidates(self, batch_size: int, best: DraftShape) -> list[DraftShape]:
         """The best shape's neighbours on the menu and the runner-up, if estimated within
-        `explore_within` of the best: at large batches a draft can cost twice a plain step, and its
-        catch-up grows with the steps it skipped."""
+        `explore_within` of the best (a shape of unmeasured acceptance by its `acceptance_bound`):
+        at large batches a draft can cost twice a plain step, and its catch-up grows with the steps
+        it skipped."""
         best_rate = self.rate(batch_size, best) or 0.0
+
+        def estimate(s: DraftShape) -> float:
+            rate = self.rate(batch_size, s)
+            if rate is not None:
+                return rate
+            t, bound = self.step_time[(self.bucket(batch_size), s)], self.acceptance_bound(s)
+            return bound / t.value if bound is not None and t.count else best_rate
+
         i = self.menu.index(best)
-        others = [(self.rate(batch_size, s) or best_rate, s) for s in self.menu if s != best]
+        others = [(estimate(s), s) for s in self.menu if s != best]
         runner_up = max(others, key=lambda rs: rs[0])[1] if others else None
         picks = [self.menu[j] for j in (i - 1, i + 1) if 0 <= j < len(self.menu)]
         if runner_up is not None and runner_up not in picks:
             picks.append(runner_up)
-        return [s for s in picks if (self.rate(batch_size, s) or best_rate) >= self.explore_within * best_rate]
+        return [s for s in picks if estimate(s) >= self.explore_within * best_rate]
 
     def observe(self, batch_size: int, shape: DraftShape, seconds: float | None, accept_lengths: Sequence[int],
-                accepted_nodes: Sequence[Sequence[int]] | None = None) -> None:
+                accepted_nodes: Sequence[Sequence[int]] | None = None, warm_up: bool = False) -> None:
         """One step's wall time and per-request accept lengths; shapes off the menu are ignored.
+        Each request's accept length is a sample of the shape's acceptance (a step at batch 4
+        measures it four times); warm_up: a start-up timing, which counts as `min_samples` steps.
         seconds None: a step whose time does not stand for the shape's (its forward explored a slower
         path, see `PathChooser.settled_on`, or it drafted after plain steps, so its drafter caught
         up on the tokens it had skipped, a new request's whole prompt included); its acceptance
@@ -168,16 +213,16 @@ class ShapeChooser:
         if shape not in self.accept:
             return
         if seconds is not None:
-            self.step_time[(self.bucket(batch_size), shape)].add(seconds)
+            self.step_time[(self.bucket(batch_size), shape)].add(seconds, self.min_samples if warm_up else 1)
         if not shape.drafts or not accept_lengths:
             return
-        self.accept[shape].add(sum(accept_lengths) / len(accept_lengths))
+        self.accept[shape].add(sum(accept_lengths) / len(accept_lengths), len(accept_lengths))
         if accepted_nodes:
             for smaller in self.menu:
                 if smaller.drafts and smaller.num_draft_tokens < shape.num_draft_tokens:
                     n = smaller.num_draft_tokens
                     lengths = [1 + sum(j < n for j in nodes[1:]) for nodes in accepted_nodes]
-                    self.accept[smaller].add(sum(lengths) / len(lengths))
+                    self.accept[smaller].add(sum(lengths) / len(lengths), len(lengths))
 
     def forget_acceptance(self) -> None:
         """After warm-up on a synthetic prompt: its accept lengths say nothing about real text

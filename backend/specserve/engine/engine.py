@@ -195,6 +195,7 @@ class Engine:
         self._default_generator = torch.Generator().manual_seed(0)
         self._forced_shape: DraftShape | None = None  # warm-up runs each shape in turn
         self._observe = True  # whether steps feed the chooser's estimates
+        self._warming_up = False  # their timings then count as several steps (`ShapeChooser.observe`)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._inbox: deque[Request] = deque()
@@ -207,7 +208,8 @@ class Engine:
         full = DraftShape.configured(spec)
         pinned = not config.spec.adaptive or bool(config.spec.num_steps or config.spec.topk or config.spec.num_draft_tokens)
         menu = (full,) if pinned or spec.algorithm == "none" else shape_menu(spec.num_steps, spec.topk, spec.num_draft_tokens)
-        self.chooser = ShapeChooser(menu, default_batch_sizes(config.max_batch_size))
+        self.chooser = ShapeChooser(menu, default_batch_sizes(config.max_batch_size),
+                                    drafts_catch_up=self.drafter.catches_up)
         # per step: the compiled step program or the eager forward, whichever is measured faster
         self.paths = PathChooser(pinned=config.compiled_steps == "always")
         if self.compiled is not None and config.compiled_steps == "auto":
@@ -373,6 +375,7 @@ class Engine:
         prompt = prompt[: max(1, self.config.max_seq_len // 4)]
         params = SamplingParams(max_tokens=self.config.max_seq_len - len(prompt), ignore_eos=True)
         start = time.perf_counter()
+        self._warming_up = True
         for bs in self.chooser.buckets:
             ids = [self.add_request(prompt, params, request_id=f"warm-up-{bs}-{i}") for i in range(bs)]
             self.step()  # admit and prefill
@@ -383,7 +386,7 @@ class Engine:
             for rid in ids:
                 self.abort(rid)
             self.step()
-        self._forced_shape, self._observe = None, True
+        self._forced_shape, self._observe, self._warming_up = None, True, False
         self.chooser.forget_acceptance()
         self.profile = StepProfile()
         log.info("adaptive speculation: %d shapes x batch sizes %s measured in %.1f s",
@@ -492,7 +495,7 @@ class Engine:
         shape = self._shape_for(len(reqs))
         # a draft after plain steps (or a request's first, over its whole prompt) catches the drafter
         # up on the tokens it skipped: the cost of switching, not of the shape's steady state
-        catching_up = shape.drafts and not all(r.drafted_last_step for r in reqs)
+        catching_up = shape.drafts and self.drafter.catches_up and not all(r.drafted_last_step for r in reqs)
         if shape.drafts:
             proposal: list[DraftTree] | TreeBatch = self.drafter.propose(reqs, shape)
         else:  # plain decoding this step; a drafter catches up on what it missed when it drafts again
@@ -556,7 +559,7 @@ class Engine:
             nested = None
             if shape.drafts and self.drafter.nested_trees and len(self.chooser.menu) > 1:
                 nested = [row[:n] for row, n in zip(result.accepted_nodes.tolist(), lengths)]
-            self.chooser.observe(len(reqs), shape, seconds, lengths, nested)
+            self.chooser.observe(len(reqs), shape, seconds, lengths, nested, warm_up=self._warming_up)
 
     def _clock(self) -> float:
         """Host time; on CUDA, after the queued work (only when profiling: it costs a sync)."""
