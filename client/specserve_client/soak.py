@@ -46,8 +46,9 @@ def metric(metrics_url: str, name: str, **labels: str) -> float:
     return total
 
 
-def server_rss_mb(root_pid: int) -> float:
-    """Resident memory of `root_pid` and its descendants (tritonserver and its Python-backend stubs)."""
+def server_rss_mb(root_pid: int) -> dict[str, float]:
+    """Resident memory of `root_pid` and each of its descendants (tritonserver and its Python-backend
+    stubs, named by the model directory they serve), in MB, and their sum under "total"."""
     children: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -56,17 +57,21 @@ def server_rss_mb(root_pid: int) -> float:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(d.name))
-    total, todo = 0, [root_pid]
+    by_process, todo = {}, [root_pid]
     while todo:
         pid = todo.pop()
         todo += children.get(pid, [])
         try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
+            rss_kb = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                          if line.startswith("VmRSS:"))
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, StopIteration):
             continue
-    return round(total / 1024, 1)
+        name = Path(argv[0].decode()).name
+        if name == "triton_python_backend_stub" and len(argv) > 1:  # argv[1]: <repository>/<model>/<version>/model.py
+            name = f"stub {Path(argv[1].decode()).parent.parent.name}"
+        by_process[f"{name} ({pid})"] = round(rss_kb / 1024, 1)
+    return {"total": round(sum(by_process.values()), 1), **by_process}
 
 
 def one_request(url: str, model: str, values: dict, request_id: str, cancel_after: int | None,
@@ -146,7 +151,8 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
         t.start()
     memory = []
     while any(t.is_alive() for t in threads):
-        memory.append({"s": round(time.monotonic() - start), "rss_mb": server_rss_mb(server_pid)})
+        rss = server_rss_mb(server_pid)
+        memory.append({"s": round(time.monotonic() - start), "rss_mb": rss.pop("total"), "by_process": rss})
         print(json.dumps({**memory[-1], **outcomes}), flush=True)
         for t in threads:
             t.join(timeout=sample_s / len(threads))
@@ -155,7 +161,8 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
         time.sleep(0.5)
     gauges = {g: metric(metrics_url, g) for g in GAUGES}
     aborted = metric(metrics_url, "specserve:request_finished_total", finish_reason="abort") - aborted_before
-    memory.append({"s": round(time.monotonic() - start), "rss_mb": server_rss_mb(server_pid)})
+    rss = server_rss_mb(server_pid)
+    memory.append({"s": round(time.monotonic() - start), "rss_mb": rss.pop("total"), "by_process": rss})
     after_first_minute = [m["rss_mb"] for m in memory if m["s"] >= 60] or [memory[0]["rss_mb"]]
     report = {
         "variant": variant, "minutes": minutes, "concurrency": concurrency, "outcomes": dict(sorted(outcomes.items())),

@@ -78,8 +78,8 @@ def test_exploration_visits_the_neighbours_of_the_best_shape():
     c = _chooser(explore_every=4)
     for shape, seconds, accept in zip(c.menu, (0.010, 0.020, 0.030, 0.040), (1, 1.95, 3.6, 4.4)):
         c.observe(1, shape, seconds, [accept])  # 100, 97.5, 120, 110 tokens/s: a drafting shape is best
-    picks = [c.choose(1) for _ in range(16)]  # explored every 4th step, both neighbours within 80 %
-    assert picks.count(c.menu[2]) == 12 and set(picks) == {c.menu[1], c.menu[2], c.menu[3]}
+    picks = [c.choose(1) for _ in range(16)]  # explored every 4th step: both neighbours within 80 %, plain decoding
+    assert picks.count(c.menu[2]) == 12 and set(picks) == set(c.menu)
 
 
 def test_off_menu_shapes_are_ignored():
@@ -277,6 +277,23 @@ def test_exploration_reaches_the_runner_up_beyond_the_neighbours():
     picks = [c.choose(1) for _ in range(32)]
     assert c.menu[3] in picks  # not plain decoding's neighbour, but within 80 % of it
     assert c.menu[1] not in picks and c.menu[2] not in picks  # estimated far below: not tried
+
+
+def test_a_slow_warm_up_step_of_plain_decoding_is_outvoted_by_real_steps():
+    """Warm-up timed plain decoding at 58 ms (a slow moment), a small draft at 50 ms: the draft runs,
+    plain decoding is still explored, and its real 30 ms steps win it back."""
+    c = ShapeChooser(shape_menu(1, 1, 2), batch_buckets=(4,), explore_every=4, min_samples=3)
+    plain, draft = c.menu
+    c.observe(4, plain, 0.058, [1] * 4, warm_up=True)
+    c.observe(4, draft, 0.050, [2] * 4, warm_up=True)
+    c.forget_acceptance()
+    picks = []
+    for _ in range(40):
+        picks.append(c.choose(4))
+        c.observe(4, picks[-1], 0.030 if not picks[-1].drafts else 0.050, [2, 1, 2, 1] if picks[-1].drafts else [1] * 4)
+    assert picks[0] == draft  # 1.5 tokens in 50 ms against 1 in 58
+    assert c.step_time[(4, plain)].value == pytest.approx(0.030, rel=0.1)
+    assert c.best(4) == plain and picks[-10:].count(plain) >= 9  # 1.5 in 50 ms loses to 1 in 30
 
 
 def test_neighbours_far_below_the_best_are_not_explored():

@@ -21,9 +21,11 @@ optimistic bound on its acceptance (from the smaller shapes measured) could beat
 at batch 4 on a small CPU a draft step costs 1.3-4x a plain one, and measuring every shape's
 acceptance there cost more than drafting ever won. Every `explore_every`-th step runs another
 shape instead, so the estimates around the best one stay current: its neighbours on the menu and
-the runner-up, in turn (every 4 x `explore_every` steps while plain decoding is best; a drafter
-that catches up on skipped tokens then drafts for two steps, and only the second one's time
-stands for the shape; shapes estimated below `explore_within` of the best are not tried).
+the runner-up, in turn, and plain decoding whenever a draft is best (every 4 x `explore_every`
+steps while plain decoding is best; a drafter that catches up on skipped tokens then drafts for
+two steps, and only the second one's time stands for the shape; other shapes estimated below
+`explore_within` of the best are not tried). Warm-up timings ran on a synthetic prompt: they make a
+shape measured, but the first real steps outvote them.
 
 `PathChooser` makes the other per-step choice on a CPU: whether the target's forward runs through
 the compiled step program or eagerly. Neither is faster on every CPU, and on some the program's
@@ -80,6 +82,12 @@ class _Average:
         if self.robust:
             x = min(x, 2.0 * self.value)
         self.value += (x - self.value) * min(1.0, weight / min(self.count, self.horizon))
+
+    def seed(self, x: float, count: int) -> None:
+        """A start-up measurement: counts as `count` samples towards being measured, but enters the
+        median as one, so the first real samples outvote it (warm-up ran on a synthetic prompt)."""
+        if self.count == 0:
+            self.count, self.value, self._first = count, x, [x]
 
     def reset(self) -> None:
         self.count, self.value, self._first = 0, 0.0, []
@@ -178,7 +186,7 @@ class ShapeChooser:
         """The best shape's neighbours on the menu and the runner-up, if estimated within
         `explore_within` of the best (a shape of unmeasured acceptance by its `acceptance_bound`):
         at large batches a draft can cost twice a plain step, and its catch-up grows with the steps
-        it skipped."""
+        it skipped. Plain decoding, whatever its estimate, when a draft is best."""
         best_rate = self.rate(batch_size, best) or 0.0
 
         def estimate(s: DraftShape) -> float:
@@ -194,7 +202,13 @@ class ShapeChooser:
         picks = [self.menu[j] for j in (i - 1, i + 1) if 0 <= j < len(self.menu)]
         if runner_up is not None and runner_up not in picks:
             picks.append(runner_up)
-        return [s for s in picks if estimate(s) >= self.explore_within * best_rate]
+        picks = [s for s in picks if estimate(s) >= self.explore_within * best_rate]
+        plain = self.menu[0]
+        if best.drafts and not plain.drafts and plain not in picks:
+            # the baseline every draft must beat: a stale estimate of it (a slow warm-up step)
+            # would keep a losing draft running, and one plain step costs a drafter one token
+            picks.append(plain)
+        return picks
 
     def observe(self, batch_size: int, shape: DraftShape, seconds: float | None, accept_lengths: Sequence[int],
                 accepted_nodes: Sequence[Sequence[int]] | None = None, warm_up: bool = False) -> None:
@@ -213,7 +227,8 @@ class ShapeChooser:
         if shape not in self.accept:
             return
         if seconds is not None:
-            self.step_time[(self.bucket(batch_size), shape)].add(seconds, self.min_samples if warm_up else 1)
+            t = self.step_time[(self.bucket(batch_size), shape)]
+            t.seed(seconds, self.min_samples) if warm_up else t.add(seconds)
         if not shape.drafts or not accept_lengths:
             return
         self.accept[shape].add(sum(accept_lengths) / len(accept_lengths), len(accept_lengths))
