@@ -210,7 +210,10 @@ class _TritonThread:
                 if item[0] == "output" and item[2].finished:
                     item[1].abandon("internal error while sending the response")
             if time.monotonic() >= next_poll:
-                self._poll_cancelled()
+                try:
+                    self._poll_cancelled()
+                except Exception:  # noqa: BLE001 - polling again next time is all that can be done
+                    log.error("polling cancellation failed:\n%s", traceback.format_exc())
                 next_poll = time.monotonic() + self.poll_interval_s
 
     def _do(self, kind: str, a: Any, b: Any) -> None:
