@@ -214,7 +214,7 @@ class ShapeChooser:
                 accepted_nodes: Sequence[Sequence[int]] | None = None, warm_up: bool = False) -> None:
         """One step's wall time and per-request accept lengths; shapes off the menu are ignored.
         Each request's accept length is a sample of the shape's acceptance (a step at batch 4
-        measures it four times); warm_up: a start-up timing, which counts as `min_samples` steps.
+        measures it four times); warm_up: a start-up timing, which seeds the estimate (`_Average.seed`).
         seconds None: a step whose time does not stand for the shape's (its forward explored a slower
         path, see `PathChooser.settled_on`, or it drafted after plain steps, so its drafter caught
         up on the tokens it had skipped, a new request's whole prompt included); its acceptance

@@ -195,7 +195,7 @@ class Engine:
         self._default_generator = torch.Generator().manual_seed(0)
         self._forced_shape: DraftShape | None = None  # warm-up runs each shape in turn
         self._observe = True  # whether steps feed the chooser's estimates
-        self._warming_up = False  # their timings then count as several steps (`ShapeChooser.observe`)
+        self._warming_up = False  # steps then seed the chooser's time estimates (`ShapeChooser.observe`)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._inbox: deque[Request] = deque()
