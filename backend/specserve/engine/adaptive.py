@@ -228,7 +228,10 @@ class ShapeChooser:
             return
         if seconds is not None:
             t = self.step_time[(self.bucket(batch_size), shape)]
-            t.seed(seconds, self.min_samples) if warm_up else t.add(seconds)
+            if warm_up:
+                t.seed(seconds, self.min_samples)
+            else:
+                t.add(seconds)
         if not shape.drafts or not accept_lengths:
             return
         self.accept[shape].add(sum(accept_lengths) / len(accept_lengths), len(accept_lengths))
