@@ -2,7 +2,8 @@
 
     python -m specserve_client.soak --variant base --minutes 10 --concurrency 8 --out results/soak
 
-Each worker loops until the time is up, drawing per request:
+Each worker is one client (one gRPC connection, or with `--connection-per-request` a new one for
+every request) and loops until the time is up, drawing per request a stream of its own:
   - a normal stream (greedy, 8-64 tokens) to `llm_<variant>`, or one in five to the ensemble
     `ensemble_<variant>` in its [1, 1] shapes: every response must carry the request's own id,
     exactly one FINAL must arrive, and the tokens must not exceed max_tokens;
@@ -74,11 +75,11 @@ def server_rss_mb(root_pid: int) -> dict[str, float]:
     return {"total": round(sum(by_process.values()), 1), **by_process}
 
 
-def one_request(url: str, model: str, values: dict, request_id: str, cancel_after: int | None,
-                trtllm_format: bool = False) -> str:
-    """Stream one request; returns its outcome: "ok", "cancelled", "error", or a failure text."""
+def one_request(client: grpcclient.InferenceServerClient, model: str, values: dict, request_id: str,
+                cancel_after: int | None, trtllm_format: bool = False) -> str:
+    """Stream one request on its own gRPC stream of `client`; returns its outcome: "ok",
+    "cancelled", "error", or a failure text."""
     responses: queue.SimpleQueue = queue.SimpleQueue()
-    client = grpcclient.InferenceServerClient(url)
     finals, tokens, seen = 0, 0, 0
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -108,12 +109,15 @@ def one_request(url: str, model: str, values: dict, request_id: str, cancel_afte
         return "ok" if finals == 1 else f"{finals} final responses"
     finally:
         client.stop_stream(cancel_requests=True)
-        client.close()
 
 
-def worker(url: str, variant: str, deadline: float, seed: int, outcomes: Counter, failures: list, lock: threading.Lock) -> None:
+def worker(url: str, variant: str, deadline: float, seed: int, outcomes: Counter, failures: list, lock: threading.Lock,
+           connection_per_request: bool = False) -> None:
+    """One client's requests until `deadline`, each on a stream of its own, over one gRPC
+    connection (as tritonclient users and perf_analyzer do) or a new one per request."""
     rng = random.Random(seed)
     n = 0
+    client = grpcclient.InferenceServerClient(url)
     while time.monotonic() < deadline:
         n += 1
         request_id = f"w{seed}-{n}"
@@ -129,23 +133,28 @@ def worker(url: str, variant: str, deadline: float, seed: int, outcomes: Counter
         else:
             kind, model, cancel_after = "bad", f"llm_{variant}", None
             values = request_inputs("Hi", **rng.choice([{"temperature": -1.0}, {"max_tokens": 0}]))
-        outcome = one_request(url, model, values, request_id, cancel_after, trtllm_format)
+        if connection_per_request:
+            client.close()
+            client = grpcclient.InferenceServerClient(url)
+        outcome = one_request(client, model, values, request_id, cancel_after, trtllm_format)
         expected = {"normal": "ok", "cancel": "cancelled", "bad": "error"}[kind]
         with lock:
             outcomes[f"{kind}:{outcome if outcome in ('ok', 'cancelled', 'error') else 'failed'}"] += 1
             if outcome != expected:
                 failures.append(f"{kind} {request_id}: {outcome}")
+    client.close()
 
 
 def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: float, concurrency: int,
-         sample_s: float) -> dict:
+         sample_s: float, connection_per_request: bool = False) -> dict:
     outcomes: Counter = Counter()
     failures: list[str] = []
     aborted_before = metric(metrics_url, "specserve:request_finished_total", finish_reason="abort")
     lock = threading.Lock()
     start = time.monotonic()
     deadline = start + minutes * 60
-    threads = [threading.Thread(target=worker, args=(url, variant, deadline, s, outcomes, failures, lock), daemon=True)
+    threads = [threading.Thread(target=worker, args=(url, variant, deadline, s, outcomes, failures, lock,
+                                                     connection_per_request), daemon=True)
                for s in range(concurrency)]
     for t in threads:
         t.start()
@@ -165,7 +174,8 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
     memory.append({"s": round(time.monotonic() - start), "rss_mb": rss.pop("total"), "by_process": rss})
     after_first_minute = [m["rss_mb"] for m in memory if m["s"] >= 60] or [memory[0]["rss_mb"]]
     report = {
-        "variant": variant, "minutes": minutes, "concurrency": concurrency, "outcomes": dict(sorted(outcomes.items())),
+        "variant": variant, "minutes": minutes, "concurrency": concurrency,
+        "connection_per_request": connection_per_request, "outcomes": dict(sorted(outcomes.items())),
         "requests": sum(outcomes.values()), "failures": failures[:50], "num_failures": len(failures),
         "gauges_after": gauges, "engine_aborts": aborted, "rss_mb": {"first": memory[0]["rss_mb"], "after_1_min": after_first_minute[0],
                                            "max": max(m["rss_mb"] for m in memory), "last": memory[-1]["rss_mb"]},
@@ -184,12 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--sample-s", type=float, default=15.0, help="seconds between memory samples")
+    p.add_argument("--connection-per-request", action="store_true",
+                   help="open a new gRPC connection for every request (default: one per worker)")
     p.add_argument("--out", type=Path, default=Path("results/soak"))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     ports = [free_port() for _ in range(3)]
     with TritonProcess(default_repository(), models_for([args.variant]), *ports, log=args.out / "tritonserver.log") as server:
-        report = soak(server.grpc_url, server.metrics_url, server.proc.pid, args.variant, args.minutes, args.concurrency, args.sample_s)
+        report = soak(server.grpc_url, server.metrics_url, server.proc.pid, args.variant, args.minutes, args.concurrency,
+                      args.sample_s, args.connection_per_request)
     (args.out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "memory_samples"}, indent=1))
     return 0 if report["passed"] else 1

@@ -361,3 +361,16 @@ def test_the_load_gauges_are_set_on_the_triton_thread(triton_model):
     thread.load(EngineLoad(waiting=1, running=2, kv_slots_used=2))
     thread.close()
     assert seen == [(EngineLoad(1, 2, 2), "specserve-triton")]
+
+
+def test_a_sent_response_stays_referenced_after_send(triton_model):
+    """The stub copies a response with the GIL released: its last reference must not go with `send`."""
+    import gc
+    import weakref
+
+    s, sender = stream_for(triton_model, stream=True)
+    s.handle(out("a", [1]))
+    sent = weakref.ref(sender.sent[-1][0])
+    sender.sent.clear()
+    gc.collect()
+    assert sent() is not None

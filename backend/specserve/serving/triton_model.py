@@ -18,6 +18,7 @@ The contract is `contract`, parsing `parsing`, parameters `parameters`, metrics 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import faulthandler
 import json
@@ -50,6 +51,18 @@ from specserve.serving.parsing import PromptTokenizer, parse_decoupled_inputs
 
 log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+# The last responses sent, kept alive a few seconds after `send`: the Python backend's stub copies a
+# response while it has released the GIL, and a crash of the stub (a segfault in another thread's
+# pure-Python code while a send was in flight) points at a response's tensors being freed there.
+# Holding a reference here means their last owner is this module, freed later with the GIL held.
+_recently_sent: collections.deque[Any] = collections.deque(maxlen=1024)
+
+
+def _send(sender: Any, response: Any | None, flags: int = 0) -> None:
+    sender.send(response, flags=flags)
+    _recently_sent.append(response)
 
 
 def _response(delta: ResponseDelta) -> Any:
@@ -96,7 +109,7 @@ class _ResponseStream:
         self.num_draft_tokens, self.num_accepted_tokens = out.num_draft_tokens, out.num_accepted_tokens
         if not out.finished:
             if self.request.stream:
-                self.sender.send(_response(self._delta(out, out.text, out.token_ids, out.logprobs)))
+                _send(self.sender, _response(self._delta(out, out.text, out.token_ids, out.logprobs)))
             else:
                 self.text.append(out.text)
                 self.token_ids.extend(out.token_ids)
@@ -131,11 +144,11 @@ class _ResponseStream:
         else:  # the one data response /generate needs, then a flag-only FINAL
             text = (self.request.echo_text or "") + "".join(self.text) + out.text
             logprobs = None if out.logprobs is None else self.logprobs + out.logprobs
-            self.sender.send(_response(self._delta(out, text, self.token_ids + out.token_ids, logprobs)))
+            _send(self.sender, _response(self._delta(out, text, self.token_ids + out.token_ids, logprobs)))
             self._send_final(None)
 
     def _send_final(self, response: Any | None) -> None:
-        self.sender.send(response, flags=FINAL)
+        _send(self.sender, response, flags=FINAL)
         self.final_sent = True
 
     def _delta(self, out: RequestOutput, text: str, token_ids: list[int],
@@ -158,7 +171,7 @@ class _ResponseStream:
         if self.final_sent:
             return
         try:
-            self.sender.send(_error(message, pb_utils.TritonError.INTERNAL), flags=FINAL)
+            _send(self.sender, _error(message, pb_utils.TritonError.INTERNAL), flags=FINAL)
         except Exception:  # noqa: BLE001 - the sender may already be closed
             log.error("could not end a request after an error:\n%s", traceback.format_exc())
 
@@ -299,12 +312,12 @@ class TritonPythonModel:
             request_id = self.loop.submit(prompt_ids, generate.params, lambda out: self.triton_thread.put(stream, out))
             self.triton_thread.open(request_id, stream)
         except (RequestError, ValueError) as e:  # the engine raises ValueError naming the field too
-            sender.send(_error(str(e), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
+            _send(sender, _error(str(e), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
         except (QueueFull, EngineStopped) as e:
-            sender.send(_error(str(e), pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+            _send(sender, _error(str(e), pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
         except Exception as e:  # noqa: BLE001 - FINAL on every path
             log.error("submit failed:\n%s", traceback.format_exc())
-            sender.send(_error(f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL), flags=FINAL)
+            _send(sender, _error(f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL), flags=FINAL)
 
     def _unload(self, reason: str) -> None:
         """The engine loop stopped for good: unload this model (not ready) from a thread of its own,
