@@ -138,8 +138,9 @@ class EngineLoop:
                 if failures >= self.max_failed_steps:
                     self._deliver(outputs)
                     raise RuntimeError(f"{failures} engine steps failed in a row; last: {type(e).__name__}: {e}") from e
-            self._deliver(outputs)
+            # the load first: a client that has a response then reads gauges that count its request
             self._report_load()
+            self._deliver(outputs)
 
     def _report_load(self) -> None:
         """`on_step` with the engine's load, only when it changed (the gauges are an IPC each)."""
