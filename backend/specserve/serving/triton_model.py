@@ -4,8 +4,9 @@ initialize builds the engine from config.pbtxt parameters and starts its loop th
 parses and submits; the engine thread hands each `RequestOutput` delta to the model's Triton
 thread, the one thread that calls into Triton after `execute`: it sends each delta through the
 request's response sender, polls the open requests' cancellation and sets the load gauges (so the
-engine never waits on Triton's IPC, and no two threads call into the Python backend's stub at
-once); finalize aborts what is left and joins both threads.
+engine never waits on Triton's IPC, and once a request is submitted only that thread calls into
+the Python backend for it; `execute` itself answers bad input); finalize aborts what is left and
+joins both threads.
 
 Every request ends with exactly one FINAL: after its last delta (stream=true), after its single
 data response (stream=false: one response with the whole text, then a flag-only FINAL, which is
