@@ -124,7 +124,7 @@ def out(text: str, ids: list[int], finished: bool = False, reason: str | None = 
     return RequestOutput("r", ids, text, finished=finished, finish_reason=reason, num_prompt_tokens=5, **kw)
 
 
-def stream_for(triton_model, stream: bool, echo: str | None = None, closing: bool = False):
+def stream_for(triton_model, stream: bool, echo: str | None = None, closing: bool = False, wanted=None):
     from specserve.config import SamplingParams
     from specserve.serving.contract import GenerateRequest
     from specserve.serving.metrics import ServingMetrics
@@ -134,7 +134,7 @@ def stream_for(triton_model, stream: bool, echo: str | None = None, closing: boo
         event.set()
     sender = FakeSender()
     s = triton_model._ResponseStream(sender, GenerateRequest(SamplingParams(), stream, echo), ServingMetrics("m", "1"), event,
-                                     decode_token=lambda t: f"<{t}>")
+                                     decode_token=lambda t: f"<{t}>", wanted=wanted)
     return s, sender
 
 
@@ -214,9 +214,12 @@ def test_metrics_follow_the_deltas(triton_model):
 
 
 class FakeRequest:
-    def __init__(self, inputs: dict[str, np.ndarray]) -> None:
-        self._inputs = inputs
+    def __init__(self, inputs: dict[str, np.ndarray], requested: tuple[str, ...] = ()) -> None:
+        self._inputs, self.requested = inputs, requested
         self.sender = FakeSender()
+
+    def requested_output_names(self) -> list[str]:
+        return list(self.requested)
 
     def inputs(self) -> list[Any]:
         return [types.SimpleNamespace(name=lambda n=n: n, as_numpy=lambda a=a: a) for n, a in self._inputs.items()]
@@ -264,12 +267,12 @@ def text(s: str) -> np.ndarray:
 def test_execute_submits_and_sends_nothing_yet(triton_model):
     loop = FakeLoop()
     m = model_with(triton_model, loop)
-    request = FakeRequest({"text_input": text("hi"), "max_tokens": np.array([3], dtype=np.int32)})
+    request = FakeRequest({"text_input": text("hi"), "max_tokens": np.array([3], dtype=np.int32)}, ("output_ids",))
     assert m.execute([request]) is None
     (ids, params), = loop.submitted
     assert ids == [ord("h"), ord("i")] and params.max_tokens == 3
     (request_id, stream), = m.triton_thread.opened  # its cancellation is polled from now on
-    assert request_id == "r" and stream.sender is request.sender
+    assert request_id == "r" and stream.sender is request.sender and stream.wanted == {"output_ids"}
     assert request.sender.sent == []
 
 
@@ -363,14 +366,28 @@ def test_the_load_gauges_are_set_on_the_triton_thread(triton_model):
     assert seen == [(EngineLoad(1, 2, 2), "specserve-triton")]
 
 
-def test_a_sent_response_stays_referenced_after_send(triton_model):
-    """The stub copies a response with the GIL released: its last reference must not go with `send`."""
+def test_a_sent_response_and_its_tensors_stay_referenced_after_send(triton_model):
+    """The stub's `send` runs with the GIL released: no last reference to a tensor may go with it."""
     import gc
     import weakref
 
     s, sender = stream_for(triton_model, stream=True)
     s.handle(out("a", [1]))
-    sent = weakref.ref(sender.sent[-1][0])
+    response = sender.sent[-1][0]
+    sent, tensors = weakref.ref(response), [weakref.ref(t) for t in response.output_tensors]
+    del response
     sender.sent.clear()
     gc.collect()
-    assert sent() is not None
+    assert sent() is not None and all(t() is not None for t in tensors)
+
+
+def test_a_response_holds_only_the_outputs_its_request_asked_for(triton_model):
+    """The stub drops unrequested outputs with the GIL released (a heap corruption in r24.10): none are built."""
+    s, sender = stream_for(triton_model, stream=True, wanted=frozenset({"output_ids", "finish_reason"}))
+    s.handle(out("a", [1]))
+    s.handle(out("b", [2], True, "stop"))
+    assert [sorted(r.outputs()) for r, _ in sender.sent] == [["finish_reason", "output_ids"]] * 2
+    assert sender.sent[-1][0].outputs()["output_ids"].tolist() == [2] and sender.finals == 1
+    everything, sender = stream_for(triton_model, stream=True)  # no outputs named: every output
+    everything.handle(out("a", [1], True, "stop"))
+    assert {"text_output", "output_ids", "finish_reason", "num_output_tokens"} <= set(sender.sent[0][0].outputs())

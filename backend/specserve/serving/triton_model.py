@@ -54,22 +54,23 @@ log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-# The last responses sent, kept alive a few seconds after `send`: the Python backend's stub copies a
-# response while it has released the GIL, and a crash of the stub (a segfault in another thread's
-# pure-Python code while a send was in flight) points at a response's tensors being freed there.
-# Holding a reference here means their last owner is this module, freed later with the GIL held.
+# `InferenceResponseSender.send` of the Python backend shipped with nvidia-pytriton (r24.10) releases
+# the GIL, then drops the response's tensors the client did not ask for; the last reference to a
+# tensor's numpy array then goes without the GIL, corrupting the interpreter's heap (the stub later
+# segfaults in whatever Python another thread runs). Fixed upstream in r24.12 (python_backend #390,
+# `~PbTensor` takes the GIL). So a response holds only the outputs its request asked for (nothing is
+# dropped), and its tensors stay referenced here after `send`, freed later with the GIL held.
 _recently_sent: collections.deque[Any] = collections.deque(maxlen=1024)
 
 
-def _send(sender: Any, response: Any | None, flags: int = 0) -> None:
+def _send(sender: Any, response: Any | None, flags: int = 0, tensors: list[Any] | None = None) -> None:
     sender.send(response, flags=flags)
-    _recently_sent.append(response)
+    _recently_sent.append((response, tensors))
 
 
-def _response(delta: ResponseDelta) -> Any:
-    return pb_utils.InferenceResponse(
-        output_tensors=[pb_utils.Tensor(name, arr) for name, arr in output_arrays(delta).items()]
-    )
+def _tensors(delta: ResponseDelta, wanted: frozenset[str] | None) -> list[Any]:
+    """The response's output tensors: those in `wanted` (the request's requested outputs), or all."""
+    return [pb_utils.Tensor(name, arr) for name, arr in output_arrays(delta).items() if wanted is None or name in wanted]
 
 
 def _error(message: str, code: int) -> Any:
@@ -80,8 +81,9 @@ class _ResponseStream:
     """One request's responses; `handle` runs on the Triton thread, in delta order."""
 
     def __init__(self, sender: Any, request: GenerateRequest, metrics: ServingMetrics, closing: threading.Event,
-                 decode_token: Callable[[int], str]) -> None:
+                 decode_token: Callable[[int], str], wanted: frozenset[str] | None = None) -> None:
         self.sender = sender
+        self.wanted = wanted  # the outputs the client asked for (None: every output)
         self.decode_token = decode_token
         self.request = request
         self.metrics = metrics
@@ -110,7 +112,7 @@ class _ResponseStream:
         self.num_draft_tokens, self.num_accepted_tokens = out.num_draft_tokens, out.num_accepted_tokens
         if not out.finished:
             if self.request.stream:
-                _send(self.sender, _response(self._delta(out, out.text, out.token_ids, out.logprobs)))
+                self._send_delta(self._delta(out, out.text, out.token_ids, out.logprobs))
             else:
                 self.text.append(out.text)
                 self.token_ids.extend(out.token_ids)
@@ -141,16 +143,21 @@ class _ResponseStream:
         elif out.finish_reason == FINISH_ERROR:
             self._send_final(_error(out.error or "engine error", pb_utils.TritonError.INTERNAL))
         elif self.request.stream:
-            self._send_final(_response(self._delta(out, out.text, out.token_ids, out.logprobs)))
+            self._send_delta(self._delta(out, out.text, out.token_ids, out.logprobs), flags=FINAL)
         else:  # the one data response /generate needs, then a flag-only FINAL
             text = (self.request.echo_text or "") + "".join(self.text) + out.text
             logprobs = None if out.logprobs is None else self.logprobs + out.logprobs
-            _send(self.sender, _response(self._delta(out, text, self.token_ids + out.token_ids, logprobs)))
+            self._send_delta(self._delta(out, text, self.token_ids + out.token_ids, logprobs))
             self._send_final(None)
 
     def _send_final(self, response: Any | None) -> None:
         _send(self.sender, response, flags=FINAL)
         self.final_sent = True
+
+    def _send_delta(self, delta: ResponseDelta, flags: int = 0) -> None:
+        tensors = _tensors(delta, self.wanted)
+        _send(self.sender, pb_utils.InferenceResponse(output_tensors=tensors), flags=flags, tensors=tensors)
+        self.final_sent = self.final_sent or flags == FINAL
 
     def _delta(self, out: RequestOutput, text: str, token_ids: list[int],
                logprobs: list[dict[int, tuple[float, int]]] | None) -> ResponseDelta:
@@ -309,7 +316,8 @@ class TritonPythonModel:
         try:
             inputs = {t.name(): t.as_numpy() for t in request.inputs()}
             prompt_ids, generate = parse_decoupled_inputs(inputs, self.limits, self.tokenizer)
-            stream = _ResponseStream(sender, generate, self.metrics, self.closing, self.tokenizer.decode_token)
+            stream = _ResponseStream(sender, generate, self.metrics, self.closing, self.tokenizer.decode_token,
+                                     frozenset(request.requested_output_names()) or None)
             request_id = self.loop.submit(prompt_ids, generate.params, lambda out: self.triton_thread.put(stream, out))
             self.triton_thread.open(request_id, stream)
         except (RequestError, ValueError) as e:  # the engine raises ValueError naming the field too
