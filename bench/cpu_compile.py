@@ -3,8 +3,9 @@
 For each algorithm, one engine per mode runs every chunk of prompts in turn (interleaved, as
 `specserve bench` runs its engines), greedy, served defaults. Modes: `eager` (`cpu_compile` off),
 `onednn` (compiled, but every target forward through the prefill program: oneDNN's matmuls at
-every size) and `compiled` (as served: steps of a few rows through the step program, whose
-matmuls were autotuned on this CPU). The JSON gives each engine's tokens per second, its ratio to
+every size), `inductor` (compiled, the few-row programs' matmuls autotuned by inductor) and
+`compiled` (as served: steps of a few rows through the step program, whose matmuls are the AVX2
+few-row kernel in float32 where it runs, else inductor's). The JSON gives each engine's tokens per second, its ratio to
 the first mode, whether their outputs are the same, and where step time goes (`StepProfile`).
 Compiled programs come from the compile cache (compiled on first use).
 
@@ -37,7 +38,7 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--modes", default="eager,compiled", help="comma-separated: eager, onednn, compiled")
+    p.add_argument("--modes", default="eager,compiled", help="comma-separated: eager, onednn, inductor, compiled")
     p.add_argument("--json", default="results/cpu_compile.json")
     args = p.parse_args()
 
@@ -49,7 +50,8 @@ def main() -> None:
     for algorithm in args.algorithm.split(","):
         spec = SpecConfig(algorithm=algorithm, **served_drafter(algorithm))
         for mode in modes:
-            engine = Engine(replace(base, spec=spec, cpu_compile=mode != "eager"))
+            engine = Engine(replace(base, spec=spec, cpu_compile=mode != "eager",
+                                    step_matmul="inductor" if mode == "inductor" else "auto"))
             if mode == "onednn" and engine.compiled is not None:
                 engine.compiled.step_runner = None  # every target forward through the prefill program
             runs[f"{algorithm} {mode}"] = EngineRun(engine, args.max_new_tokens)
@@ -65,7 +67,9 @@ def main() -> None:
                     "batch_size": args.batch_size, "dtype": base.dtype, "hardware": describe(), "runs": {}}
     for name, r in runs.items():
         report["runs"][name] = {"tokens_per_s": round(r.tokens_per_s, 2), "accept_length": round(r.accept_length, 3),
-                                "profile_ms": r.engine.profile.per_step_ms(), "shapes": r.engine.chooser.summary()}
+                                "profile_ms": r.engine.profile.per_step_ms(), "shapes": r.engine.chooser.summary(),
+                                "step_matmul": getattr(r.engine.compiled, "step_matmul", None),
+                                "step_paths": r.engine.paths.summary()}
     for algorithm in args.algorithm.split(","):
         first = runs[f"{algorithm} {modes[0]}"]
         line = f"{algorithm:8s} {modes[0]} {first.tokens_per_s:6.1f} tok/s"

@@ -156,6 +156,8 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         "hardware": describe(),
         "interleaved": True,
         "cpu_compile": base_engine.compiled is not None,  # the target's AOTInductor-compiled forward
+        # the step program's matmuls: the AVX2 few-row kernel or inductor's autotuned ones
+        "step_matmul": getattr(base_engine.compiled, "step_matmul", None),
     }
     hf = lookup = None
     if hf_baseline:

@@ -43,6 +43,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="which decode / verify steps run the compiled program: auto = per batch size and tree size, "
                         "the faster of it and the eager forward, timed at start-up and while serving; "
                         "always = every step it covers")
+    p.add_argument("--step-matmul", default="auto", choices=["auto", "inductor"],
+                   help="the compiled few-row programs' matmuls: auto = the AVX2 few-row kernel in float32 where it "
+                        "runs, else inductor's autotuned ones; inductor = always inductor's")
     p.add_argument("--num-steps", type=int, default=0, help="draft depth (0 = SGLang's default)")
     p.add_argument("--topk", type=int, default=0, help="branching per draft step (0 = default)")
     p.add_argument("--num-draft-tokens", type=int, default=0, help="tree size incl. root (0 = default)")
@@ -90,7 +93,7 @@ def _engine_config(args: argparse.Namespace, algorithm: str, max_batch_size: int
                         graph_mode="off" if args.disable_cuda_graph else "auto",
                         cuda_graph_max_bs=args.cuda_graph_max_bs, spec=_spec(args, algorithm),
                         cpu_compile=not args.disable_cpu_compile, compile_cache_dir=args.compile_cache_dir,
-                        compiled_steps=args.compiled_steps,
+                        compiled_steps=args.compiled_steps, step_matmul=args.step_matmul,
                         profile=getattr(args, "profile", False))
 
 

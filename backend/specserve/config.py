@@ -16,6 +16,7 @@ import torch
 
 ALGORITHMS = ("none", "ngram", "eagle", "eagle3", "mtp", "standalone")
 GRAPH_MODES = ("auto", "off", "static")
+STEP_MATMULS = ("auto", "inductor")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -227,6 +228,10 @@ class EngineConfig:
     # start-up and on every step (on some CPUs oneDNN's eager bf16 matmuls win); always: every step
     # the program covers
     compiled_steps: str = "auto"
+    # with cpu_compile: the matmuls of the few-row programs (target steps, draft heads). auto: the
+    # AVX2 few-row kernel in float32 where it builds and runs (specserve_kernels.few_row_gemm), else
+    # inductor's autotuned ones; inductor: always inductor's
+    step_matmul: str = "auto"
     profile: bool = False  # on CUDA, synchronize around each step phase so StepProfile is exact
     max_queue_size: int = 0
     request_timeout_s: float = 0.0
@@ -234,6 +239,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.compiled_steps not in ("auto", "always"):
             raise ValueError(f"compiled_steps: must be auto or always, got {self.compiled_steps!r}")
+        if self.step_matmul not in STEP_MATMULS:
+            raise ValueError(f"step_matmul: must be one of {', '.join(STEP_MATMULS)}, got {self.step_matmul!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_batch_size <= 0:

@@ -56,4 +56,5 @@ def describe() -> dict:
         "bf16_flags": sorted(cpu_flags() & set(BF16_FLAGS)),
         "native_bf16": native_bf16(),
         "avx512": "avx512f" in cpu_flags(),
+        "avx2_fma": {"avx2", "fma"} <= cpu_flags(),  # what the few-row matmul kernel needs
     }

@@ -18,10 +18,18 @@ import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.engine import Engine
-from specserve.models.compiled import STALE_AFTER_DAYS, CompiledTarget, can_compile, program_key, remove_stale
+from specserve.models.compiled import (
+    STALE_AFTER_DAYS,
+    CompiledTarget,
+    can_compile,
+    choose_step_matmul,
+    program_key,
+    remove_stale,
+)
 from specserve.models.few_row_head import FEW_ROWS
 from specserve.models.kv_cache import KVCache
 from specserve.models.weights import load_llama
+from specserve_kernels import few_row_gemm
 
 pytestmark = pytest.mark.skipif(not can_compile(torch.device("cpu")), reason="needs g++ (make setup installs it)")
 
@@ -57,6 +65,8 @@ def test_compiled_forward_matches_eager(tiny_target_dir, compile_dir, tmp_path, 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where compiling and loading put their scratch
     compiled = CompiledTarget(model, compiled_cache, AUX, max_batch_size=3, max_tokens=64, cache_dir=compile_dir)
     assert compiled.compiled_now and compiled.step_runner is not None
+    # float32 on an AVX2 CPU: the step program's matmuls are the few-row kernel, checked against eager below
+    assert compiled.step_matmul == ("few_row_gemm" if few_row_gemm.load() else "inductor")
     # no inductor cache or unpacked package left behind; inductor keeps its precompiled headers (once)
     left = {str(p.relative_to(tmp_path)) for p in tmp_path.glob("*/*")} | {p.name for p in tmp_path.glob("*")}
     assert left <= {f"torchinductor_{getpass.getuser()}", f"torchinductor_{getpass.getuser()}/precompiled_headers"}
@@ -106,6 +116,14 @@ def test_a_second_build_loads_the_stored_package(tiny_target_dir, compile_dir):
     before = key()
     model.layers[0].mlp.down_proj.weight.data[0, 0] += 1  # other weights, another program
     assert key() != before
+
+
+def test_the_step_matmul_is_the_kernel_only_for_float32_where_it_runs(tmp_path):
+    linear = torch.nn.Linear(8, 8)
+    kernel = "few_row_gemm" if few_row_gemm.load() else "inductor"
+    assert choose_step_matmul(linear, tmp_path) == kernel
+    assert choose_step_matmul(linear, tmp_path, "inductor") == "inductor"
+    assert choose_step_matmul(linear.to(torch.bfloat16), tmp_path) == "inductor"
 
 
 def test_packages_unused_for_weeks_are_removed(tmp_path):
@@ -195,8 +213,9 @@ def test_compiled_head_matches_eager(tmp_path, tiny_target_dir, compile_dir, alg
             want = eager._forward(tok, hid, pos, wpos, mask, key_len, [0, 1])
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(compiled.cache.data, eager.cache.data, rtol=1e-4, atol=1e-4)
-    # EAGLE-2's catch-up reads target states as wide as the head's own: the few-row program takes its second one
-    assert ran == ({"head": 1, "few rows": 2} if algorithm == "eagle" else {"head": 2, "few rows": 1})
+    # the catch-up after the prefix is a few rows: a few-row program takes it (EAGLE-3's at the fused features' width)
+    assert ran == {"head": 1, "few rows": 2}
+    assert sorted(compiled.few_rows.runners) == sorted({cfg.feature_size, cfg.hidden_size})
 
 
 def test_steps_run_compiled_only_where_timed_faster(tiny_target_dir, compile_dir, monkeypatch):

@@ -383,6 +383,8 @@ def test_engine_config_from_parameters():
     assert engine_config_from_parameters({}).compile_cache_path == Path.home() / ".cache/specserve/compiled"
     assert engine_config_from_parameters({}).compiled_steps == "auto"
     assert engine_config_from_parameters({"compiled_steps": "always"}).compiled_steps == "always"
+    assert engine_config_from_parameters({}).step_matmul == "auto"
+    assert engine_config_from_parameters({"step_matmul": "inductor"}).step_matmul == "inductor"
 
 
 @pytest.mark.parametrize(
@@ -390,6 +392,7 @@ def test_engine_config_from_parameters():
     [({"max_batch_size": "x"}, "max_batch_size"), ({"algorithm": "magic"}, "algorithm"),
      ({"num_steps": "two"}, "num_steps"), ({"dtype": "int8"}, "dtype"), ({"typo_key": "1"}, "typo_key"),
      ({"attention_backend": "xformers"}, "attention_backend"), ({"disable_cuda_graph": "maybe"}, "disable_cuda_graph"),
+     ({"step_matmul": "blas"}, "step_matmul"),
      ({"cuda_graph_max_bs": "-1"}, "cuda_graph_max_bs"), ({"disable_by_batch_size": "-2"}, "disable_by_batch_size"),
      ({"adaptive": "sometimes"}, "adaptive"), ({"disable_cpu_compile": "maybe"}, "disable_cpu_compile"),
      ({"compiled_steps": "never"}, "compiled_steps")],

@@ -30,7 +30,8 @@ class DraftContext:
     graph_batch_sizes is set; max_len: cache entries per slot (max_seq_len plus the trees' scratch
     area); graph_batch_sizes: the buckets a static draft runs in (empty: no static drafts);
     capture_graphs: whether those drafts are captured as CUDA graphs; compile_cache_dir: where a
-    drafter keeps its compiled CPU programs (None: run eagerly).
+    drafter keeps its compiled CPU programs (None: run eagerly); step_matmul: the matmuls of its
+    few-row program (`EngineConfig.step_matmul`).
     """
 
     target: LlamaModel
@@ -43,6 +44,7 @@ class DraftContext:
     graph_batch_sizes: tuple[int, ...] = ()
     capture_graphs: bool = False
     compile_cache_dir: Path | None = None
+    step_matmul: str = "auto"
 
 
 class SequenceView(Protocol):

@@ -96,10 +96,10 @@ class EagleDrafter(Drafter):
         cache_dir = ctx.compile_cache_dir
         self.compiled = None if cache_dir is None else compiled_or_none(f"{spec.algorithm} head", lambda: CompiledHead(
             self.head, self.head.embed_weight, self.rope, self.cache, widths, cache_dir))
-        # drafting steps are a few rows: a second program, its matmuls autotuned for them
+        # drafting steps and the catch-ups after them are a few rows: programs with matmuls for a few rows
         self.few_rows = None if self.compiled is None else compiled_or_none(
             f"{spec.algorithm} head (few rows)", lambda: FewRowHead(
-                self.head, self.head.embed_weight, self.rope, self.cache, self.head.cfg.hidden_size, cache_dir))
+                self.head, self.head.embed_weight, self.rope, self.cache, widths, cache_dir, ctx.step_matmul))
         pack_for_inference(self.head)  # bf16 on CPU: the head's linears
         self.head.pack_logits()  # on CPU: its output layer (bf16: packed; float32: int8 where that is faster here)
         self.graphs = None if not ctx.graph_batch_sizes else DraftGraphs(

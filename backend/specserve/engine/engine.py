@@ -182,13 +182,13 @@ class Engine:
             target=self.model, model_dir=config.model_dir, num_slots=config.max_batch_size + int(self.use_graphs),
             max_len=self.cache.max_len, max_seq_len=config.max_seq_len, dtype=config.torch_dtype, device=config.device,
             graph_batch_sizes=self.graph_batch_sizes if self.use_graphs else (), capture_graphs=self.capture_graphs,
-            compile_cache_dir=config.compile_cache_path if compile_on_cpu else None,
+            compile_cache_dir=config.compile_cache_path if compile_on_cpu else None, step_matmul=config.step_matmul,
         ))
         self.graphs = self._graph_runner() if self.use_graphs else None
         # on CPU: the target's forwards through one compiled program (exported from the plain weights, so first)
         self.compiled = compiled_or_none("target", lambda: CompiledTarget(
             self.model, self.cache, self.drafter.aux_layers, config.max_batch_size, config.max_seq_len,
-            config.compile_cache_path,
+            config.compile_cache_path, config.step_matmul,
         )) if compile_on_cpu else None
         if pack_for_inference(self.model, keep_weights=("lm_head",)):  # drafters share the lm_head
             log.info("target: bf16 linear weights prepacked for oneDNN (CPU)")

@@ -7,10 +7,12 @@ PyTorch spends a good part of a small model's step between the matmuls (dispatch
 compiled program does not (docs/benchmarks.md has the figures).
 
 `CompiledTarget` is the target's forward in two programs: one for steps of at most `STEP_ROWS`
-rows (batch x tokens: decode and tree verification) whose matmuls inductor autotunes on this CPU
-between its C++ micro-kernel template and oneDNN (`STEP_CONFIGS`: the template wins at a few rows,
-where oneDNN's small-M kernels are far from the memory bound), and one for prefills, which keeps
-oneDNN's prepacked matmuls (the template, tuned for a few rows, loses there). `CompiledHead` is
+rows (batch x tokens: decode and tree verification) and one for prefills, which keeps oneDNN's
+prepacked matmuls. In float32 on an AVX2 CPU the step program's matmuls are the few-row kernel
+(`specserve_kernels.few_row_gemm`: the weights streamed once per step whatever its rows, and a
+row's logits the same bit for bit in a decode and a verification); elsewhere inductor autotunes
+them between its C++ micro-kernel template and oneDNN (`STEP_CONFIGS`: the template wins at a few
+rows, where oneDNN's small-M kernels are far from the memory bound). `CompiledHead` is
 one forward of a one-layer draft head (EAGLE-2/3, MTP) over its own cache. Each package is stored
 in a compile cache under a key of everything the program depends on (`program_key`), so a restart
 loads it in well under a second instead of compiling again. Processes that want the same package
@@ -48,6 +50,7 @@ from torch import nn
 from specserve.hardware import cpu_flags
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import Attend, Attention, ForwardOutput, LlamaModel
+from specserve_kernels import few_row_gemm
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +147,17 @@ def compiled_or_none(what: str, build: Callable[[], T]) -> T | None:
         return None
 
 
+def choose_step_matmul(module: nn.Module, cache_dir: Path, requested: str = "auto") -> str:
+    """The matmuls of a few-row program of `module` on this machine: "few_row_gemm" (the AVX2
+    kernel, built into `cache_dir`) for float32 weights where it runs and `requested` is "auto",
+    else "inductor" (autotuned)."""
+    weight = next(module.parameters())
+    if (requested == "inductor" or weight.dtype != torch.float32 or weight.device.type != "cpu"
+            or not few_row_gemm.load(cache_dir / "kernels")):
+        return "inductor"
+    return "few_row_gemm"
+
+
 def readonly_attend(kv: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     new_kv: list[torch.Tensor]) -> Attend:
     """Attention over one layer's cached prefix and the new tokens, leaving the cache as it is.
@@ -214,17 +228,26 @@ class CompiledTarget:
     plain weights)."""
 
     def __init__(self, model: LlamaModel, cache: KVCache, aux_layers: tuple[int, ...], max_batch_size: int,
-                 max_tokens: int, cache_dir: Path) -> None:
+                 max_tokens: int, cache_dir: Path, step_matmul: str = "auto") -> None:
         self.model, self.cache, self.aux_layers = model, cache, tuple(aux_layers)
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
         key = program_key(model.state_dict().items(), "target", tuple(cache.data.shape), self.aux_layers,
                           max_batch_size, max_tokens)
-        self.path, self.step_path = cache_dir / f"target-{key}.pt2", cache_dir / f"target-step-{key}.pt2"
+        self.step_matmul = choose_step_matmul(model, cache_dir, step_matmul)
+        step_key = key if self.step_matmul == "inductor" else f"{key}-rows{few_row_gemm.source_digest()[:8]}"
+        self.path, self.step_path = cache_dir / f"target-{key}.pt2", cache_dir / f"target-step-{step_key}.pt2"
         self.runner, self.compiled_now = load_or_compile(self.path, lambda: self._export(max_tokens, False))
+        log.info("target step program: %s matmuls", self.step_matmul)
         step = compiled_or_none("target step program", lambda: load_or_compile(
-            self.step_path, lambda: self._export(min(STEP_ROWS, max_tokens), True), STEP_CONFIGS))
+            self.step_path, lambda: self._export_step(min(STEP_ROWS, max_tokens)), STEP_CONFIGS))
         self.step_runner = step[0] if step else None
         self.compiled_now |= bool(step and step[1])
+
+    def _export_step(self, max_tokens: int) -> torch.export.ExportedProgram:
+        if self.step_matmul == "inductor":
+            return self._export(max_tokens, True)
+        with few_row_gemm.few_row_linears(self.model):
+            return self._export(max_tokens, True)
 
     def _export(self, max_tokens: int, with_logits: bool) -> torch.export.ExportedProgram:
         Dim = torch.export.Dim

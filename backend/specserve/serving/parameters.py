@@ -62,7 +62,7 @@ def request_limits_from_parameters(params: Mapping[str, str]) -> RequestLimits:
 
 _ENGINE_KEYS = ("model_dir", "max_batch_size", "max_seq_len", "dtype", "device", "num_threads", "attention_backend",
                 "disable_cuda_graph", "cuda_graph_max_bs", "disable_cpu_compile", "compile_cache_dir", "compiled_steps",
-                "max_queue_size", "request_timeout_s")
+                "step_matmul", "max_queue_size", "request_timeout_s")
 _SERVING_KEYS = ("default_max_tokens", "apply_chat_template")
 
 
@@ -73,7 +73,8 @@ def engine_config_from_parameters(params: Mapping[str, str]) -> EngineConfig:
     against the project root. device: empty or "auto" = cuda when available; attention_backend,
     disable_cuda_graph and cuda_graph_max_bs as SGLang names them; disable_cpu_compile (default false:
     the target's compiled forward on CPU), compile_cache_dir (empty = ~/.cache/specserve/compiled) and
-    compiled_steps (auto: the compiled step program where measured faster; always). Every SpecConfig
+    compiled_steps (auto: the compiled step program where measured faster; always), step_matmul
+    (auto: the AVX2 few-row kernel in float32 where it runs; inductor). Every SpecConfig
     field (algorithm, num_steps, topk, num_draft_tokens, ngram_*) may be set by its name;
     empty values keep the default. Unknown keys are an error (typos should not pass silently).
     """
@@ -127,8 +128,9 @@ def engine_config_from_parameters(params: Mapping[str, str]) -> EngineConfig:
     kw["cpu_compile"] = not _parse_bool("disable_cpu_compile", given.get("disable_cpu_compile", "false"))
     if "compile_cache_dir" in given:
         kw["compile_cache_dir"] = resolve_path(given["compile_cache_dir"])
-    if "compiled_steps" in given:
-        kw["compiled_steps"] = given["compiled_steps"]
+    for name in ("compiled_steps", "step_matmul"):
+        if name in given:
+            kw[name] = given[name]
     return EngineConfig(**kw)
 
 

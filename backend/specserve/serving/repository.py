@@ -43,6 +43,7 @@ ENGINE_PARAMETERS: tuple[tuple[str, str], ...] = (
     ("disable_cpu_compile", "false"),
     ("compile_cache_dir", ""),
     ("compiled_steps", "auto"),
+    ("step_matmul", "auto"),
     ("default_max_tokens", "128"),
     ("apply_chat_template", "false"),
 )

@@ -1,0 +1,162 @@
+"""A float32 matmul for a few rows on an AVX2 CPU: `x @ weight.T` that reads the weight at memory speed.
+
+A decode or tree-verification step of a small model multiplies 1-16 rows by every weight matrix. On
+a CPU that step is bound by streaming the weights from memory, yet BLAS and inductor's small-M
+kernels lose much of that bound as rows are added (SmolLM2-135M's 121 matrices on a 2-core AVX2
+EPYC: `bench/cpu_linear.py --few-row-gemm` has the figures). `few_row_mm` streams each 16-column
+panel of a prepacked weight once and multiplies it by up to 6 rows in registers
+(`cpu/few_row_gemm.cpp`), so 4 rows cost about what 1 row does. Each output element is one
+sequential sum over k: a row's result is the same bit for bit whatever other rows it is multiplied
+with, so a tree verification computes the logits a decode step would.
+
+The kernel is a torch custom op (`torch.ops.specserve.few_row_mm`) with a shape function, so
+`torch.export` and AOTInductor compile it into a program like any aten op; it is built once per
+source with torch's C++ extension builder (g++, ninja) into the compile cache directory.
+`FewRowLinear` is an `nn.Linear` through it; `few_row_linears` swaps them in for an export.
+
+This module does nothing on CUDA, in other dtypes, or on CPUs without AVX2 and FMA (`supported`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+PANEL = 16  # output columns per packed panel (two AVX2 registers)
+SOURCE = Path(__file__).with_name("cpu") / "few_row_gemm.cpp"
+REQUIRED_FLAGS = frozenset({"avx2", "fma"})
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "flags:")
+    return frozenset(line.split(":", 1)[1].split())
+
+
+def supported() -> bool:
+    """Whether this machine can build and run the kernel: x86-64 with AVX2 and FMA, g++ and ninja."""
+    return (platform.machine() in ("x86_64", "AMD64") and REQUIRED_FLAGS <= _cpu_flags()
+            and shutil.which("g++") is not None and _has_ninja())
+
+
+def _has_ninja() -> bool:
+    from torch.utils.cpp_extension import is_ninja_available
+
+    return is_ninja_available()
+
+
+def source_digest() -> str:
+    """What a compiled program that calls the op depends on: the kernel's source."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
+_loaded: bool | None = None  # a process registers the op once, whichever build directory it came from
+
+
+def load(build_root: Path | None = None) -> bool:
+    """Builds the op (once per source and torch version under `build_root`; later calls and
+    processes load the built library) and registers it; True when `torch.ops.specserve.few_row_mm`
+    is usable. False, with a warning, where it is not `supported` or the build fails: callers then
+    keep their other matmuls. Only the first call of a process builds or loads anything."""
+    global _loaded
+    if _loaded is None:
+        _loaded = supported() and _build(build_root)
+    return _loaded
+
+
+def _build(build_root: Path | None) -> bool:
+    from torch.utils.cpp_extension import load as build_extension
+
+    root = build_root or Path.home() / ".cache/specserve/kernels"
+    build_dir = root / f"few_row_gemm-{source_digest()}-torch{torch.__version__}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        build_extension(name="specserve_few_row_gemm", sources=[str(SOURCE)], build_directory=str(build_dir),
+                        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                        is_python_module=False, verbose=False)
+    except Exception as e:  # the C++ toolchain: the op is an optimisation, so fall back
+        log.warning("few-row matmul kernel not built, keeping the default matmuls (%s: %s)", type(e).__name__, e)
+        return False
+    _register_fake()
+    return True
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("specserve::few_row_mm")
+    def _(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight (n, K) float32 -> packed (ceil(n / 16), K, 16): 16-column panels, zero-padded."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype, device=weight.device)
+    padded[:n] = weight.detach()
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def few_row_mm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x (M, K) @ weight.T -> (M, n), weight as `pack` left it."""
+    return torch.ops.specserve.few_row_mm(x, packed, n)
+
+
+def few_row_mm_reference(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The same product in plain torch (rounding may differ): the op's test oracle."""
+    weight = packed.transpose(1, 2).reshape(-1, packed.shape[1])[:n]  # (n, K)
+    return x @ weight.T
+
+
+class FewRowLinear(nn.Module):
+    """An inference-only `nn.Linear` through `few_row_mm`: x (..., in) -> (..., out). Needs `load()` first."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.out_features, self.in_features = linear.weight.shape
+        self.register_buffer("packed", pack(linear.weight.float()), persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = few_row_mm(x.reshape(-1, self.in_features), self.packed, self.out_features)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed in {PANEL}-column panels"
+
+
+@contextmanager
+def few_row_linears(module: nn.Module) -> Iterator[int]:
+    """Within the block, every float32 `nn.Linear` under `module` is a `FewRowLinear` (yields how
+    many); the originals are put back on exit. For exporting a program of few-row forwards."""
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    packed: dict[int, FewRowLinear] = {}  # tied weights (lm_head = embedding) pack once
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.dtype == torch.float32:
+                key = child.weight.data_ptr()
+                packed.setdefault(key, FewRowLinear(child))
+                swapped.append((parent, name, child))
+                setattr(parent, name, packed[key] if child.bias is None else FewRowLinear(child))
+    try:
+        yield len(swapped)
+    finally:
+        for parent, name, child in swapped:
+            setattr(parent, name, child)
+
+
+__all__ = ["FewRowLinear", "few_row_linears", "few_row_mm", "few_row_mm_reference", "load", "pack", "supported"]
