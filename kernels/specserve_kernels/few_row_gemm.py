@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 import shutil
 from collections.abc import Iterator
@@ -54,8 +55,17 @@ def supported() -> bool:
 
 
 def _has_ninja() -> bool:
+    """torch's builder runs `ninja` from PATH; the PyPI package's binary (a dependency) sits beside
+    the interpreter, which is not on PATH when the venv is not activated (a Triton stub, `make test`)."""
     from torch.utils.cpp_extension import is_ninja_available
 
+    try:
+        import ninja
+
+        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+    except ImportError:
+        pass  # a ninja on PATH serves as well
     return is_ninja_available()
 
 
