@@ -155,14 +155,11 @@ def few_row_linears(module: nn.Module) -> Iterator[int]:
     """Within the block, every float32 `nn.Linear` under `module` is a `FewRowLinear` (yields how
     many); the originals are put back on exit. For exporting a program of few-row forwards."""
     swapped: list[tuple[nn.Module, str, nn.Module]] = []
-    packed: dict[int, FewRowLinear] = {}  # tied weights (lm_head = embedding) pack once
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.float32:
-                key = child.weight.data_ptr()
-                packed.setdefault(key, FewRowLinear(child))
                 swapped.append((parent, name, child))
-                setattr(parent, name, packed[key] if child.bias is None else FewRowLinear(child))
+                setattr(parent, name, FewRowLinear(child))
     try:
         yield len(swapped)
     finally:
