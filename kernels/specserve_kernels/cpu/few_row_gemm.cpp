@@ -2,8 +2,9 @@
 //
 // W (n, K) is packed once into column panels of 16: packed (NB, K, 16), panel j holding output columns
 // 16j..16j+15 with K contiguous. A panel is streamed from memory once and multiplied by up to 6 rows held
-// in 12 accumulator registers; more rows take further passes over the same panel, which is then in L2.
-// At one row the weight stream bounds the step; on a 2-core AVX2 CPU arithmetic does from about 4 rows.
+// in 12 accumulator registers; more rows take further passes over the same panel, which is then in L2,
+// while those passes prefetch the next panel. Up to 6 rows the weight stream bounds the product; from 8
+// rows the FMA units do (two 256-bit FMAs a cycle need 8 independent chains: a pass keeps 8-12).
 // Each output element is one sequential FMA chain over k, so a row's result does not depend
 // on how many rows are multiplied with it (a tree verification computes its rows bit for bit as decodes).
 #include <ATen/ATen.h>
@@ -19,36 +20,51 @@ constexpr int64_t kPanel = 16;
 constexpr int64_t kMaxRowsPerPass = 6;
 constexpr int64_t kPrefetchAhead = 16;  // k steps (1 KiB of the panel) requested ahead of use
 
-template <int MR>
-inline void panel_tile(const float* x, int64_t K, const float* w, float* out, int64_t ldo) {
-  __m256 lo[MR], hi[MR];
-  for (int m = 0; m < MR; ++m) {
-    lo[m] = _mm256_setzero_ps();
-    hi[m] = _mm256_setzero_ps();
+// One row's step of the tile: broadcast x[m, k], two FMAs into that row's accumulators. The accumulators
+// are named variables, not arrays: GCC keeps an accumulator array on the stack and stores every register
+// back to it on every k step, which made the kernel store-bound at half its arithmetic speed.
+#define SPECSERVE_ROW_FMA(m)                                        \
+  if constexpr (MR > m) {                                           \
+    const __m256 xb = _mm256_broadcast_ss(xk + m * K);              \
+    lo##m = _mm256_fmadd_ps(xb, w_lo, lo##m);                       \
+    hi##m = _mm256_fmadd_ps(xb, w_hi, hi##m);                       \
   }
+#define SPECSERVE_ROW_STORE(m)                                      \
+  if constexpr (MR > m) {                                           \
+    _mm256_storeu_ps(out + m * ldo, lo##m);                         \
+    _mm256_storeu_ps(out + m * ldo + 8, hi##m);                     \
+  }
+
+// x (MR, K) rows times one panel w (K, 16) -> out (MR, 16), leading dimension ldo. Each k step also
+// prefetches one cache line of `ahead` (a stream of K lines: this panel further on, or the next panel).
+template <int MR, _mm_hint kHint>
+inline void panel_tile(const float* x, int64_t K, const float* w, float* out, int64_t ldo, const float* ahead) {
+  static_assert(MR >= 1 && MR <= kMaxRowsPerPass);
+  __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0;
+  __m256 lo3 = lo0, hi3 = lo0, lo4 = lo0, hi4 = lo0, lo5 = lo0, hi5 = lo0;
   for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + (k + kPrefetchAhead) * kPanel), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kPanel), kHint);
     const __m256 w_lo = _mm256_loadu_ps(w + k * kPanel), w_hi = _mm256_loadu_ps(w + k * kPanel + 8);
-    for (int m = 0; m < MR; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(x + m * K + k);
-      lo[m] = _mm256_fmadd_ps(xb, w_lo, lo[m]);
-      hi[m] = _mm256_fmadd_ps(xb, w_hi, hi[m]);
-    }
+    const float* xk = x + k;
+    SPECSERVE_ROW_FMA(0) SPECSERVE_ROW_FMA(1) SPECSERVE_ROW_FMA(2)
+    SPECSERVE_ROW_FMA(3) SPECSERVE_ROW_FMA(4) SPECSERVE_ROW_FMA(5)
   }
-  for (int m = 0; m < MR; ++m) {
-    _mm256_storeu_ps(out + m * ldo, lo[m]);
-    _mm256_storeu_ps(out + m * ldo + 8, hi[m]);
-  }
+  SPECSERVE_ROW_STORE(0) SPECSERVE_ROW_STORE(1) SPECSERVE_ROW_STORE(2)
+  SPECSERVE_ROW_STORE(3) SPECSERVE_ROW_STORE(4) SPECSERVE_ROW_STORE(5)
 }
 
-inline void tile(int64_t rows, const float* x, int64_t K, const float* w, float* out, int64_t ldo) {
+#undef SPECSERVE_ROW_FMA
+#undef SPECSERVE_ROW_STORE
+
+template <_mm_hint kHint>
+inline void tile(int64_t rows, const float* x, int64_t K, const float* w, float* out, int64_t ldo, const float* ahead) {
   switch (rows) {
-    case 1: return panel_tile<1>(x, K, w, out, ldo);
-    case 2: return panel_tile<2>(x, K, w, out, ldo);
-    case 3: return panel_tile<3>(x, K, w, out, ldo);
-    case 4: return panel_tile<4>(x, K, w, out, ldo);
-    case 5: return panel_tile<5>(x, K, w, out, ldo);
-    default: return panel_tile<6>(x, K, w, out, ldo);
+    case 1: return panel_tile<1, kHint>(x, K, w, out, ldo, ahead);
+    case 2: return panel_tile<2, kHint>(x, K, w, out, ldo, ahead);
+    case 3: return panel_tile<3, kHint>(x, K, w, out, ldo, ahead);
+    case 4: return panel_tile<4, kHint>(x, K, w, out, ldo, ahead);
+    case 5: return panel_tile<5, kHint>(x, K, w, out, ldo, ahead);
+    default: return panel_tile<6, kHint>(x, K, w, out, ldo, ahead);
   }
 }
 
@@ -69,8 +85,14 @@ at::Tensor few_row_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
   float* op = out.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
-      for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
-        tile(std::min(per_pass, M - m0), xp + m0 * K, K, wp + j * K * kPanel, op + m0 * ldo + j * kPanel, ldo);
+      const float* panel = wp + j * K * kPanel;
+      // the first pass streams the panel from memory, prefetching into L1 a little ahead of use (at the
+      // panel's end that runs on into the next one); further passes read it from L2 and meanwhile
+      // prefetch the next panel into L2, so the memory stream overlaps their arithmetic
+      tile<_MM_HINT_T0>(std::min(per_pass, M), xp, K, panel, op + j * kPanel, ldo, panel + kPrefetchAhead * kPanel);
+      for (int64_t m0 = per_pass; m0 < M; m0 += per_pass) {
+        tile<_MM_HINT_T1>(std::min(per_pass, M - m0), xp + m0 * K, K, panel, op + m0 * ldo + j * kPanel, ldo,
+                          panel + K * kPanel);
       }
     }
   });
