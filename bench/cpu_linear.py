@@ -8,8 +8,14 @@ next to a read-only reduction's bandwidth.
 `F.linear` against `few_row_linear`, the same product ordered weight @ x^T, and against
 `Int8Linear`, its int8-weight approximation.
 
+`--kernel`: the same 121 matrices in float32 through the AVX2 few-row kernel
+(`specserve_kernels.few_row_gemm`), as the target's step program runs them, in ms, GB/s of weights
+and GFLOP/s. `--library` loads a kernel library built from another source instead of building this
+checkout's (to compare two versions, run each in its own process, alternately).
+
     .venv/bin/python bench/cpu_linear.py [--tokens 1 4 16]
     .venv/bin/python bench/cpu_linear.py --few-rows [--tokens 1 4 8 32]
+    .venv/bin/python bench/cpu_linear.py --kernel [--tokens 1 2 4 6 8 12 16] [--library PATH.so]
 """
 
 from __future__ import annotations
@@ -34,11 +40,16 @@ def best_seconds(fn, repeats: int = 5) -> float:  # noqa: ANN001
     return best
 
 
-def linears(args: argparse.Namespace) -> None:
+def target_shapes(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(out, in) of every weight matrix a target step reads: fused qkv, o, fused gate/up, down; lm_head."""
     h, i = args.hidden, args.intermediate
     qkv = h + 2 * (h // 3)  # SmolLM2: 9 query heads, 3 K/V heads
-    shapes = [(qkv, h), (h, h), (2 * i, h), (h, i)] * args.layers + [(args.vocab, h)]
-    weights = [torch.randn(s, dtype=torch.bfloat16) * 0.02 for s in shapes]
+    return [(qkv, h), (h, h), (2 * i, h), (h, i)] * args.layers + [(args.vocab, h)]
+
+
+def linears(args: argparse.Namespace) -> None:
+    h, i = args.hidden, args.intermediate
+    weights = [torch.randn(s, dtype=torch.bfloat16) * 0.02 for s in target_shapes(args)]
     nbytes = sum(w.nbytes for w in weights)
     packed = [PackedLinear(w) for w in weights]
     print(f"weights {nbytes / 1e6:.0f} MB; read bandwidth {read_bandwidth_gbs():.1f} GB/s")
@@ -64,6 +75,25 @@ def few_rows(args: argparse.Namespace) -> None:
               f"Int8Linear {approx * 1e3:6.2f} ms   {plain / approx:.2f}x")
 
 
+@torch.inference_mode()
+def kernel(args: argparse.Namespace) -> None:
+    from specserve_kernels import few_row_gemm
+
+    if args.library:
+        torch.ops.load_library(args.library)
+    elif not few_row_gemm.load():
+        raise SystemExit("the few-row kernel is not supported or did not build on this machine")
+    weights = [(few_row_gemm.pack(torch.randn(s) * 0.02), s[0]) for s in target_shapes(args)]
+    nbytes = sum(p.nbytes for p, _ in weights)
+    params = sum(n * p.shape[1] for p, n in weights)
+    print(f"kernel {args.library or few_row_gemm.source_digest()}: {len(weights)} matrices, {nbytes / 1e6:.0f} MB float32")
+    for t in args.tokens:
+        x = {n: torch.randn(t, n) for n in (args.hidden, args.intermediate)}
+        seconds = best_seconds(lambda x=x: [few_row_gemm.few_row_mm(x[p.shape[1]], p, n) for p, n in weights], repeats=7)
+        print(f"rows {t:2d}: {seconds * 1e3:6.2f} ms   {nbytes / seconds / 1e9:5.1f} GB/s   "
+              f"{2 * t * params / seconds / 1e9:6.1f} GFLOP/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=576)
@@ -73,9 +103,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--few-rows", action="store_true", help="float32 draft logits: F.linear vs few_row_linear vs Int8Linear")
     parser.add_argument("--draft-vocab", type=int, default=8192)
+    parser.add_argument("--kernel", action="store_true", help="float32 target matrices through the few-row kernel")
+    parser.add_argument("--library", default="", help="with --kernel: a built kernel library to load instead")
     args = parser.parse_args()
     if args.few_rows:
         return few_rows(args)
+    if args.kernel:
+        return kernel(args)
     if not can_pack(torch.device("cpu"), torch.bfloat16):
         raise SystemExit("this CPU's oneDNN has no bf16 linear: nothing to compare")
     linears(args)

@@ -3,12 +3,13 @@
 A decode or tree-verification step of a small model multiplies 1-16 rows by every weight matrix. At
 one row a CPU step is bound by streaming the weights from memory; MKL's small-M kernels stay far
 from that bound as rows are added. `few_row_mm` streams each 16-column panel of a prepacked weight
-once and multiplies it by up to 6 rows in registers (`cpu/few_row_gemm.cpp`). On a 2-core AVX2
-EPYC, SmolLM2-135M's 121 matrices take 11.7 ms at 1 row, 13.2 at 2, 18.0 at 4, 31.1 at 8: from
-about 4 rows two cores' arithmetic, not memory, bounds it, and inductor's autotuned micro-kernels
-do about as well end to end (`bench/cpu_step.py`, docs/benchmarks.md). Each output element is one
-sequential sum over k: a row's result is the same bit for bit whatever other rows it is
-multiplied with.
+once and multiplies it by up to 6 rows in registers; more rows take further passes over the panel
+from L2 while the next panel is prefetched (`cpu/few_row_gemm.cpp`). On a 2-core AVX2 EPYC,
+SmolLM2-135M's 121 matrices take about as long at 6 rows as at 1 (memory-bound), and 16 rows cost
+1.7x one row (`bench/cpu_linear.py --kernel`); the whole step program verifies 12 tokens in 1.4x
+a decode's time, against 2.7x with inductor's autotuned matmuls (`bench/cpu_step.py`,
+docs/benchmarks.md). Each output element is one sequential sum over k: a row's result is the same
+bit for bit whatever other rows it is multiplied with.
 
 The kernel is a torch custom op (`torch.ops.specserve.few_row_mm`) with a shape function, so
 `torch.export` and AOTInductor compile it into a program like any aten op; it is built once per
