@@ -227,11 +227,14 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
 
 
 def format_profile(report: dict) -> str:
-    """The per-step phase times of every run in a report made with profile=True, as a table."""
-    phases = ("draft", "forward", "verify", "drafter_update", "bookkeeping", "total")
+    """The per-step phase times of every run in a report made with profile=True, as a table; the
+    draft phase also per drafting step and per draft model forward (catch-ups included)."""
+    phases = ("draft", "forward", "verify", "drafter_update", "bookkeeping", "total",
+              "draft_per_drafting_step", "draft_per_forward")
+    heads = ("draft", "forward", "verify", "drafter_update", "bookkeeping", "total", "draft/drafting", "draft/forward")
     rows = [("none", report.get("baseline_profile_ms", {}))]
     rows += [(alg, run.get("profile_ms", {})) for alg, run in report.get("runs", {}).items()]
-    lines = [f"{'ms per step':<12}" + "".join(f"{p:>15}" for p in phases)]
+    lines = [f"{'ms per step':<12}" + "".join(f"{h:>15}" for h in heads)]
     for name, prof in rows:
-        lines.append(f"{name:<12}" + "".join(f"{prof.get(p, 0.0):>15.2f}" for p in phases))
+        lines.append(f"{name:<12}" + "".join(f"{prof[p]:>15.2f}" if p in prof else f"{'':>15}" for p in phases))
     return "\n".join(lines)

@@ -167,6 +167,11 @@ def test_greedy_lossless_with_continuous_batching(tmp_path, tiny_target_dir, alg
     outs = eng.generate(_prompts(), params)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert all(o.num_draft_tokens > 0 for o in outs)
+    # the pinned shape drafts every step: a catch-up forward, then one per later beam step
+    prof = eng.profile
+    assert prof.drafting_steps == prof.steps > 0
+    assert prof.draft_forwards == prof.drafting_steps * steps
+    assert prof.per_step_ms()["draft_per_forward"] > 0
 
 
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])

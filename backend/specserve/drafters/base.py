@@ -79,6 +79,9 @@ class Drafter:
     # whether `propose` runs a model over the tokens a request gained since its last draft (its
     # whole prompt at first), so a draft after plain steps costs more than one after a draft
     catches_up: bool = False
+    # draft model forwards run so far (catch-ups and beam steps; none for NGRAM): `StepProfile`
+    # divides the draft phase's time by the forwards each propose ran
+    num_forwards: int = 0
 
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree] | TreeBatch:
         """One tree per sequence, root = seq.token_ids[-1], of at most `shape.num_draft_tokens`

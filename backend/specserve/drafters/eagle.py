@@ -113,6 +113,7 @@ class EagleDrafter(Drafter):
                  mask: torch.Tensor | None, key_len: int, slots: list[int] | torch.Tensor) -> torch.Tensor:
         """tokens, positions, write_pos (B, T); hidden (B, T, F); mask (B, 1, T, S) or None for a
         causal fresh prefill -> h (B, T, H)."""
+        self.num_forwards += 1
         if self.compiled is not None and self.compiled.fits(key_len):
             if mask is None:
                 mask = causal_extend_mask(torch.zeros(len(tokens), dtype=torch.int64, device=self.device),

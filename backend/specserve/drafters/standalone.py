@@ -87,6 +87,7 @@ class StandaloneDrafter(Drafter):
         mask = None if max(starts) == 0 else causal_extend_mask(start_t, t, key_len)
         a = scattered_attention_inputs(self.model.rope, positions, positions, host_slots, mask, key_len)
         last = torch.tensor([len(n) - 1 for n in news], device=self.device)[:, None]
+        self.num_forwards += 1
         out = self.model(tokens.to(self.device), a, self.cache, logit_index=last)
         probs, children = self._topk(out.logits[:, 0])  # (B, k): the roots' children
         for s in seqs:
@@ -94,6 +95,7 @@ class StandaloneDrafter(Drafter):
 
         def step(beam_tokens, _state, positions, write_pos, mask, key_len):  # noqa: ANN001, ANN202
             a = scattered_attention_inputs(self.model.rope, positions, write_pos, host_slots, mask, key_len)
+            self.num_forwards += 1
             logits = self.model(beam_tokens, a, self.cache).logits  # (B, k, V)
             return (_state, *self._topk(logits))
 

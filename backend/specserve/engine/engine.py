@@ -86,9 +86,13 @@ class StepProfile:
     draft: drafter.propose (catch-up forward included); forward: the target's verify forward;
     verify: acceptance and KV compaction (the step's one host sync); drafter_update: on_accept;
     bookkeeping: the rest of the step (appending tokens, stop checks, detokenizing, outputs).
+    drafting_steps: the steps that drafted; draft_forwards: the draft model forwards their
+    proposes ran (catch-ups included).
     """
 
     steps: int = 0
+    drafting_steps: int = 0
+    draft_forwards: int = 0
     draft: float = 0.0
     forward: float = 0.0
     verify: float = 0.0
@@ -96,11 +100,17 @@ class StepProfile:
     total: float = 0.0  # whole verify steps, outputs included
 
     def per_step_ms(self) -> dict[str, float]:
-        """Milliseconds per step of each phase, bookkeeping = total - the timed phases."""
+        """Milliseconds per step of each phase, bookkeeping = total - the timed phases; the draft
+        phase also per drafting step and per draft forward."""
+        counts = ("steps", "drafting_steps", "draft_forwards")
         n = max(self.steps, 1)
-        out = {k: round(v * 1e3 / n, 3) for k, v in asdict(self).items() if k != "steps"}
+        out = {k: round(v * 1e3 / n, 3) for k, v in asdict(self).items() if k not in counts}
         out["bookkeeping"] = round(out["total"] - out["draft"] - out["forward"] - out["verify"] - out["drafter_update"], 3)
-        return {"steps": self.steps, **out}
+        if self.drafting_steps:
+            out["draft_per_drafting_step"] = round(self.draft * 1e3 / self.drafting_steps, 3)
+        if self.draft_forwards:
+            out["draft_per_forward"] = round(self.draft * 1e3 / self.draft_forwards, 3)
+        return {k: getattr(self, k) for k in counts} | out
 
 
 @dataclass(eq=False)
@@ -497,7 +507,10 @@ class Engine:
         # up on the tokens it skipped: the cost of switching, not of the shape's steady state
         catching_up = shape.drafts and self.drafter.catches_up and not all(r.drafted_last_step for r in reqs)
         if shape.drafts:
+            forwards = self.drafter.num_forwards
             proposal: list[DraftTree] | TreeBatch = self.drafter.propose(reqs, shape)
+            p.drafting_steps += 1
+            p.draft_forwards += self.drafter.num_forwards - forwards
         else:  # plain decoding this step; a drafter catches up on what it missed when it drafts again
             proposal = [DraftTree.root_only(r.token_ids[-1]) for r in reqs]
         batch = self._fit_trees(reqs, proposal)
