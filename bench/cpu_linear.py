@@ -10,12 +10,13 @@ next to a read-only reduction's bandwidth.
 
 `--kernel`: the same 121 matrices in float32 through the AVX2 few-row kernel
 (`specserve_kernels.few_row_gemm`), as the target's step program runs them, in ms, GB/s of weights
-and GFLOP/s. `--library` loads a kernel library built from another source instead of building this
+and GFLOP/s; `--storage bfloat16` stores them in bf16 (float32 arithmetic), as the program does for
+a bf16 checkpoint. `--library` loads a kernel library built from another source instead of building this
 checkout's (to compare two versions, run each in its own process, alternately).
 
     .venv/bin/python bench/cpu_linear.py [--tokens 1 4 16]
     .venv/bin/python bench/cpu_linear.py --few-rows [--tokens 1 4 8 32]
-    .venv/bin/python bench/cpu_linear.py --kernel [--tokens 1 2 4 6 8 12 16] [--library PATH.so]
+    .venv/bin/python bench/cpu_linear.py --kernel [--storage bfloat16] [--tokens 1 2 4 6 8 12 16] [--library PATH.so]
 """
 
 from __future__ import annotations
@@ -83,10 +84,12 @@ def kernel(args: argparse.Namespace) -> None:
         torch.ops.load_library(args.library)
     elif not few_row_gemm.load():
         raise SystemExit("the few-row kernel is not supported or did not build on this machine")
-    weights = [(few_row_gemm.pack(torch.randn(s) * 0.02), s[0]) for s in target_shapes(args)]
+    storage = getattr(torch, args.storage)
+    weights = [(few_row_gemm.pack(torch.randn(s) * 0.02, storage), s[0]) for s in target_shapes(args)]
     nbytes = sum(p.nbytes for p, _ in weights)
     params = sum(n * p.shape[1] for p, n in weights)
-    print(f"kernel {args.library or few_row_gemm.source_digest()}: {len(weights)} matrices, {nbytes / 1e6:.0f} MB float32")
+    print(f"kernel {args.library or few_row_gemm.source_digest()}: {len(weights)} matrices, "
+          f"{nbytes / 1e6:.0f} MB of {args.storage} weights")
     for t in args.tokens:
         x = {n: torch.randn(t, n) for n in (args.hidden, args.intermediate)}
         seconds = best_seconds(lambda x=x: [few_row_gemm.few_row_mm(x[p.shape[1]], p, n) for p, n in weights], repeats=7)
@@ -105,6 +108,8 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--kernel", action="store_true", help="float32 target matrices through the few-row kernel")
     parser.add_argument("--library", default="", help="with --kernel: a built kernel library to load instead")
+    parser.add_argument("--storage", default="float32", choices=["float32", "bfloat16"],
+                        help="with --kernel: how the weights are stored (the arithmetic is float32 either way)")
     args = parser.parse_args()
     if args.few_rows:
         return few_rows(args)

@@ -112,13 +112,34 @@ def _register_fake() -> None:
         return x.new_empty(x.shape[0], n)
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight (n, K) float32 -> packed (ceil(n / 16), K, 16): 16-column panels, zero-padded."""
+def bf16_exact(weight: torch.Tensor) -> bool:
+    """Whether every value of a float32 weight is a bf16 number (a bf16 checkpoint served in
+    float32): then its bf16 storage gives the same products from half the bytes."""
+    return weight.dtype == torch.float32 and torch.equal(weight.to(torch.bfloat16).float(), weight)
+
+
+def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """weight (n, K) -> packed (ceil(n / 16), K, 16) of `dtype` (float32, or bf16: only where
+    `bf16_exact`, else the products change): 16-column panels, zero-padded. A bf16 panel row is
+    ordered c0, c8, c1, c9, ..., c7, c15 (the kernel widens each 32-bit lane into columns i and i + 8)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"few_row_gemm.pack: float32 or bfloat16 storage, got {dtype}")
     n, k = weight.shape
     panels = -(-n // PANEL)
-    padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype, device=weight.device)
+    padded = torch.zeros(panels * PANEL, k, dtype=dtype, device=weight.device)
     padded[:n] = weight.detach()
-    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+    packed = padded.view(panels, PANEL, k).transpose(1, 2)  # (NB, K, 16)
+    if dtype == torch.bfloat16:
+        packed = packed.reshape(panels, k, 2, PANEL // 2).transpose(2, 3)  # (NB, K, 8, 2): (c_i, c_i+8) pairs
+    return packed.contiguous().view(panels, k, PANEL)
+
+
+def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The float32 weight (n, K) a packed one holds."""
+    panels, k, _ = packed.shape
+    if packed.dtype == torch.bfloat16:
+        packed = packed.view(panels, k, PANEL // 2, 2).transpose(2, 3)
+    return packed.float().reshape(panels, k, PANEL).transpose(1, 2).reshape(-1, k)[:n]
 
 
 def few_row_mm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -128,17 +149,19 @@ def few_row_mm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
 
 def few_row_mm_reference(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """The same product in plain torch (rounding may differ): the op's test oracle."""
-    weight = packed.transpose(1, 2).reshape(-1, packed.shape[1])[:n]  # (n, K)
-    return x @ weight.T
+    return x @ unpack(packed, n).T
 
 
 class FewRowLinear(nn.Module):
-    """An inference-only `nn.Linear` through `few_row_mm`: x (..., in) -> (..., out). Needs `load()` first."""
+    """An inference-only `nn.Linear` through `few_row_mm`: x (..., in) -> (..., out), float32. The
+    weight is stored in bf16 where that is exact (`bf16_exact`), else in float32. Needs `load()` first."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.out_features, self.in_features = linear.weight.shape
-        self.register_buffer("packed", pack(linear.weight.float()), persistent=False)
+        weight = linear.weight.detach().float()
+        storage = torch.bfloat16 if bf16_exact(weight) else torch.float32
+        self.register_buffer("packed", pack(weight, storage), persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,7 +171,8 @@ class FewRowLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed in {PANEL}-column panels"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"packed in {PANEL}-column {self.packed.dtype} panels")
 
 
 @contextmanager
@@ -168,4 +192,5 @@ def few_row_linears(module: nn.Module) -> Iterator[int]:
             setattr(parent, name, child)
 
 
-__all__ = ["FewRowLinear", "few_row_linears", "few_row_mm", "few_row_mm_reference", "load", "pack", "supported"]
+__all__ = ["FewRowLinear", "bf16_exact", "few_row_linears", "few_row_mm", "few_row_mm_reference", "load", "pack",
+           "supported", "unpack"]

@@ -1,6 +1,6 @@
 """The AVX2 few-row matmul (`specserve_kernels.few_row_gemm`) against torch: every row count a step
 can have, output widths that are not a multiple of the panel, rows bit-identical whatever they are
-multiplied with, `FewRowLinear` as `nn.Linear`, the swap for an export, and the op inside an
+multiplied with, bf16 storage giving the float32 products bit for bit, `FewRowLinear` as `nn.Linear`, the swap for an export, and the op inside an
 AOTInductor program. Skipped where the kernel cannot run (no AVX2 / FMA, no g++ or ninja)."""
 
 from __future__ import annotations
@@ -41,6 +41,35 @@ def test_a_row_is_computed_the_same_whatever_rows_come_with_it():
         assert torch.equal(few_row_gemm.few_row_mm(x[:m], packed, 300), alone[:m]), m
 
 
+@pytest.mark.parametrize(("n", "k"), [(16, 1), (100, 64), (960, 577)])
+def test_bf16_storage_gives_the_float32_products_bit_for_bit(n, k):
+    """A bf16 checkpoint served in float32: its weights stored in bf16 (half the bytes) multiply the
+    same float32 values in the same order."""
+    g = torch.Generator().manual_seed(n * k)
+    weight = torch.randn(n, k, generator=g).bfloat16().float()
+    as_float, as_bf16 = few_row_gemm.pack(weight), few_row_gemm.pack(weight, torch.bfloat16)
+    assert as_bf16.dtype == torch.bfloat16 and as_bf16.shape == as_float.shape
+    assert torch.equal(few_row_gemm.unpack(as_bf16, n), weight) and torch.equal(few_row_gemm.unpack(as_float, n), weight)
+    for m in range(0, 18):
+        x = torch.randn(m, k, generator=g)
+        assert torch.equal(few_row_gemm.few_row_mm(x, as_bf16, n), few_row_gemm.few_row_mm(x, as_float, n)), m
+
+
+def test_bf16_storage_only_where_it_is_exact():
+    exact = torch.randn(20, 32).bfloat16().float()
+    assert few_row_gemm.bf16_exact(exact) and not few_row_gemm.bf16_exact(exact + 1e-4)
+    assert few_row_gemm.FewRowLinear(_linear(exact)).packed.dtype == torch.bfloat16
+    assert few_row_gemm.FewRowLinear(_linear(exact + 1e-4)).packed.dtype == torch.float32
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        few_row_gemm.pack(exact, torch.float16)
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight.data.copy_(weight)
+    return linear
+
+
 def test_non_contiguous_rows_are_read_correctly():
     weight, x = torch.randn(48, 32), torch.randn(32, 6).T  # (6, 32), transposed storage
     torch.testing.assert_close(few_row_gemm.few_row_mm(x, few_row_gemm.pack(weight), 48), x @ weight.T)
@@ -52,6 +81,8 @@ def test_mismatched_shapes_are_refused_with_a_message():
         few_row_gemm.few_row_mm(torch.randn(2, 63), packed, 32)
     with pytest.raises(RuntimeError, match="float32"):
         few_row_gemm.few_row_mm(torch.randn(2, 64, dtype=torch.float64), packed, 32)
+    with pytest.raises(RuntimeError, match="bf16 panels"):
+        few_row_gemm.few_row_mm(torch.randn(2, 64), packed.half(), 32)
 
 
 @pytest.mark.parametrize("bias", [False, True])
