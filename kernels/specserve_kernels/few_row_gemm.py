@@ -4,19 +4,24 @@ A decode or tree-verification step of a small model multiplies 1-16 rows by ever
 one row a CPU step is bound by streaming the weights from memory; MKL's small-M kernels stay far
 from that bound as rows are added. `few_row_mm` streams each 16-column panel of a prepacked weight
 once and multiplies it by up to 6 rows in registers; more rows take further passes over the panel
-from L2 while the next panel is prefetched (`cpu/few_row_gemm.cpp`). On a 2-core AVX2 EPYC,
-SmolLM2-135M's 121 matrices take about as long at 6 rows as at 1 (memory-bound), and 16 rows cost
-1.7x one row (`bench/cpu_linear.py --kernel`); the whole step program verifies 12 tokens in 1.4x
-a decode's time, against 2.7x with inductor's autotuned matmuls (`bench/cpu_step.py`,
-docs/benchmarks.md). Each output element is one sequential sum over k: a row's result is the same
-bit for bit whatever other rows it is multiplied with.
+from L2 while the next panel is prefetched (`cpu/few_row_gemm.cpp`). A weight whose values are all
+bf16 numbers (a bf16 checkpoint served in float32) is stored in bf16 and widened in registers: the
+same float32 products, bit for bit, from half the bytes. Each output element is one sequential sum
+over k: a row's result is the same bit for bit whatever other rows it is multiplied with.
+
+On a 2-core AVX2 EPYC (`bench/cpu_linear.py --kernel`, SmolLM2-135M's 121 matrices): float32
+storage takes about as long at 6 rows as at 1 (memory-bound) and 1.7x that at 16 rows; bf16
+storage halves the 1-2 row time. Inside the step program (`bench/cpu_step.py`, docs/benchmarks.md)
+12 tokens verify in 1.4x a decode's time with float32 storage, against 2.7x with inductor's
+autotuned matmuls.
 
 The kernel is a torch custom op (`torch.ops.specserve.few_row_mm`) with a shape function, so
 `torch.export` and AOTInductor compile it into a program like any aten op; it is built once per
 source with torch's C++ extension builder (g++, ninja) into the compile cache directory.
 `FewRowLinear` is an `nn.Linear` through it; `few_row_linears` swaps them in for an export.
 
-This module does nothing on CUDA, in other dtypes, or on CPUs without AVX2 and FMA (`supported`).
+This module does nothing on CUDA, for other activation dtypes than float32, or on CPUs without
+AVX2 and FMA (`supported`).
 """
 
 from __future__ import annotations
