@@ -3,12 +3,14 @@
     python -m specserve_client.soak --variant base --minutes 10 --concurrency 8 --out results/soak
 
 Each worker is one client (one gRPC connection, or with `--connection-per-request` a new one for
-every request) and loops until the time is up, drawing per request a stream of its own:
-  - a normal stream (greedy, 8-64 tokens) to `llm_<variant>`, or one in five to the ensemble
+every request) and loops until the time is up, drawing per request a stream of its own, of one of
+`--kinds` (default all four; one alone, e.g. `--kinds normal`, tells which kind a change in memory
+comes with):
+  - normal: a stream (greedy, 8-64 tokens) to `llm_<variant>`, or (ensemble) to
     `ensemble_<variant>` in its [1, 1] shapes: every response must carry the request's own id,
     exactly one FINAL must arrive, and the tokens must not exceed max_tokens;
-  - a stream to `llm_<variant>` (256 tokens, ignore_eos) cancelled after its first response;
-  - a bad request (negative temperature, or max_tokens 0): it must end in an error, not hang.
+  - cancel: a stream to `llm_<variant>` (256 tokens, ignore_eos) cancelled after its first response;
+  - bad: a request with a negative temperature or max_tokens 0: it must end in an error, not hang.
 When the time is up it waits for the engine to drain and checks that the running / waiting gauges
 and the KV slots in use are back to 0. The resident memory of the server's processes is sampled
 every `--sample-s` seconds. Writes `<out>/soak.json`; exits 1 when a check fails. It starts its own
@@ -34,6 +36,7 @@ import tritonclient.grpc as grpcclient
 from specserve_client.stream import grpc_inputs, request_inputs
 
 TIMEOUT_S = 120.0
+KIND_WEIGHTS = {"normal": 0.56, "ensemble": 0.14, "cancel": 0.15, "bad": 0.15}  # a request's kind, drawn
 GAUGES = ("specserve:num_requests_running", "specserve:num_requests_waiting", "specserve:kv_slots_used")
 
 
@@ -112,7 +115,7 @@ def one_request(client: grpcclient.InferenceServerClient, model: str, values: di
 
 
 def worker(url: str, variant: str, deadline: float, seed: int, outcomes: Counter, failures: list, lock: threading.Lock,
-           connection_per_request: bool = False) -> None:
+           connection_per_request: bool = False, kinds: tuple[str, ...] = tuple(KIND_WEIGHTS)) -> None:
     """One client's requests until `deadline`, each on a stream of its own, over one gRPC
     connection (as tritonclient users and perf_analyzer do) or a new one per request."""
     rng = random.Random(seed)
@@ -121,23 +124,23 @@ def worker(url: str, variant: str, deadline: float, seed: int, outcomes: Counter
     while time.monotonic() < deadline:
         n += 1
         request_id = f"w{seed}-{n}"
-        draw = rng.random()
-        trtllm_format = draw < 0.14
-        if draw < 0.7:
-            kind, model, cancel_after = "normal", f"{'ensemble' if trtllm_format else 'llm'}_{variant}", None
+        kind = rng.choices(kinds, weights=[KIND_WEIGHTS[k] for k in kinds])[0]
+        trtllm_format = kind == "ensemble"
+        if kind in ("normal", "ensemble"):
+            model, cancel_after = f"{'ensemble' if trtllm_format else 'llm'}_{variant}", None
             values = request_inputs(f"Tell me one fact about the number {rng.randint(1, 10_000)}.",
                                     max_tokens=rng.randint(8, 64), temperature=0.0, apply_chat_template=True)
-        elif draw < 0.85:
-            kind, model, cancel_after = "cancel", f"llm_{variant}", 1
+        elif kind == "cancel":
+            model, cancel_after = f"llm_{variant}", 1
             values = request_inputs("Count from 1 to 1000.", max_tokens=256, ignore_eos=True)
         else:
-            kind, model, cancel_after = "bad", f"llm_{variant}", None
+            model, cancel_after = f"llm_{variant}", None
             values = request_inputs("Hi", **rng.choice([{"temperature": -1.0}, {"max_tokens": 0}]))
         if connection_per_request:
             client.close()
             client = grpcclient.InferenceServerClient(url)
         outcome = one_request(client, model, values, request_id, cancel_after, trtllm_format)
-        expected = {"normal": "ok", "cancel": "cancelled", "bad": "error"}[kind]
+        expected = {"normal": "ok", "ensemble": "ok", "cancel": "cancelled", "bad": "error"}[kind]
         with lock:
             outcomes[f"{kind}:{outcome if outcome in ('ok', 'cancelled', 'error') else 'failed'}"] += 1
             if outcome != expected:
@@ -146,7 +149,7 @@ def worker(url: str, variant: str, deadline: float, seed: int, outcomes: Counter
 
 
 def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: float, concurrency: int,
-         sample_s: float, connection_per_request: bool = False) -> dict:
+         sample_s: float, connection_per_request: bool = False, kinds: tuple[str, ...] = tuple(KIND_WEIGHTS)) -> dict:
     outcomes: Counter = Counter()
     failures: list[str] = []
     aborted_before = metric(metrics_url, "specserve:request_finished_total", finish_reason="abort")
@@ -154,7 +157,7 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
     start = time.monotonic()
     deadline = start + minutes * 60
     threads = [threading.Thread(target=worker, args=(url, variant, deadline, s, outcomes, failures, lock,
-                                                     connection_per_request), daemon=True)
+                                                     connection_per_request, kinds), daemon=True)
                for s in range(concurrency)]
     for t in threads:
         t.start()
@@ -175,7 +178,8 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
     after_first_minute = [m["rss_mb"] for m in memory if m["s"] >= 60] or [memory[0]["rss_mb"]]
     report = {
         "variant": variant, "minutes": minutes, "concurrency": concurrency,
-        "connection_per_request": connection_per_request, "outcomes": dict(sorted(outcomes.items())),
+        "connection_per_request": connection_per_request, "kinds": list(kinds),
+        "outcomes": dict(sorted(outcomes.items())),
         "requests": sum(outcomes.values()), "failures": failures[:50], "num_failures": len(failures),
         "gauges_after": gauges, "engine_aborts": aborted, "rss_mb": {"first": memory[0]["rss_mb"], "after_1_min": after_first_minute[0],
                                            "max": max(m["rss_mb"] for m in memory), "last": memory[-1]["rss_mb"]},
@@ -196,13 +200,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample-s", type=float, default=15.0, help="seconds between memory samples")
     p.add_argument("--connection-per-request", action="store_true",
                    help="open a new gRPC connection for every request (default: one per worker)")
+    p.add_argument("--kinds", default=",".join(KIND_WEIGHTS),
+                   help="the request kinds drawn, comma-separated (default: all, weighted "
+                        + ", ".join(f"{k} {w:.2f}" for k, w in KIND_WEIGHTS.items()) + ")")
     p.add_argument("--out", type=Path, default=Path("results/soak"))
     args = p.parse_args(argv)
+    kinds = tuple(args.kinds.split(","))
+    if not kinds or not set(kinds) <= set(KIND_WEIGHTS):
+        p.error(f"--kinds: choose among {', '.join(KIND_WEIGHTS)}, got {args.kinds!r}")
     args.out.mkdir(parents=True, exist_ok=True)
     ports = [free_port() for _ in range(3)]
     with TritonProcess(default_repository(), models_for([args.variant]), *ports, log=args.out / "tritonserver.log") as server:
         report = soak(server.grpc_url, server.metrics_url, server.proc.pid, args.variant, args.minutes, args.concurrency,
-                      args.sample_s, args.connection_per_request)
+                      args.sample_s, args.connection_per_request, kinds)
     (args.out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "memory_samples"}, indent=1))
     return 0 if report["passed"] else 1

@@ -1,0 +1,56 @@
+"""The soak's request mix (`specserve_client.soak`): only the kinds asked for are drawn, each is
+checked against its expected outcome. The server and gRPC client are stand-ins here; `make soak`
+runs the real ones."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from specserve_client import soak
+
+
+class _Client:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def close(self) -> None:
+        pass
+
+
+def _run_worker(monkeypatch, kinds, answer):
+    calls = []
+
+    def one_request(client, model, values, request_id, cancel_after, trtllm_format):  # noqa: ANN001, ANN202
+        calls.append((model, cancel_after, trtllm_format))
+        return answer(model, cancel_after)
+
+    monkeypatch.setattr(soak.grpcclient, "InferenceServerClient", _Client)
+    monkeypatch.setattr(soak, "one_request", one_request)
+    outcomes, failures = Counter(), []
+    soak.worker("url", "base", time.monotonic() + 0.2, 0, outcomes, failures, threading.Lock(), kinds=kinds)
+    return calls, outcomes, failures
+
+
+def test_only_the_kinds_asked_for_are_drawn(monkeypatch):
+    calls, outcomes, failures = _run_worker(monkeypatch, ("normal",), lambda model, cancel_after: "ok")
+    assert calls and not failures
+    assert set(outcomes) == {"normal:ok"}
+    assert all(model == "llm_base" and cancel_after is None and not trtllm for model, cancel_after, trtllm in calls)
+
+
+def test_every_kind_is_drawn_and_a_wrong_outcome_is_a_failure(monkeypatch):
+    calls, outcomes, failures = _run_worker(monkeypatch, tuple(soak.KIND_WEIGHTS), lambda model, cancel_after: "ok")
+    assert {key.split(":")[0] for key in outcomes} == {"normal", "ensemble", "cancel", "bad"}
+    assert any(model == "ensemble_base" and trtllm for model, _, trtllm in calls)
+    # a cancelled stream or a bad request answered "ok" did not do what it must
+    assert failures and all(f.startswith(("cancel ", "bad ")) for f in failures)
+    assert outcomes["cancel:ok"] + outcomes["bad:ok"] == len(failures)
+
+
+def test_unknown_kinds_are_refused():
+    with pytest.raises(SystemExit):
+        soak.main(["--kinds", "normal,nonsense"])
