@@ -59,8 +59,18 @@ def _tree_mask(b: int) -> torch.Tensor:
     return mask.expand(b, 4, 4).clone()
 
 
-def test_compiled_forward_matches_eager(tiny_target_dir, compile_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("bf16_values", [False, True], ids=["float32 weights", "bf16-valued weights"])
+def test_compiled_forward_matches_eager(tiny_target_dir, compile_dir, tmp_path, monkeypatch, bf16_values):
+    """bf16-valued weights (a bf16 checkpoint served in float32): the few-row kernel's panels are
+    stored in bf16 inside the step program, and must give the same forwards."""
     model = load_llama(tiny_target_dir, torch.float32)
+    if bf16_values:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(param.bfloat16().float())
+        compile_dir = tmp_path / "programs"  # the module's directory holds the float32 model's programs only
+        tmp_path = tmp_path / "scratch"
+        tmp_path.mkdir()
     eager_cache, compiled_cache = _cache(model), _cache(model)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where compiling and loading put their scratch
     compiled = CompiledTarget(model, compiled_cache, AUX, max_batch_size=3, max_tokens=64, cache_dir=compile_dir)
