@@ -21,6 +21,8 @@ import bisect
 import json
 from typing import NamedTuple
 
+import torch
+
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.drafters.ngram import NgramDrafter
 from specserve.engine.adaptive import shape_menu
@@ -28,6 +30,7 @@ from specserve.engine.engine import Engine
 from specserve.prepare import default_model_dir
 from specserve.prompts import load_questions, render_chat
 from specserve.tree import DraftShape, DraftTree
+from specserve_kernels.verify_greedy import verify_greedy
 
 
 class _Sequence(NamedTuple):  # what NgramDrafter.propose reads of a request
@@ -36,18 +39,11 @@ class _Sequence(NamedTuple):  # what NgramDrafter.propose reads of a request
 
 
 def accept_length(tree: DraftTree, truth: list[int]) -> int:
-    """Greedy acceptance of `tree` against the tokens that really followed: root + matched drafts."""
-    children: dict[tuple[int, int], int] = {}
-    for i, (token, parent) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist())):
-        if parent >= 0:
-            children.setdefault((parent, token), i)
-    node = length = 0
-    for token in truth:
-        child = children.get((node, token))
-        if child is None:
-            break
-        node, length = child, length + 1
-    return length + 1
+    """Greedy acceptance of `tree` against the tokens that really followed (root + matched drafts),
+    by the engine's own verification: the target's choice after a node at depth d is truth[d]."""
+    target = torch.tensor([truth[d] if d < len(truth) else -1 for d in tree.depth.tolist()])
+    result = verify_greedy(tree.tokens[None], tree.first_child[None], tree.next_sibling[None], target[None])
+    return int(result.accept_length[0])
 
 
 class StepCosts:
