@@ -116,6 +116,8 @@ def test_a_second_build_loads_the_stored_package(tiny_target_dir, compile_dir):
     first = CompiledTarget(model, _cache(model), AUX, max_batch_size=3, max_tokens=64, cache_dir=compile_dir)
     again = CompiledTarget(model, _cache(model), AUX, max_batch_size=3, max_tokens=64, cache_dir=compile_dir)
     assert not again.compiled_now and again.path == first.path
+    # one process loads a package once: the programs (each the model's size) are shared
+    assert again.runner is first.runner and again.step_runner is first.step_runner
 
     def key(slots=3, aux=AUX):
         return program_key(model.state_dict().items(), "target", tuple(_cache(model, slots).data.shape), aux, 3, 64)

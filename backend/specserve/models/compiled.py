@@ -39,6 +39,7 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -62,6 +63,7 @@ PREFILL_CONFIGS = {"freezing": True}  # inductor settings: frozen weights, oneDN
 STEP_CONFIGS = {**PREFILL_CONFIGS, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 STALE_AFTER_DAYS = 14  # a compile-cache package unused this long is deleted when another is compiled
 Runner = Callable[..., list[torch.Tensor]]
+_loaded: weakref.WeakValueDictionary[tuple[str, int], Runner] = weakref.WeakValueDictionary()  # (path, inode)
 T = TypeVar("T")
 
 
@@ -89,11 +91,18 @@ def load_or_compile(path: Path, export: Callable[[], torch.export.ExportedProgra
     Neither step leaves a copy of the program behind: inductor compiles in a scratch cache that
     is removed afterwards (the package holds everything a load needs), and the package is
     unpacked into a scratch directory removed once its library is loaded. A program holds its
-    weights, so each copy would cost as much disk as the model."""
+    weights, so each copy would cost as much disk as the model. For the same reason a process
+    loads a package once: engines that want the same program (the same weights, cache shape and
+    outputs: `none`, NGRAM and EAGLE-2 beside each other in one bench) share the loaded one while
+    any of them holds it (the programs keep no state between calls)."""
     start = time.perf_counter()
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
         compiled_now = not path.is_file()
+        loaded = None if compiled_now else _loaded.get((str(path), path.stat().st_ino))
+        if loaded is not None:
+            os.utime(path)
+            return loaded, False
         if compiled_now:
             log.info("compiling %s for this CPU (once; kept in %s)", path.name, path.parent)
             tmp = path.with_suffix(".tmp.pt2")
@@ -107,6 +116,7 @@ def load_or_compile(path: Path, export: Callable[[], torch.export.ExportedProgra
         os.utime(path)  # a package's modification time is its last use
         with _scratch_env("TMPDIR", "specserve-aoti-"):  # where the loader unpacks the package
             runner = torch._inductor.aoti_load_package(str(path))
+        _loaded[(str(path), path.stat().st_ino)] = runner
     log.info("%s %s in %.1f s", "compiled" if compiled_now else "loaded", path, time.perf_counter() - start)
     return runner, compiled_now
 
