@@ -52,6 +52,7 @@ from specserve.engine.sampling import (
     target_probs,
     token_logprobs,
 )
+from specserve.host_memory import keep_freed_memory
 from specserve.models.attention import (
     TORCH_ATTENTION,
     AttentionBackend,
@@ -171,6 +172,8 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":  # step buffers reused from the heap, not mapped anew each step
+            keep_freed_memory()
         self.model = load_llama(config.model_dir, config.torch_dtype, config.device)
         self.model_config = self.model.cfg
         # static shapes (decode, verify, drafts) run through buckets; on CUDA in auto mode they are captured
