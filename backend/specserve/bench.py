@@ -217,7 +217,10 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
             "shapes": run.engine.chooser.summary(),
         }
         if profile:
-            row["profile_ms"] = run.engine.profile.per_step_ms()
+            row["profile_ms"] = prof = run.engine.profile.per_step_ms()
+            if "draft_model_per_forward" in prof:  # a draft model's forward against a plain decode step
+                row["draft_forward_vs_decode"] = round(prof["draft_model_per_forward"]
+                                                       / report["baseline_profile_ms"]["forward"], 3)
         if lookup is not None and algorithm == "ngram":
             row["vs_hf_prompt_lookup"] = round(run.tokens_per_s / lookup.tokens_per_s, 3)
         if hf is not None:
@@ -228,10 +231,12 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
 
 def format_profile(report: dict) -> str:
     """The per-step phase times of every run in a report made with profile=True, as a table; the
-    draft phase also per drafting step and per draft model forward (catch-ups included)."""
+    draft phase also per drafting step and per draft model forward (catch-ups included), and the
+    time inside the draft model per forward (its output layer included)."""
     phases = ("draft", "forward", "verify", "drafter_update", "bookkeeping", "total",
-              "draft_per_drafting_step", "draft_per_forward")
-    heads = ("draft", "forward", "verify", "drafter_update", "bookkeeping", "total", "draft/drafting", "draft/forward")
+              "draft_per_drafting_step", "draft_per_forward", "draft_model_per_forward")
+    heads = ("draft", "forward", "verify", "drafter_update", "bookkeeping", "total", "draft/drafting", "draft/forward",
+             "model/forward")
     rows = [("none", report.get("baseline_profile_ms", {}))]
     rows += [(alg, run.get("profile_ms", {})) for alg, run in report.get("runs", {}).items()]
     lines = [f"{'ms per step':<12}" + "".join(f"{h:>15}" for h in heads)]

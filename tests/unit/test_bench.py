@@ -23,6 +23,7 @@ def test_report_has_the_contract_fields_and_the_profile(tmp_path, tiny_target_di
     assert not row["adaptive"] and row["shapes"]["chosen"] == {"3/1/4": row["profile_ms"]["steps"]}
     assert row["profile_ms"]["drafting_steps"] == row["profile_ms"]["steps"]  # every step drafts
     assert row["profile_ms"]["draft_forwards"] == 0 and "draft_per_forward" not in row["profile_ms"]  # no draft model
+    assert row["profile_ms"]["draft_model"] == 0 and "draft_forward_vs_decode" not in row
     prof = report["baseline_profile_ms"]
     assert prof["drafting_steps"] == 0 and "draft_per_drafting_step" not in prof
     assert prof["steps"] > 0 and abs(prof["total"] - sum(prof[k] for k in

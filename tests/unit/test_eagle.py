@@ -171,7 +171,9 @@ def test_greedy_lossless_with_continuous_batching(tmp_path, tiny_target_dir, alg
     prof = eng.profile
     assert prof.drafting_steps == prof.steps > 0
     assert prof.draft_forwards == prof.drafting_steps * steps
-    assert prof.per_step_ms()["draft_per_forward"] > 0
+    ms = prof.per_step_ms()
+    # the time inside the head's forwards and output layer is part of the draft phase, not all of it
+    assert 0 < ms["draft_model_per_forward"] < ms["draft_per_forward"]
 
 
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])

@@ -8,7 +8,9 @@ tokenization; model-based drafters (EAGLE, MTP) read the target's hidden states 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -82,6 +84,19 @@ class Drafter:
     # draft model forwards run so far (catch-ups and beam steps; none for NGRAM): `StepProfile`
     # divides the draft phase's time by the forwards each propose ran
     num_forwards: int = 0
+    # host seconds spent inside those forwards and the draft model's output layer (its logits and
+    # top-k): the rest of the draft phase is the beam's tensor ops and Python (on CUDA: launches only)
+    forward_seconds: float = 0.0
+
+    @contextmanager
+    def model_forward(self, count: bool = True) -> Iterator[None]:
+        """Times a draft model forward (count=False: its output layer, which is no new forward)."""
+        self.num_forwards += int(count)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.forward_seconds += time.perf_counter() - start
 
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree] | TreeBatch:
         """One tree per sequence, root = seq.token_ids[-1], of at most `shape.num_draft_tokens`

@@ -113,17 +113,18 @@ class EagleDrafter(Drafter):
                  mask: torch.Tensor | None, key_len: int, slots: list[int] | torch.Tensor) -> torch.Tensor:
         """tokens, positions, write_pos (B, T); hidden (B, T, F); mask (B, 1, T, S) or None for a
         causal fresh prefill -> h (B, T, H)."""
-        self.num_forwards += 1
-        if self.compiled is not None and self.compiled.fits(key_len):
-            if mask is None:
-                mask = causal_extend_mask(torch.zeros(len(tokens), dtype=torch.int64, device=self.device),
-                                          tokens.shape[1], key_len)
-            slots_t = slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, device=self.device)
-            few = self.few_rows is not None and self.few_rows.covers(tokens, hidden, key_len)
-            return (self.few_rows if few else self.compiled).forward(tokens, hidden, positions, write_pos, mask, slots_t)
-        a = scattered_attention_inputs(self.rope, positions, write_pos, slots, mask, key_len)
-        layer_cache = self.cache.layer(0)
-        return self.head(tokens, hidden, lambda attn, x: attn(x, layer_cache, a))
+        with self.model_forward():
+            if self.compiled is not None and self.compiled.fits(key_len):
+                if mask is None:
+                    mask = causal_extend_mask(torch.zeros(len(tokens), dtype=torch.int64, device=self.device),
+                                              tokens.shape[1], key_len)
+                slots_t = slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, device=self.device)
+                few = self.few_rows is not None and self.few_rows.covers(tokens, hidden, key_len)
+                program = self.few_rows if few else self.compiled
+                return program.forward(tokens, hidden, positions, write_pos, mask, slots_t)
+            a = scattered_attention_inputs(self.rope, positions, write_pos, slots, mask, key_len)
+            layer_cache = self.cache.layer(0)
+            return self.head(tokens, hidden, lambda attn, x: attn(x, layer_cache, a))
 
     def _features(self, out: ForwardOutput) -> torch.Tensor:
         """(B, T, F): the target's final-norm hidden (EAGLE-1/2) or fused aux layer inputs (EAGLE-3)."""
@@ -185,7 +186,8 @@ class EagleDrafter(Drafter):
 
     def _topk(self, h: torch.Tensor, on_host: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """h (..., H) -> the head's topk (probs, target token ids), each (..., topk)."""
-        probs, idx = self.head.logits(h).softmax(-1).topk(self.spec.topk, dim=-1)
+        with self.model_forward(count=False):
+            probs, idx = self.head.logits(h).softmax(-1).topk(self.spec.topk, dim=-1)
         tokens = self.head.to_target_ids(idx)
         return (probs.cpu(), tokens.cpu()) if on_host else (probs, tokens)
 

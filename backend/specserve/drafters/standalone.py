@@ -87,17 +87,17 @@ class StandaloneDrafter(Drafter):
         mask = None if max(starts) == 0 else causal_extend_mask(start_t, t, key_len)
         a = scattered_attention_inputs(self.model.rope, positions, positions, host_slots, mask, key_len)
         last = torch.tensor([len(n) - 1 for n in news], device=self.device)[:, None]
-        self.num_forwards += 1
-        out = self.model(tokens.to(self.device), a, self.cache, logit_index=last)
-        probs, children = self._topk(out.logits[:, 0])  # (B, k): the roots' children
+        with self.model_forward():
+            out = self.model(tokens.to(self.device), a, self.cache, logit_index=last)
+            probs, children = self._topk(out.logits[:, 0])  # (B, k): the roots' children
         for s in seqs:
             self.cached[s.slot] = len(s.token_ids)
 
         def step(beam_tokens, _state, positions, write_pos, mask, key_len):  # noqa: ANN001, ANN202
             a = scattered_attention_inputs(self.model.rope, positions, write_pos, host_slots, mask, key_len)
-            self.num_forwards += 1
-            logits = self.model(beam_tokens, a, self.cache).logits  # (B, k, V)
-            return (_state, *self._topk(logits))
+            with self.model_forward():
+                logits = self.model(beam_tokens, a, self.cache).logits  # (B, k, V)
+                return (_state, *self._topk(logits))
 
         base = torch.tensor([len(s.token_ids) for s in seqs], device=self.device)  # after the root
         state = torch.zeros(b, 1, device=self.device)  # token-level drafting carries no state

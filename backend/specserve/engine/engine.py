@@ -88,13 +88,15 @@ class StepProfile:
     verify: acceptance and KV compaction (the step's one host sync); drafter_update: on_accept;
     bookkeeping: the rest of the step (appending tokens, stop checks, detokenizing, outputs).
     drafting_steps: the steps that drafted; draft_forwards: the draft model forwards their
-    proposes ran (catch-ups included).
+    proposes ran (catch-ups included); draft_model: the part of the draft phase spent inside those
+    forwards and the draft model's output layer (`Drafter.forward_seconds`).
     """
 
     steps: int = 0
     drafting_steps: int = 0
     draft_forwards: int = 0
     draft: float = 0.0
+    draft_model: float = 0.0
     forward: float = 0.0
     verify: float = 0.0
     drafter_update: float = 0.0
@@ -111,6 +113,7 @@ class StepProfile:
             out["draft_per_drafting_step"] = round(self.draft * 1e3 / self.drafting_steps, 3)
         if self.draft_forwards:
             out["draft_per_forward"] = round(self.draft * 1e3 / self.draft_forwards, 3)
+            out["draft_model_per_forward"] = round(self.draft_model * 1e3 / self.draft_forwards, 3)
         return {k: getattr(self, k) for k in counts} | out
 
 
@@ -510,10 +513,11 @@ class Engine:
         # up on the tokens it skipped: the cost of switching, not of the shape's steady state
         catching_up = shape.drafts and self.drafter.catches_up and not all(r.drafted_last_step for r in reqs)
         if shape.drafts:
-            forwards = self.drafter.num_forwards
+            forwards, model_seconds = self.drafter.num_forwards, self.drafter.forward_seconds
             proposal: list[DraftTree] | TreeBatch = self.drafter.propose(reqs, shape)
             p.drafting_steps += 1
             p.draft_forwards += self.drafter.num_forwards - forwards
+            p.draft_model += self.drafter.forward_seconds - model_seconds
         else:  # plain decoding this step; a drafter catches up on what it missed when it drafts again
             proposal = [DraftTree.root_only(r.token_ids[-1]) for r in reqs]
         batch = self._fit_trees(reqs, proposal)
