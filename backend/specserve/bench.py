@@ -139,7 +139,8 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
     run's per-step phase times (`profile_ms`). Every run also reports the shapes its steps chose.
 
     The runs are interleaved: each chunk of `batch_size` prompts goes through HF, `none` and every
-    algorithm in turn, so a slow spell of a shared machine weighs on all of them alike."""
+    algorithm in turn, so a slow spell of a shared machine weighs on all of them alike; the turn
+    rotates from one chunk to the next, so no run always follows the same other one."""
     specs = [s for s in (specs or [config.spec]) if s.algorithm != "none"]
     questions = load_questions(dataset, num_prompts)
     base_engine = Engine(replace(config, spec=SpecConfig(algorithm="none")))
@@ -155,6 +156,7 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
         "hardware": describe(),
         "interleaved": True,
+        "rotated": True,  # each chunk starts with the next run
         "cpu_compile": base_engine.compiled is not None,  # the target's AOTInductor-compiled forward
         # the step program's matmuls: the AVX2 few-row kernel or inductor's autotuned ones
         "step_matmul": getattr(base_engine.compiled, "step_matmul", None),
@@ -176,8 +178,11 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         timed["hf prompt lookup"] = lookup
     for r in timed.values():
         r.warm_up(prompts[0])
-    for i in tqdm(range(0, len(prompts), batch_size), desc="chunks of prompts", unit="chunk"):
-        for r in timed.values():
+    order = list(timed.values())
+    for n, i in enumerate(tqdm(range(0, len(prompts), batch_size), desc="chunks of prompts", unit="chunk")):
+        # each chunk starts one run later: a run that pays for following another (HF's allocations,
+        # cold caches) pays it in turn, not always the same one
+        for r in order[n % len(order):] + order[: n % len(order)]:
             r.run(prompts[i : i + batch_size])
 
     report["baseline_tokens_per_s"] = round(base.tokens_per_s, 2)

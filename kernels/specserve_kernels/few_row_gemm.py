@@ -94,6 +94,11 @@ def load(build_root: Path | None = None) -> bool:
     return _loaded
 
 
+def loaded() -> bool:
+    """Whether an earlier `load` registered the op in this process (this never builds anything)."""
+    return bool(_loaded)
+
+
 def _build(build_root: Path | None) -> bool:
     from torch.utils.cpp_extension import load as build_extension
 
@@ -197,5 +202,5 @@ def few_row_linears(module: nn.Module) -> Iterator[int]:
             setattr(parent, name, child)
 
 
-__all__ = ["FewRowLinear", "bf16_exact", "few_row_linears", "few_row_mm", "few_row_mm_reference", "load", "pack",
+__all__ = ["FewRowLinear", "bf16_exact", "few_row_linears", "few_row_mm", "few_row_mm_reference", "load", "loaded", "pack",
            "supported", "unpack"]

@@ -183,7 +183,7 @@ def test_int8_draft_logits_stay_lossless(tmp_path, tiny_target_dir, monkeypatch,
     from specserve.drafters import eagle_model
     from specserve.models.cpu_linear import Int8Linear
 
-    monkeypatch.setattr(eagle_model, "int8_if_faster", Int8Linear)
+    monkeypatch.setattr(eagle_model, "fastest_logits_layer", Int8Linear)
     path = write_checkpoint(tmp_path / algorithm, algorithm)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     eng = _engine(tiny_target_dir, algorithm, batch=2, drafter_path=str(path), num_steps=3, topk=2, num_draft_tokens=6)

@@ -1,5 +1,5 @@
 """`few_row_linear`: F.linear's product in the other order for a few float32 rows on CPU, F.linear itself elsewhere;
-`Int8Linear`: the draft logits' approximation, used where it is timed faster."""
+`Int8Linear`: the draft logits' approximation; `fastest_logits_layer`: the draft logits' layer timed fastest here."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from specserve.models.cpu_linear import (
     PackedLinear,
     apply_few_rows,
     can_pack,
+    fastest_logits_layer,
     few_row_linear,
-    int8_if_faster,
 )
+from specserve_kernels import few_row_gemm
 
 
 @pytest.mark.parametrize("shape", [(1, 96), (4, 96), (2, 4, 96), (FEW_ROWS + 1, 96)])
@@ -64,19 +65,36 @@ def test_int8_linear_approximates_the_product_and_keeps_the_ranking():
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
 
 
-def test_int8_is_used_only_where_it_is_timed_faster(monkeypatch):
-    """Chosen by timing both paths here; float32 CPU weights only."""
-    w = torch.randn(64, 32)
-    slow_int8 = Int8Linear.forward
-
+def _slow(forward):  # noqa: ANN001, ANN202
     def sleepy(self, x):  # noqa: ANN001, ANN202
         time.sleep(0.003)
-        return slow_int8(self, x)
+        return forward(self, x)
 
-    monkeypatch.setattr(Int8Linear, "forward", sleepy)
-    assert int8_if_faster(w) is None
-    monkeypatch.undo()
-    exact = cpu_linear.few_row_linear
-    monkeypatch.setattr(cpu_linear, "few_row_linear", lambda x, weight: (time.sleep(0.003), exact(x, weight))[1])
-    assert isinstance(int8_if_faster(w), Int8Linear)
-    assert int8_if_faster(w.bfloat16()) is None
+    return sleepy
+
+
+def test_the_logits_layer_is_the_one_timed_fastest_here(monkeypatch):
+    """Timed on this CPU among the few-row kernel (where loaded), the plain weight and int8; the two
+    made slow here lose. Float32 CPU weights only."""
+    w, x = torch.randn(64, 32), torch.randn(3, 32)
+    kernel = few_row_gemm.load()
+    plain = cpu_linear.few_row_linear
+    slow = {
+        "plain": lambda: monkeypatch.setattr(cpu_linear, "few_row_linear",
+                                             lambda x, weight: (time.sleep(0.003), plain(x, weight))[1]),
+        "int8": lambda: monkeypatch.setattr(Int8Linear, "forward", _slow(Int8Linear.forward)),
+        "kernel": lambda: monkeypatch.setattr(few_row_gemm.FewRowLinear, "forward",
+                                              _slow(few_row_gemm.FewRowLinear.forward)),
+    }
+    for fast, expected in (("plain", type(None)), ("int8", Int8Linear), ("kernel", few_row_gemm.FewRowLinear)):
+        if fast == "kernel" and not kernel:
+            continue
+        for name, make_slow in slow.items():
+            if name != fast:
+                make_slow()
+        layer = fastest_logits_layer(w)
+        monkeypatch.undo()
+        assert isinstance(layer, expected), fast
+        if fast == "kernel":  # exact: the weight's own float32 products
+            torch.testing.assert_close(layer(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert fastest_logits_layer(w.bfloat16()) is None

@@ -27,7 +27,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.models.cpu_linear import PackedLinear, apply_few_rows, can_pack, few_row_linear, int8_if_faster
+from specserve.models.cpu_linear import (
+    PackedLinear,
+    apply_few_rows,
+    can_pack,
+    fastest_logits_layer,
+    few_row_linear,
+)
 from specserve.models.llama import MLP, Attend, Attention, LlamaModel, RMSNorm
 from specserve.models.weights import read_safetensors, take
 
@@ -179,11 +185,11 @@ class EagleHead(nn.Module):
 
     def pack_logits(self) -> None:
         """Inference only: the output layer made fast for this CPU (`SharedLmHead.pack`; EAGLE-3's
-        own float32 lm_head likewise in int8 where that is faster). Call after `set_hot_ids`."""
+        own float32 lm_head likewise: `fastest_logits_layer`). Call after `set_hot_ids`."""
         if self.cfg.algorithm != "eagle3":
             self.target_head.pack()
         elif type(self.lm_head) is nn.Linear:
-            self.lm_head = int8_if_faster(self.lm_head.weight) or self.lm_head
+            self.lm_head = fastest_logits_layer(self.lm_head.weight) or self.lm_head
 
     def set_hot_ids(self, hot_ids: torch.Tensor) -> None:
         """FR-Spec: restrict EAGLE-1/2's lm_head to these target token ids (a 1-D int tensor)."""
@@ -220,12 +226,12 @@ class SharedLmHead:
 
     def pack(self) -> None:
         """Inference only (no autograd), on CPU: multiply by a oneDNN-packed copy of the rows when
-        they are bf16 on a CPU that can pack them, or by an int8 copy when they are float32 and
-        that is faster here (see `cpu_linear`). Call after `restrict`."""
+        they are bf16 on a CPU that can pack them, or through the fastest layer timed here when they
+        are float32 (`cpu_linear.fastest_logits_layer`). Call after `restrict`."""
         if can_pack(self.rows.device, self.rows.dtype):
             self.packed = PackedLinear(self.rows)
         else:
-            self.packed = int8_if_faster(self.rows)
+            self.packed = fastest_logits_layer(self.rows)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return (self.packed(h) if self.packed is not None else few_row_linear(h, self.rows)).float()

@@ -26,7 +26,7 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.drafters.eagle_model import SharedLmHead
-from specserve.models.cpu_linear import apply_few_rows, int8_if_faster
+from specserve.models.cpu_linear import apply_few_rows, fastest_logits_layer
 from specserve.models.llama import Attend, DecoderLayer, LlamaModel, RMSNorm
 from specserve.models.weights import read_safetensors, take
 
@@ -87,11 +87,11 @@ class MtpHead(nn.Module):
 
     def pack_logits(self) -> None:
         """Inference only: the output layer made fast for this CPU (`SharedLmHead.pack`; an own
-        float32 head likewise in int8 where that is faster). Call after `set_hot_ids`."""
+        float32 head likewise: `fastest_logits_layer`). Call after `set_hot_ids`."""
         if self.head is None:
             self.target_head.pack()
         elif type(self.head) is nn.Linear:
-            self.head = int8_if_faster(self.head.weight) or self.head
+            self.head = fastest_logits_layer(self.head.weight) or self.head
 
     def set_hot_ids(self, hot_ids: torch.Tensor) -> None:
         if self.head is not None:

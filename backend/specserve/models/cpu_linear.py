@@ -6,11 +6,12 @@ prepacked with `mkldnn._reorder_linear_weight` and multiplied by `mkldnn._linear
 bit-identical to `F.linear`.
 
 This module packs inference-only weights: a packed linear has no autograd and is never saved.
-It does nothing on CUDA, in fp32, or where oneDNN lacks bf16. In fp32 on a CPU, `few_row_linear`
-is the faster order of the same product for a draft head's logits, and `Int8Linear` an
-approximation of it (int8 weights) for those logits alone, used where `int8_if_faster` times it
-faster on this CPU: a draft's logits only rank its candidate tokens, and verification decides
-exactly whatever they are.
+It does nothing on CUDA, in fp32, or where oneDNN lacks bf16. In fp32 on a CPU, a draft head's
+logits have three candidate output layers, and `fastest_logits_layer` times them on this CPU: the
+few-row kernel (`FewRowLinear`: the same float32 products from panels streamed once, in bf16 where
+the weights are bf16 numbers), `few_row_linear` (MKL in the faster order for a few rows), and
+`Int8Linear`, an approximation (int8 weights) for those logits alone: a draft's logits only rank
+its candidate tokens, and verification decides exactly whatever they are.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from specserve_kernels import few_row_gemm
 
 FEW_ROWS = 64
 
@@ -141,14 +144,27 @@ def _median_ms(fn: Callable[[], object], repeats: int = 7) -> float:
 
 
 @torch.no_grad()
-def int8_if_faster(weight: torch.Tensor, rows: tuple[int, ...] = (1, 4)) -> Int8Linear | None:
-    """An `Int8Linear` of a float32 CPU weight (out, in) when it is faster than `few_row_linear`
-    on this CPU at these row counts (summed; timed here, ~1 ms per row count and path for a draft
-    vocabulary), else None (also on CUDA, in other dtypes, or where the int8 kernel is missing)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not hasattr(torch, "_weight_int8pack_mm"):
+def fastest_logits_layer(weight: torch.Tensor, rows: tuple[int, ...] = (1, 4)) -> nn.Module | None:
+    """The fastest output layer for a draft's logits over a float32 CPU weight (out, in), timed here
+    at these row counts (summed; about a millisecond per row count and layer for a draft
+    vocabulary): the few-row kernel's `FewRowLinear` (exact; where `few_row_gemm.load` registered
+    it), an `Int8Linear` (approximate), or None: `few_row_linear` over the plain weight. On a tie the
+    exact layers win. None also on CUDA, in other dtypes, or where neither alternative exists."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
-    int8 = Int8Linear(weight)
+    layers: dict[str, nn.Module | None] = {}
+    if few_row_gemm.loaded():
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        layers["kernel"] = few_row_gemm.FewRowLinear(linear)
+    layers["plain"] = None
+    if hasattr(torch, "_weight_int8pack_mm"):
+        layers["int8"] = Int8Linear(weight)
     xs = [torch.randn(n, weight.shape[1]) for n in rows]
-    exact = sum(_median_ms(lambda x=x: few_row_linear(x, weight)) for x in xs)
-    approx = sum(_median_ms(lambda x=x: int8(x)) for x in xs)
-    return int8 if approx < exact else None
+
+    def cost(layer: nn.Module | None) -> float:
+        forward = layer if layer is not None else (lambda x: few_row_linear(x, weight))
+        return sum(_median_ms(lambda x=x: forward(x)) for x in xs)
+
+    times = {name: cost(layer) for name, layer in layers.items()}
+    return layers[min(times, key=lambda name: (times[name], list(layers).index(name)))]
