@@ -30,7 +30,7 @@ def one_process(mode: str, batch: int, tokens: int, context: int, seconds: float
     if mode == "default":  # the engine would fix the thresholds: leave glibc's own
         engine_module.keep_freed_memory = lambda: False
     config = EngineConfig(model_dir=str(default_model_dir()), max_batch_size=batch, dtype="float32",
-                          compiled_steps="always", spec=SpecConfig(algorithm="none"))
+                          cpu_compile=True, compiled_steps="always", spec=SpecConfig(algorithm="none"))
     engine = engine_module.Engine(config)
     tok = torch.randint(0, engine.model_config.vocab_size, (batch, tokens))
     slots, lens = torch.arange(batch), torch.full((batch,), context)
