@@ -15,7 +15,8 @@ heap, and freed memory stays there for the next step until more than `TRIM_THRES
 its top. A process then holds its high-water mark of step buffers instead of returning it.
 
 It changes nothing where the C library is not glibc, or where the user set glibc's own variables
-(`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `GLIBC_TUNABLES=glibc.malloc.*`), and knows nothing about models or devices.
+(`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `GLIBC_TUNABLES=glibc.malloc.*`), and knows
+nothing about models or devices.
 """
 
 from __future__ import annotations

@@ -166,13 +166,14 @@ class FewRowLinear(nn.Module):
     """An inference-only `nn.Linear` through `few_row_mm`: x (..., in) -> (..., out), float32. The
     weight is stored in bf16 where that is exact (`bf16_exact`), else in float32. Needs `load()` first."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """weight (out, in), bias (out,): an `nn.Linear`'s."""
         super().__init__()
-        self.out_features, self.in_features = linear.weight.shape
-        weight = linear.weight.detach().float()
+        self.out_features, self.in_features = weight.shape
+        weight = weight.detach().float()
         storage = torch.bfloat16 if bf16_exact(weight) else torch.float32
         self.register_buffer("packed", pack(weight, storage), persistent=False)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = few_row_mm(x.reshape(-1, self.in_features), self.packed, self.out_features)
@@ -194,7 +195,7 @@ def few_row_linears(module: nn.Module) -> Iterator[int]:
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.float32:
                 swapped.append((parent, name, child))
-                setattr(parent, name, FewRowLinear(child))
+                setattr(parent, name, FewRowLinear(child.weight, child.bias))
     try:
         yield len(swapped)
     finally:

@@ -58,8 +58,8 @@ def test_bf16_storage_gives_the_float32_products_bit_for_bit(n, k):
 def test_bf16_storage_only_where_it_is_exact():
     exact = torch.randn(20, 32).bfloat16().float()
     assert few_row_gemm.bf16_exact(exact) and not few_row_gemm.bf16_exact(exact + 1e-4)
-    assert few_row_gemm.FewRowLinear(_linear(exact)).packed.dtype == torch.bfloat16
-    assert few_row_gemm.FewRowLinear(_linear(exact + 1e-4)).packed.dtype == torch.float32
+    assert few_row_gemm.FewRowLinear(_linear(exact).weight).packed.dtype == torch.bfloat16
+    assert few_row_gemm.FewRowLinear(_linear(exact + 1e-4).weight).packed.dtype == torch.float32
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         few_row_gemm.pack(exact, torch.float16)
 
@@ -90,7 +90,7 @@ def test_few_row_linear_is_nn_linear(bias):
     linear = nn.Linear(40, 70, bias=bias)
     x = torch.randn(2, 3, 40)
     with torch.inference_mode():
-        torch.testing.assert_close(few_row_gemm.FewRowLinear(linear)(x), linear(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(few_row_gemm.FewRowLinear(linear.weight, linear.bias)(x), linear(x), rtol=1e-5, atol=1e-5)
 
 
 class _Tiny(nn.Module):

@@ -152,14 +152,14 @@ def fastest_logits_layer(weight: torch.Tensor, rows: tuple[int, ...] = (1, 4)) -
     exact layers win. None also on CUDA, in other dtypes, or where neither alternative exists."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
-    layers: dict[str, nn.Module | None] = {}
+    layers: dict[str, nn.Module | None] = {}  # in order of preference on a tie
     if few_row_gemm.loaded():
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        layers["kernel"] = few_row_gemm.FewRowLinear(linear)
+        layers["kernel"] = few_row_gemm.FewRowLinear(weight)
     layers["plain"] = None
     if hasattr(torch, "_weight_int8pack_mm"):
         layers["int8"] = Int8Linear(weight)
+    if len(layers) == 1:
+        return None
     xs = [torch.randn(n, weight.shape[1]) for n in rows]
 
     def cost(layer: nn.Module | None) -> float:
@@ -167,4 +167,4 @@ def fastest_logits_layer(weight: torch.Tensor, rows: tuple[int, ...] = (1, 4)) -
         return sum(_median_ms(lambda x=x: forward(x)) for x in xs)
 
     times = {name: cost(layer) for name, layer in layers.items()}
-    return layers[min(times, key=lambda name: (times[name], list(layers).index(name)))]
+    return layers[min(times, key=times.__getitem__)]  # the first of equal times
