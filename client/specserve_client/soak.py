@@ -12,8 +12,8 @@ comes with):
   - cancel: a stream to `llm_<variant>` (256 tokens, ignore_eos) cancelled after its first response;
   - bad: a request with a negative temperature or max_tokens 0: it must end in an error, not hang.
 When the time is up it waits for the engine to drain and checks that the running / waiting gauges
-and the KV slots in use are back to 0. The resident memory of the server's processes is sampled
-every `--sample-s` seconds. Writes `<out>/soak.json`; exits 1 when a check fails. It starts its own
+and the KV slots in use are back to 0. The resident memory of the server's processes (and its anon / file / shmem
+parts) is sampled every `--sample-s` seconds. Writes `<out>/soak.json`; exits 1 when a check fails. It starts its own
 server (free ports): it does not measure speed.
 """
 
@@ -50,9 +50,9 @@ def metric(metrics_url: str, name: str, **labels: str) -> float:
     return total
 
 
-def server_rss_mb(root_pid: int) -> dict[str, float]:
-    """Resident memory of `root_pid` and each of its descendants (tritonserver and its Python-backend
-    stubs, named by the model directory they serve), in MB, and their sum under "total"."""
+def server_processes(root_pid: int) -> dict[str, int]:
+    """`root_pid` and each of its descendants (tritonserver and its Python-backend stubs, the stubs
+    named by the model directory they serve), as {"<name> (<pid>)": pid}."""
     children: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -61,27 +61,48 @@ def server_rss_mb(root_pid: int) -> dict[str, float]:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(d.name))
-    by_process, todo = {}, [root_pid]
+    named, todo = {}, [root_pid]
     while todo:
         pid = todo.pop()
         todo += children.get(pid, [])
         try:
-            rss_kb = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                          if line.startswith("VmRSS:"))
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except (OSError, StopIteration):
+        except OSError:
             continue
         name = Path(argv[0].decode()).name
         if name == "triton_python_backend_stub" and len(argv) > 1:  # argv[1]: <repository>/<model>/<version>/model.py
             name = f"stub {Path(argv[1].decode()).parent.parent.name}"
-        by_process[f"{name} ({pid})"] = round(rss_kb / 1024, 1)
-    return {"total": round(sum(by_process.values()), 1), **by_process}
+        named[f"{name} ({pid})"] = pid
+    return named
+
+
+def resident_mb(pid: int) -> dict[str, float]:
+    """A process's resident memory in MB: "rss" and its parts "anon" (heap, stacks), "file"
+    (mapped files, e.g. libraries) and "shmem" (shared memory, e.g. the Python backend's regions);
+    {} once the process is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    fields = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+    return {fields[line.split()[0]]: round(int(line.split()[1]) / 1024, 1) for line in status
+            if line.split() and line.split()[0] in fields}
+
+
+def server_memory(root_pid: int) -> dict:
+    """One memory sample of the server's processes: "rss_mb" (their sum), "by_process" (each one's
+    resident MB) and "parts" (each one's anon / file / shmem MB)."""
+    parts = {name: resident_mb(pid) for name, pid in server_processes(root_pid).items()}
+    parts = {name: mb for name, mb in parts.items() if mb}
+    by_process = {name: mb.pop("rss") for name, mb in parts.items()}
+    return {"rss_mb": round(sum(by_process.values()), 1), "by_process": by_process, "parts": parts}
 
 
 def one_request(client: grpcclient.InferenceServerClient, model: str, values: dict, request_id: str,
                 cancel_after: int | None, trtllm_format: bool = False) -> str:
     """Stream one request on its own gRPC stream of `client`; returns its outcome: "ok",
-    "cancelled", "error", or a failure text."""
+    "cancelled", "error", or a failure text. A stream that got its FINAL is closed as a client
+    that is done closes it (no cancellation); any other is cancelled."""
     responses: queue.SimpleQueue = queue.SimpleQueue()
     finals, tokens, seen = 0, 0, 0
     try:
@@ -111,7 +132,7 @@ def one_request(client: grpcclient.InferenceServerClient, model: str, values: di
             return f"{tokens} tokens for max_tokens {values['max_tokens']}"
         return "ok" if finals == 1 else f"{finals} final responses"
     finally:
-        client.stop_stream(cancel_requests=True)
+        client.stop_stream(cancel_requests=finals == 0)
 
 
 def worker(url: str, variant: str, deadline: float, seed: int, outcomes: Counter, failures: list, lock: threading.Lock,
@@ -163,8 +184,7 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
         t.start()
     memory = []
     while any(t.is_alive() for t in threads):
-        rss = server_rss_mb(server_pid)
-        memory.append({"s": round(time.monotonic() - start), "rss_mb": rss.pop("total"), "by_process": rss})
+        memory.append({"s": round(time.monotonic() - start), **server_memory(server_pid)})
         print(json.dumps({**memory[-1], **outcomes}), flush=True)
         for t in threads:
             t.join(timeout=sample_s / len(threads))
@@ -173,8 +193,7 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
         time.sleep(0.5)
     gauges = {g: metric(metrics_url, g) for g in GAUGES}
     aborted = metric(metrics_url, "specserve:request_finished_total", finish_reason="abort") - aborted_before
-    rss = server_rss_mb(server_pid)
-    memory.append({"s": round(time.monotonic() - start), "rss_mb": rss.pop("total"), "by_process": rss})
+    memory.append({"s": round(time.monotonic() - start), **server_memory(server_pid)})
     after_first_minute = [m["rss_mb"] for m in memory if m["s"] >= 60] or [memory[0]["rss_mb"]]
     report = {
         "variant": variant, "minutes": minutes, "concurrency": concurrency,

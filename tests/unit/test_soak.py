@@ -54,3 +54,57 @@ def test_every_kind_is_drawn_and_a_wrong_outcome_is_a_failure(monkeypatch):
 def test_unknown_kinds_are_refused():
     with pytest.raises(SystemExit):
         soak.main(["--kinds", "normal,nonsense"])
+
+
+class _Final:
+    def __init__(self, final: bool) -> None:
+        self.bool_param = final
+
+
+class _Response:
+    def __init__(self, request_id: str, final: bool) -> None:
+        self.id, self.outputs = request_id, [] if final else ["output_ids"]
+        self.parameters = {"triton_final_response": _Final(final)}
+
+
+class _Result:
+    def __init__(self, request_id: str, final: bool) -> None:
+        self.response = _Response(request_id, final)
+
+    def get_response(self) -> _Response:
+        return self.response
+
+    def as_numpy(self, name: str):  # noqa: ANN201
+        import numpy as np
+
+        return np.zeros(1, dtype=np.int32)
+
+
+class _StreamingClient:
+    """Answers a stream with `tokens` one-token responses and a FINAL; records how it was stopped."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens, self.stops = tokens, []
+
+    def start_stream(self, callback) -> None:  # noqa: ANN001
+        self.callback = callback
+
+    def async_stream_infer(self, model, inputs, request_id, **kwargs) -> None:  # noqa: ANN001, ANN003
+        for _ in range(self.tokens):
+            self.callback(_Result(request_id, False), None)
+        self.callback(_Result(request_id, True), None)
+
+    def stop_stream(self, cancel_requests: bool = False) -> None:
+        self.stops.append(cancel_requests)
+
+
+def test_a_finished_stream_is_closed_and_an_abandoned_one_cancelled():
+    # cancelling a stream after its FINAL is not what a client that is done does (and the Triton
+    # shipped keeps such streams' state): only a stream left before its FINAL is cancelled
+    values = {"text_input": "Hi", "max_tokens": 4}
+    done = _StreamingClient(tokens=3)
+    assert soak.one_request(done, "llm_base", values, "r1", cancel_after=None) == "ok"
+    assert done.stops == [False]
+    left = _StreamingClient(tokens=3)
+    assert soak.one_request(left, "llm_base", values, "r2", cancel_after=1) == "cancelled"
+    assert left.stops and all(left.stops)
