@@ -131,6 +131,17 @@ class TreeBatch:
         ]
 
     @classmethod
+    def root_only(cls, roots: torch.Tensor) -> TreeBatch:
+        """B trees of their root alone (plain decoding), built on roots' device. roots: (B,) int64."""
+        b, dev = roots.shape[0], roots.device
+
+        def column(value: int) -> torch.Tensor:
+            return torch.full((b, 1), value, dtype=torch.int64, device=dev)
+
+        return cls(roots[:, None], column(-1), column(0), torch.ones(b, 1, 1, dtype=torch.bool, device=dev),
+                   column(-1), column(-1), torch.ones(b, dtype=torch.int64, device=dev))
+
+    @classmethod
     def from_trees(cls, trees: Sequence[DraftTree]) -> TreeBatch:
         b, n = len(trees), max(t.num_nodes for t in trees)
         tokens = torch.zeros(b, n, dtype=torch.int64)

@@ -159,21 +159,19 @@ def _first_true(x: torch.Tensor) -> torch.Tensor:
 
 
 def build_tree_reference(parents: torch.Tensor) -> TreeTensors:
-    """Plain-PyTorch `build_tree`, looping over nodes and vectorised over the batch."""
+    """Plain-PyTorch `build_tree`, vectorised over batch and nodes: the ancestor mask by repeated
+    squaring of the parent relation (paths of up to 2^k edges after k squarings), so its op count
+    grows with log2(N), not N."""
     bsz, n = parents.shape
     device = parents.device
-    rows = torch.arange(bsz, device=device)
     node = torch.arange(n, device=device)
-    depth = torch.zeros(bsz, n, dtype=torch.int64, device=device)
-    mask = torch.eye(n, dtype=torch.bool, device=device).repeat(bsz, 1, 1)  # (B, N, N)
-    for i in range(1, n):  # parents come before children: row p is final when node i reads it
-        p = parents[:, i]
-        real = p >= 0
-        p = p.clamp(min=0)
-        depth[:, i] = torch.where(real, depth[rows, p] + 1, 0)
-        mask[:, i] |= mask[rows, p] & real[:, None]
-
     is_child = parents[:, None, :] == node[None, :, None]  # (B, i, j): j is a child of i
+    # (B, i, j): j is i or an ancestor of i (as 0 / 1 floats, clamped after each product)
+    reach = (is_child.transpose(1, 2) | torch.eye(n, dtype=torch.bool, device=device)).float()
+    for _ in range(max(n - 2, 0).bit_length()):  # the deepest node is N - 1 edges below the root
+        reach = (reach @ reach).clamp(max=1.0)
+    mask = reach > 0
+    depth = mask.sum(-1) - 1
     later = node[None, None, :] > node[None, :, None]  # (1, i, j): j comes after i
     is_later_sibling = (parents[:, None, :] == parents[:, :, None]) & (parents[:, :, None] >= 0) & later
     return TreeTensors(depth, mask, _first_true(is_child), _first_true(is_later_sibling))

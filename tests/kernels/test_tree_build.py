@@ -64,6 +64,7 @@ def test_reference_matches_draft_tree(eagle_tree, n: int) -> None:
     gen = torch.Generator().manual_seed(n)
     trees = [DraftTree.from_parents([0] * n, random_parents(gen, n)) for _ in range(4)]
     trees += [eagle_tree(gen, topk=4, depth=5, num_draft_tokens=n - 1, vocab_size=32)]
+    trees += [DraftTree.chain(0, list(range(1, n)))]  # the deepest tree of n nodes
     got = build_tree_reference(torch.stack([t.parents for t in trees]))
     for b, t in enumerate(trees):
         assert torch.equal(got.depth[b], t.depth)

@@ -230,6 +230,58 @@ def test_compiled_head_matches_eager(tmp_path, tiny_target_dir, compile_dir, alg
     assert sorted(compiled.few_rows.runners) == sorted({cfg.feature_size, cfg.hidden_size})
 
 
+class _Seq:
+    def __init__(self, token_ids: list[int], slot: int, cache_len: int) -> None:
+        self.request_id, self.token_ids, self.slot, self.cache_len = f"r{slot}", token_ids, slot, cache_len
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
+def test_a_catch_up_in_few_row_chunks_matches_one_forward(tmp_path, tiny_target_dir, compile_dir, algorithm):
+    """A catch-up of more rows than the few-row programs take, run as consecutive few-row forwards
+    (`chunked_catch_up`), leaves the head's states and K/V of one forward of the general program:
+    two requests, one with a longer backlog than the other, after a prefix each."""
+    from test_eagle import write_checkpoint
+
+    spec = dict(drafter_path=str(write_checkpoint(tmp_path / algorithm, algorithm)), num_steps=3, topk=2,
+                num_draft_tokens=6)
+    drafters = [_engine(tiny_target_dir, compile_dir, True, algorithm, **spec).drafter for _ in range(2)]
+    g = torch.Generator().manual_seed(11)
+    lens, synced = (3 * FEW_ROWS + 5, 2 * FEW_ROWS), (7, 2)
+    tokens = [torch.randint(3, VOCAB, (n + 1,), generator=g).tolist() for n in lens]
+    feats = torch.randn(2, max(lens), drafters[0].head.cfg.feature_size, generator=g)
+    for d, chunked in zip(drafters, (True, False)):
+        d.chunked_catch_up = chunked
+        d.features[:2, : max(lens)] = feats
+    seqs = [_Seq(tokens[i], i, lens[i]) for i in range(2)]
+    with torch.inference_mode():
+        for d in drafters:
+            d._catch_up([_Seq(tokens[i][: synced[i] + 1], i, synced[i]) for i in range(2)])  # the prefixes
+        forwards = [d.num_forwards for d in drafters]
+        for d in drafters:
+            d._catch_up(seqs)
+    backlog = max(n - s for n, s in zip(lens, synced))
+    assert drafters[0].num_forwards - forwards[0] == -(-backlog // (FEW_ROWS // 2))
+    assert drafters[1].num_forwards - forwards[1] == 1
+    torch.testing.assert_close(drafters[0].last_hidden[:2], drafters[1].last_hidden[:2], rtol=1e-4, atol=1e-4)
+    for i, n in enumerate(lens):  # each request's entries; the padding columns' scratch writes differ
+        torch.testing.assert_close(drafters[0].cache.data[:, :, i, :, :n], drafters[1].cache.data[:, :, i, :, :n],
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_catch_ups_run_in_chunks_only_where_timed_faster(tmp_path, tiny_target_dir, compile_dir):
+    """`chunks_pay` times a catch-up both ways: stand-in programs with known costs here."""
+    from test_eagle import write_checkpoint
+
+    spec = dict(drafter_path=str(write_checkpoint(tmp_path / "eagle", "eagle")), num_steps=3, topk=2,
+                num_draft_tokens=6)
+    drafter = _engine(tiny_target_dir, compile_dir, True, "eagle", **spec).drafter
+    assert not drafter.cache.data.any()  # the timing at start-up gave back the entries it used
+    for whole_s, chunk_s, expected in ((0.004, 0.0001, True), (0.0005, 0.002, False)):
+        drafter.compiled.forward = lambda *a, c=whole_s: time.sleep(c)
+        drafter.few_rows.forward = lambda *a, c=chunk_s: time.sleep(c)
+        assert drafter.chunks_pay() is expected
+
+
 def test_steps_run_compiled_only_where_timed_faster(tiny_target_dir, compile_dir, monkeypatch):
     """compiled_steps=auto: per batch bucket, the faster of the two step forwards as timed at
     start-up (stand-in forwards with known costs here); a mix of both stays lossless."""

@@ -1,3 +1,5 @@
+from dataclasses import fields
+
 import pytest
 import torch
 
@@ -107,3 +109,12 @@ def test_unbatch_gives_back_the_trees_without_padding():
     for a, b in zip(trees, back):
         for name in ("tokens", "parents", "depth", "mask", "first_child", "next_sibling"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_a_batch_of_roots_alone_equals_the_batched_root_only_trees():
+    roots = [7, 3, 11]
+    got = TreeBatch.root_only(torch.tensor(roots))
+    want = TreeBatch.from_trees([DraftTree.root_only(r) for r in roots])
+    assert got.is_root_only
+    for f in fields(TreeBatch):
+        assert torch.equal(getattr(got, f.name), getattr(want, f.name)), f.name

@@ -8,9 +8,11 @@ L-1 pairs the tree root with the last accepted feature, and the hidden state it 
 (`last_hidden`) gives the root's children without another forward.
 
 on_prefill / on_accept only store the target's features of the new positions (`features`); the
-head catches up over everything it has not seen at the start of the next propose, in one forward,
-overwriting the scratch area, so the drafter's cache holds target features only. Steps that decode
-without drafts therefore cost the drafter nothing.
+head catches up over everything it has not seen at the start of the next propose, overwriting the
+scratch area, so the drafter's cache holds target features only. Steps that decode without drafts
+therefore cost the drafter nothing. On CPU a catch-up of more rows than the few-row programs take
+runs as consecutive few-row forwards of up to `FEW_ROWS` rows each, or as one forward of the
+general program, whichever `chunks_pay` timed faster at start-up.
 propose: after the catch-up, step 0 takes topk children of the root from `last_hidden`;
 `beam.grow_trees_on_device` runs the num_steps - 1 draft forwards over the beam (rope position
 L + step - 1, K/V in a scratch area after L that only the node's descendants see), each node
@@ -25,6 +27,8 @@ The drafter does not verify, sample or touch the target's cache.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,10 +47,15 @@ from specserve.drafters.mtp_model import load_mtp
 from specserve.models.compiled import CompiledHead, compiled_or_none
 from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.cuda_graph import DraftGraphs
-from specserve.models.few_row_head import FewRowHead
+from specserve.models.few_row_head import FEW_ROWS, FewRowHead
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, rope_table
 from specserve.tree import DraftShape, DraftTree, TreeBatch
+
+log = logging.getLogger(__name__)
+
+CHUNKED_CATCH_UP_ROWS = 512  # catch-ups of more rows (a long prompt) always run as one forward
+CATCH_UP_PROBE_ROWS = 32  # the catch-up `chunks_pay` times both ways
 
 
 def load_token_map(path: str | Path) -> torch.Tensor:
@@ -100,6 +109,7 @@ class EagleDrafter(Drafter):
         self.few_rows = None if self.compiled is None else compiled_or_none(
             f"{spec.algorithm} head (few rows)", lambda: FewRowHead(
                 self.head, self.head.embed_weight, self.rope, self.cache, widths, cache_dir, ctx.step_matmul))
+        self.chunked_catch_up = self.few_rows is not None and self.chunks_pay()
         pack_for_inference(self.head)  # bf16 on CPU: the head's linears
         self.head.pack_logits()  # on CPU: its output layer (bf16: packed; float32: int8 where that is faster here)
         self.graphs = None if not ctx.graph_batch_sizes else DraftGraphs(
@@ -137,13 +147,57 @@ class EagleDrafter(Drafter):
         tokens = torch.zeros(b, t, dtype=torch.int64)
         for i, (s, start, n) in enumerate(zip(seqs, starts, lens)):
             tokens[i, :n] = torch.tensor(s.token_ids[start + 1 : start + 1 + n])
+        tokens = tokens.to(self.device)
         start_t = torch.tensor(starts, device=self.device)
         positions = start_t[:, None] + torch.arange(t, device=self.device)  # (B, T)
-        key_len = max(starts) + t
-        mask = None if max(starts) == 0 else causal_extend_mask(start_t, t, key_len)
-        h = self._forward(tokens.to(self.device), feats, positions, positions, mask, key_len, [s.slot for s in seqs])
+        slots = [s.slot for s in seqs]
+        hs = []
+        for a, z in self._chunks(b, t):  # columns [a, z): each chunk sees the ones before it in the cache
+            key_len = max(starts) + z
+            mask = None if max(starts) + a == 0 else causal_extend_mask(start_t + a, z - a, key_len)
+            pos = positions[:, a:z].contiguous()  # the programs take dense inputs
+            hs.append(self._forward(tokens[:, a:z].contiguous(), feats[:, a:z].contiguous(), pos, pos, mask, key_len,
+                                    slots))
+        h = torch.cat(hs, dim=1) if len(hs) > 1 else hs[0]  # (B, T, H)
         last = torch.tensor(lens, device=self.device) - 1
-        self.last_hidden[[s.slot for s in seqs]] = h[torch.arange(b, device=self.device), last]
+        self.last_hidden[slots] = h[torch.arange(b, device=self.device), last]
+
+    def _chunks(self, b: int, t: int) -> list[tuple[int, int]]:
+        """A catch-up's columns [a, z) per forward: all at once, or few-row chunks (`chunked_catch_up`)."""
+        width = FEW_ROWS // b
+        if not self.chunked_catch_up or width == 0 or b * t <= FEW_ROWS or b * t > CHUNKED_CATCH_UP_ROWS:
+            return [(0, t)]
+        return [(a, min(a + width, t)) for a in range(0, t, width)]
+
+    def chunks_pay(self, rows: int = CATCH_UP_PROBE_ROWS, repeats: int = 3) -> bool:
+        """Whether a catch-up of `rows` rows runs faster as few-row forwards than as one forward of
+        the general program, timed on this CPU (best of `repeats` each, after one untimed run) in
+        slot 0's first `rows` cache entries, which it gives back as it found them."""
+        feature_size = self.head.cfg.feature_size
+        tokens = torch.zeros(1, rows, dtype=torch.int64, device=self.device)
+        feats = torch.zeros(1, rows, feature_size, dtype=self.features.dtype, device=self.device)
+        positions = torch.arange(rows, device=self.device)[None]
+        slots = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if not (self.compiled.fits(rows) and self.few_rows.covers(tokens[:, :FEW_ROWS], feats[:, :FEW_ROWS], rows)):
+            return False
+
+        def run(program, width: int) -> float:  # noqa: ANN001
+            start = time.perf_counter()
+            for a in range(0, rows, width):
+                z = min(a + width, rows)
+                mask = causal_extend_mask(torch.tensor([a], device=self.device), z - a, z)
+                program.forward(tokens[:, a:z], feats[:, a:z], positions[:, a:z], positions[:, a:z], mask, slots)
+            return time.perf_counter() - start
+
+        with torch.inference_mode():
+            entries = self.cache.data[:, :, 0, :, :rows].clone()  # (layers, 2, kv heads, rows, head dim)
+            whole = min(run(self.compiled, rows) for _ in range(repeats + 1))
+            chunked = min(run(self.few_rows, FEW_ROWS) for _ in range(repeats + 1))
+            self.cache.data[:, :, 0, :, :rows] = entries
+        log.info("%s drafter: a %d-row catch-up takes %.2f ms in one forward, %.2f ms in %d-row forwards: %s",
+                 self.spec.algorithm, rows, whole * 1e3, chunked * 1e3, FEW_ROWS,
+                 "chunked" if chunked < whole else "one forward")
+        return chunked < whole
 
     # ---- Drafter hooks ------------------------------------------------------------------------
 

@@ -477,7 +477,7 @@ class Engine:
             out = self.model(tokens.to(dev), attn, self.cache, logit_index=last, aux_layers=self.drafter.aux_layers)
         for r, n in zip(reqs, lens):
             r.cache_len = n
-        roots = TreeBatch.from_trees([DraftTree.root_only(r.token_ids[-1]) for r in reqs]).to(dev)
+        roots = TreeBatch.root_only(torch.tensor([r.token_ids[-1] for r in reqs], device=dev))
         _, emitted, logprobs = self._verify(reqs, roots, out.logits)
         for r, tokens, lp in zip(reqs, emitted, logprobs):
             self._append_tokens(r, tokens, lp)
@@ -518,9 +518,9 @@ class Engine:
             p.drafting_steps += 1
             p.draft_forwards += self.drafter.num_forwards - forwards
             p.draft_model += self.drafter.forward_seconds - model_seconds
+            batch = self._fit_trees(reqs, proposal)
         else:  # plain decoding this step; a drafter catches up on what it missed when it drafts again
-            proposal = [DraftTree.root_only(r.token_ids[-1]) for r in reqs]
-        batch = self._fit_trees(reqs, proposal)
+            batch = TreeBatch.root_only(torch.tensor([r.token_ids[-1] for r in reqs], device=self.device))
         t1 = clock()
         p.draft += t1 - t0
         host_lens = [r.cache_len for r in reqs]
