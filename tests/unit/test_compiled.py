@@ -242,11 +242,14 @@ def test_a_catch_up_in_few_row_chunks_matches_one_forward(tmp_path, tiny_target_
     two requests, one with a longer backlog than the other, after a prefix each."""
     from test_eagle import write_checkpoint
 
+    from specserve.drafters.eagle import CHUNKED_CATCH_UP_ROWS
+
     spec = dict(drafter_path=str(write_checkpoint(tmp_path / algorithm, algorithm)), num_steps=3, topk=2,
                 num_draft_tokens=6)
     drafters = [_engine(tiny_target_dir, compile_dir, True, algorithm, **spec).drafter for _ in range(2)]
     g = torch.Generator().manual_seed(11)
-    lens, synced = (3 * FEW_ROWS + 5, 2 * FEW_ROWS), (7, 2)
+    lens, synced = (2 * FEW_ROWS + 4, FEW_ROWS + 4), (7, 2)
+    assert 2 * max(n - s for n, s in zip(lens, synced)) <= CHUNKED_CATCH_UP_ROWS
     tokens = [torch.randint(3, VOCAB, (n + 1,), generator=g).tolist() for n in lens]
     feats = torch.randn(2, max(lens), drafters[0].head.cfg.feature_size, generator=g)
     for d, chunked in zip(drafters, (True, False)):
