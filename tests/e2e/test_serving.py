@@ -354,6 +354,19 @@ def test_cancelling_an_ensemble_stream_reaches_the_engine(server):
         _wait_for(lambda: _finished(server, "abort") + _finished(server, "length") > aborted_before + length_before, 60)
 
 
+def test_a_short_soak_of_every_request_kind_passes(server):
+    """`make soak`'s checks over 20 seconds: plain and ensemble streams, streams cancelled after
+    their first token and bad requests mixed on 4 workers; every response carries its request's id,
+    one FINAL each, bad requests end in an error, every cancellation aborted in the engine, the
+    gauges back to 0 (the workers' draws are seeded: every kind comes up)."""
+    from specserve_client import soak
+
+    report = soak.soak(server.grpc_url, server.metrics_url, server.proc.pid, "base", minutes=1 / 3, concurrency=4,
+                       sample_s=5.0)
+    assert report["passed"], {k: v for k, v in report.items() if k != "memory_samples"}
+    assert {key.split(":")[0] for key in report["outcomes"]} == set(soak.KIND_WEIGHTS)
+
+
 def test_metrics_are_exported(server):
     quick_request_works(server)
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
