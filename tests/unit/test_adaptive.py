@@ -69,12 +69,12 @@ def test_exploration_visits_the_neighbours_of_the_best_shape():
     c = _chooser(explore_every=4)
     for shape in c.menu:
         c.observe(1, shape, 0.010 * shape.num_draft_tokens, [1.8])
-    picks = [c.choose(1) for _ in range(33)]
-    # plain decoding is best: explored every 16th step, for two steps (the first catches up on the
-    # plain steps, the second is the one timed), with its only neighbour
-    assert [i for i, shape in enumerate(picks) if shape != c.menu[0]] == [15, 16, 31, 32]
+    picks = [c.choose(1) for _ in range(49)]
+    # plain decoding is best: explored after 16 steps, then 32 (it stayed best), for two steps each (the
+    # first catches up on the plain steps, the second is the one timed), with its only neighbour
+    assert [i for i, shape in enumerate(picks) if shape != c.menu[0]] == [15, 16, 47, 48]
     assert set(picks) == {c.menu[0], c.menu[1]}
-    assert sum(c.chosen.values()) == 33
+    assert sum(c.chosen.values()) == 49
     c = _chooser(explore_every=4)
     for shape, seconds, accept in zip(c.menu, (0.010, 0.020, 0.030, 0.040), (1, 1.95, 3.6, 4.4)):
         c.observe(1, shape, seconds, [accept])  # 100, 97.5, 120, 110 tokens/s: a drafting shape is best
@@ -234,6 +234,26 @@ def test_a_drafter_without_catch_up_explores_a_draft_for_one_step():
         c.observe(1, shape, 0.010 * shape.num_draft_tokens, [1.8])
     picks = [c.choose(1) for _ in range(33)]
     assert [i for i, shape in enumerate(picks) if shape != c.menu[0]] == [15, 31]
+
+
+def test_a_catching_up_drafter_explores_ever_less_often_while_plain_decoding_stays_best():
+    """Each exploration from plain decoding pays a catch-up: the period doubles (16, 32, 64 steps
+    here, then stays at 64) while plain decoding stays best, and is back to 16 once a draft was best."""
+    c = ShapeChooser(shape_menu(3, 1, 4), batch_buckets=(1,), explore_every=4, min_samples=1)
+    for shape in c.menu:
+        c.observe(1, shape, 0.010 * shape.num_draft_tokens, [1.8])  # 2 tokens: 90 tokens/s against 100
+    picks = [c.choose(1) for _ in range(180)]
+    assert [i for i, shape in enumerate(picks) if shape.drafts] == [15, 16, 47, 48, 111, 112, 175, 176]
+    two = c.menu[1]
+    for _ in range(5):
+        c.observe(1, two, 0.012, [3])  # drafting pays now
+    c._steps = 0  # (no exploration on the next step)
+    assert c.choose(1) == two
+    for _ in range(100):
+        c.observe(1, two, 0.012, [1])  # and no longer
+    c._steps = 0
+    picks = [c.choose(1) for _ in range(17)]
+    assert [i for i, shape in enumerate(picks) if shape.drafts] == [15, 16]
 
 
 def test_one_unlucky_step_does_not_lock_a_shape_out():

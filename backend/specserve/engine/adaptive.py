@@ -24,7 +24,10 @@ shape instead, so the estimates around the best one stay current: its neighbours
 the runner-up, in turn, and plain decoding whenever a draft is best (every 4 x `explore_every`
 steps while plain decoding is best; a drafter that catches up on skipped tokens then drafts for
 two steps, and only the second one's time stands for the shape; other shapes estimated below
-`explore_within` of the best are not tried). Warm-up timings ran on a synthetic prompt: they make a
+`explore_within` of the best are not tried). For such a drafter each exploration from plain
+decoding also pays a catch-up over every token skipped since the last one (about a tenth of a
+step per token on a 2-core CPU), so while explorations keep leaving plain decoding best, the
+period doubles, up to `max_backoff` times; it is back to 4 x `explore_every` once a draft is best. Warm-up timings ran on a synthetic prompt: they make a
 shape measured, but the first real steps outvote them.
 
 `PathChooser` makes the other per-step choice on a CPU: whether the target's forward runs through
@@ -98,7 +101,7 @@ class ShapeChooser:
 
     def __init__(self, menu: Sequence[DraftShape], batch_buckets: Sequence[int], explore_every: int = 16,
                  margin: float = 0.05, explore_within: float = 0.8, min_samples: int = 3,
-                 drafts_catch_up: bool = True) -> None:
+                 drafts_catch_up: bool = True, max_backoff: int = 4) -> None:
         """drafts_catch_up: the drafter's first draft after plain steps catches up on them (`Drafter.catches_up`)."""
         self.menu = tuple(menu)
         self.drafts_catch_up = drafts_catch_up
@@ -107,6 +110,8 @@ class ShapeChooser:
         self.margin = margin
         self.explore_within = explore_within
         self.min_samples = min_samples
+        self.max_backoff = max_backoff
+        self._backoff = 1  # the plain-decoding exploration period's factor (see the module's docstring)
         self.step_time = {(b, s): _Average(horizon=10, robust=True) for b in self.buckets for s in self.menu}  # seconds
         self.accept = {s: _Average(horizon=40) for s in self.menu}  # tokens per request per step
         self.chosen: Counter[DraftShape] = Counter()
@@ -167,9 +172,12 @@ class ShapeChooser:
 
     def choose(self, batch_size: int) -> DraftShape:
         self._steps += 1
-        shape, self._again = self._again or self.best(batch_size), None
+        again, self._again = self._again, None
+        shape = again or self.best(batch_size)
+        if again is None and shape.drafts:
+            self._backoff = 1
         # plain decoding explores 4x less often: a draft it tries costs a whole draft step
-        period = self.explore_every * (1 if shape.drafts else 4)
+        period = self.explore_every * (1 if shape.drafts else 4 * self._backoff)
         if self._steps >= period:
             self._steps = 0
             candidates = self._explore_candidates(batch_size, shape)
@@ -178,6 +186,7 @@ class ShapeChooser:
             if explored.drafts and not shape.drafts and self.drafts_catch_up:
                 # drafted twice: the first catches up on the plain steps, the second is timed
                 self._again = explored
+                self._backoff = min(2 * self._backoff, self.max_backoff)
             shape = explored
         self.chosen[shape] += 1
         return shape
