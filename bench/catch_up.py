@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -22,6 +20,7 @@ from specserve import cli
 from specserve.drafters.beam import causal_extend_mask
 from specserve.engine.engine import Engine
 from specserve.hardware import describe
+from specserve.models.cpu_linear import median_ms
 from specserve.models.few_row_head import FEW_ROWS
 
 PREFIX = 120
@@ -33,16 +32,6 @@ def forward(program, feature_size: int, start: int, rows: int) -> None:  # noqa:
     positions = torch.arange(start, start + rows)[None]
     mask = causal_extend_mask(torch.tensor([start]), rows, start + rows)
     program.forward(tokens, hidden, positions, positions, mask, torch.zeros(1, dtype=torch.int64))
-
-
-def median_ms(fn, repeats: int) -> float:  # noqa: ANN001
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1e3, 3)
 
 
 def main() -> None:
@@ -64,8 +53,8 @@ def main() -> None:
                 for a in range(0, rows, FEW_ROWS):
                     forward(drafter.few_rows, width, PREFIX + a, min(FEW_ROWS, rows - a))
 
-            whole = median_ms(lambda rows=rows: forward(drafter.compiled, width, PREFIX, rows), args.repeats)
-            chunks = median_ms(chunked, args.repeats)
+            whole = round(median_ms(lambda rows=rows: forward(drafter.compiled, width, PREFIX, rows), args.repeats), 3)
+            chunks = round(median_ms(chunked, args.repeats), 3)
             rows_ms.append({"rows": rows, "one_forward_ms": whole, "few_row_forwards_ms": chunks})
             print(f"{args.algorithm} {rows:4d} rows: one forward {whole:7.2f} ms, {FEW_ROWS}-row forwards {chunks:7.2f} ms",
                   flush=True)

@@ -133,7 +133,8 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
 
 
-def _median_ms(fn: Callable[[], object], repeats: int = 7) -> float:
+def median_ms(fn: Callable[[], object], repeats: int = 7) -> float:
+    """The median wall time of `repeats` calls of fn, in ms, after one untimed call."""
     fn()
     times = []
     for _ in range(repeats):
@@ -164,7 +165,7 @@ def fastest_logits_layer(weight: torch.Tensor, rows: tuple[int, ...] = (1, 4)) -
 
     def cost(layer: nn.Module | None) -> float:
         forward = layer if layer is not None else (lambda x: few_row_linear(x, weight))
-        return sum(_median_ms(lambda x=x: forward(x)) for x in xs)
+        return sum(median_ms(lambda x=x: forward(x)) for x in xs)
 
     times = {name: cost(layer) for name, layer in layers.items()}
     return layers[min(times, key=times.__getitem__)]  # the first of equal times
