@@ -12,9 +12,9 @@ comes with):
   - cancel: a stream to `llm_<variant>` (256 tokens, ignore_eos) cancelled after its first response;
   - bad: a request with a negative temperature or max_tokens 0: it must end in an error, not hang.
 When the time is up it waits for the engine to drain and checks that the running / waiting gauges
-and the KV slots in use are back to 0. The resident memory of the server's processes (and its anon / file / shmem
-parts) is sampled every `--sample-s` seconds. Writes `<out>/soak.json`; exits 1 when a check fails. It starts its own
-server (free ports): it does not measure speed.
+and the KV slots in use are back to 0. The resident memory of the server's processes (and its
+anon / file / shmem parts) is sampled every `--sample-s` seconds. Writes `<out>/soak.json`; exits 1
+when a check fails. It starts its own server (free ports): it does not measure speed.
 """
 
 from __future__ import annotations
@@ -85,8 +85,11 @@ def resident_mb(pid: int) -> dict[str, float]:
     except OSError:
         return {}
     fields = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
-    return {fields[line.split()[0]]: round(int(line.split()[1]) / 1024, 1) for line in status
-            if line.split() and line.split()[0] in fields}
+    parts = {}
+    for words in (line.split() for line in status):
+        if words and words[0] in fields:  # "VmRSS: <n> kB"
+            parts[fields[words[0]]] = round(int(words[1]) / 1024, 1)
+    return parts
 
 
 def server_memory(root_pid: int) -> dict:

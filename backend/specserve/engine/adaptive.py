@@ -25,10 +25,11 @@ the runner-up, in turn, and plain decoding whenever a draft is best (every 4 x `
 steps while plain decoding is best; a drafter that catches up on skipped tokens then drafts for
 two steps, and only the second one's time stands for the shape; other shapes estimated below
 `explore_within` of the best are not tried). For such a drafter each exploration from plain
-decoding also pays a catch-up over every token skipped since the last one (about a tenth of a
-step per token on a 2-core CPU), so while explorations keep leaving plain decoding best, the
-period doubles, up to `max_backoff` times; it is back to 4 x `explore_every` once a draft is best. Warm-up timings ran on a synthetic prompt: they make a
-shape measured, but the first real steps outvote them.
+decoding also pays a catch-up over every token skipped since the last one (about a hundredth of
+a step per token on a 2-core CPU), so while explorations keep leaving plain decoding best, the
+period doubles, up to `max_backoff` times; it is back to 4 x `explore_every` once a draft is best.
+Warm-up timings ran on a synthetic prompt: they make a shape measured, but the first real steps
+outvote them.
 
 `PathChooser` makes the other per-step choice on a CPU: whether the target's forward runs through
 the compiled step program or eagerly. Neither is faster on every CPU, and on some the program's
