@@ -289,10 +289,10 @@ class PathChooser:
         return self.times.setdefault(key, {p: _Average(horizon=10, robust=True) for p in self.PATHS})
 
     def seed(self, key: tuple[int, int], path: str, seconds: float) -> None:
-        """A start-up timing (a median of several forwards): counts as `min_samples` samples."""
-        avg = self._averages(key)[path]
-        for _ in range(self.min_samples):
-            avg.add(seconds)
+        """A start-up timing (a median of several forwards): counts as `min_samples` samples towards
+        being measured, but as one in the median, so real forwards outvote a start-up timing that a
+        busy moment skewed (`_Average.seed`)."""
+        self._averages(key)[path].seed(seconds, self.min_samples)
 
     def best(self, key: tuple[int, int]) -> str:
         if self.pinned:
