@@ -38,7 +38,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     args = ap.parse_args()
 
-    config = EngineConfig(model_dir=str(default_model_dir()), max_batch_size=1, max_seq_len=2048)
+    config = EngineConfig(model_dir=str(default_model_dir()), device="cpu", dtype="bfloat16", cpu_compile=False,
+                          max_batch_size=1, max_seq_len=2048, max_queue_size=0)
     base = Engine(config)
     prompts = [base.tokenizer.encode(render_chat(config.model_dir, q), add_special_tokens=False).ids
                for q in load_questions("mtbench", args.num_prompts)]

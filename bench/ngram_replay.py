@@ -89,7 +89,7 @@ def main() -> None:
     args = p.parse_args()
 
     model_dir = default_model_dir()
-    engine = Engine(EngineConfig(model_dir=model_dir, dtype="float32", cpu_compile=True))
+    engine = Engine(EngineConfig(model_dir=model_dir, device="cpu", dtype="float32", max_queue_size=0))
     prompts = [engine.tokenizer.encode(render_chat(model_dir, q), add_special_tokens=False).ids
                for q in load_questions(args.dataset, args.num_prompts)]
     outputs = engine.generate(prompts, SamplingParams(max_tokens=args.max_new_tokens))

@@ -7,17 +7,20 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import MISSING, replace
 from pathlib import Path
+from typing import Any
 
 from specserve.config import (
     ALGORITHMS,
-    ATTENTION_BACKENDS,
     EngineConfig,
     SamplingParams,
     SpecConfig,
+    engine_config,
+    knobs,
     resolve_device,
+    spec_config,
 )
-from specserve.hardware import auto_dtype
 from specserve.prepare import repo_root
 from specserve.serving.repository import VARIANT_ALGORITHM, served_drafter
 from specserve.training.features import DumpConfig
@@ -26,75 +29,46 @@ from specserve.training.train_drafter import TrainConfig
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-dir", default=None, help="HF model directory (default: the prepared SmolLM2)")
-    p.add_argument("--dtype", default="auto", choices=["bfloat16", "float32", "auto"],
-                   help="auto (default) = bfloat16 on CUDA and on CPUs with AVX512-BF16 / AMX, else float32")
-    p.add_argument("--max-seq-len", type=int, default=2048)
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto = cuda when available)")
-    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="auto = flashinfer on CUDA when installed, else torch")
-    p.add_argument("--disable-cuda-graph", action="store_true", help="run decode / verify eagerly on CUDA")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=0, help="largest captured batch (0 = batch size)")
-    p.add_argument("--disable-cpu-compile", action="store_true",
-                   help="run the target eagerly on CPU (default: its AOTInductor-compiled forward, compiled once per "
-                        "model and CPU and kept in --compile-cache-dir)")
-    p.add_argument("--compile-cache-dir", default="", help="compiled programs (default ~/.cache/specserve/compiled)")
-    p.add_argument("--compiled-steps", default="auto", choices=["auto", "always"],
-                   help="which decode / verify steps run the compiled program: auto = per batch size and tree size, "
-                        "the faster of it and the eager forward, timed at start-up and while serving; "
-                        "always = every step it covers")
-    p.add_argument("--step-matmul", default="auto", choices=["auto", "inductor"],
-                   help="the compiled few-row programs' matmuls: auto = the AVX2 few-row kernel in float32 where it "
-                        "runs, else inductor's autotuned ones; inductor = always inductor's")
-    p.add_argument("--num-steps", type=int, default=0, help="draft depth (0 = SGLang's default)")
-    p.add_argument("--topk", type=int, default=0, help="branching per draft step (0 = default)")
-    p.add_argument("--num-draft-tokens", type=int, default=0, help="tree size incl. root (0 = default)")
-    p.add_argument("--drafter-path", default=None)
-    p.add_argument("--token-map", default=None, help="FR-Spec hot token ids (.pt) for EAGLE-1/2")
-    p.add_argument("--disable-by-batch-size", type=int, default=0,
-                   help="decode without drafts while this many requests run (0 = never; vLLM's "
-                        "--speculative-disable-by-batch-size)")
-    p.add_argument("--no-adaptive", action="store_true",
-                   help="always draft the configured tree (default: each step's tree, or none, chosen from "
-                        "measured step costs and acceptance; --num-steps/--topk/--num-draft-tokens pin it too)")
-    p.add_argument("--ngram-min-match-window", type=int, default=SpecConfig.ngram_min_match_window)
-    p.add_argument("--ngram-max-match-window", type=int, default=SpecConfig.ngram_max_match_window)
-    p.add_argument("--ngram-max-bfs-breadth", type=int, default=SpecConfig.ngram_max_bfs_breadth)
-    p.add_argument("--ngram-match-type", default=SpecConfig.ngram_match_type, choices=["BFS", "PROB"])
+    """A flag per engine knob (`config.knobs()`), but those a command sets itself (`Knob.no_flag`)."""
+    for k in knobs():
+        if k.no_flag:
+            continue
+        if k.switch:
+            p.add_argument(k.flag, action="store_true", help=k.help)
+        elif k.type is bool:
+            p.add_argument(k.flag, action=argparse.BooleanOptionalAction, default=k.default, help=k.help)
+        else:
+            default = None if k.default is MISSING else k.default
+            shown = "" if default in (None, "") else " (default: %(default)s)"
+            p.add_argument(k.flag, type=k.type, default=default, choices=k.choices or None, help=k.help + shown)
+
+
+def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags as config field values."""
+    return {k.field: k.from_edge(getattr(args, k.edge)) for k in knobs() if not k.no_flag}
 
 
 def _spec(args: argparse.Namespace, algorithm: str) -> SpecConfig:
     """Flags -> SpecConfig; EAGLE / MTP on the embedded default use the drafters the served variants
     use (repository.VARIANTS) unless --drafter-path / --token-map say otherwise."""
-    drafter_path, token_map = args.drafter_path, args.token_map
+    values = _flag_values(args) | {"algorithm": algorithm}
     served = served_drafter(algorithm)
-    if args.model_dir is None and drafter_path is None and served:
-        drafter_path = served["drafter_path"]
-        token_map = token_map or served.get("token_map")
-    return SpecConfig(algorithm=algorithm, num_steps=args.num_steps, topk=args.topk,
-                      num_draft_tokens=args.num_draft_tokens, drafter_path=drafter_path, token_map=token_map,
-                      ngram_min_match_window=args.ngram_min_match_window,
-                      ngram_max_match_window=args.ngram_max_match_window,
-                      ngram_max_bfs_breadth=args.ngram_max_bfs_breadth, ngram_match_type=args.ngram_match_type,
-                      disable_by_batch_size=args.disable_by_batch_size, adaptive=not args.no_adaptive)
+    if args.model_dir is None and args.drafter_path is None and served:
+        values["drafter_path"] = served["drafter_path"]
+        values["token_map"] = args.token_map or served.get("token_map")
+    return spec_config(values)
 
 
 def _engine_config(args: argparse.Namespace, algorithm: str, max_batch_size: int) -> EngineConfig:
+    """Flags -> EngineConfig; the command sets what has no flag (`Knob.no_flag`)."""
     from specserve.prepare import default_model_dir
 
     model_dir = args.model_dir or str(default_model_dir())
     if not Path(model_dir, "config.json").is_file():
         hint = " (run `specserve prepare` first)" if args.model_dir is None else ""
         raise SystemExit(f"error: model_dir: no HF model at {model_dir}{hint}")
-    device = resolve_device(args.device)
-    dtype = auto_dtype(device) if args.dtype == "auto" else args.dtype
-    return EngineConfig(model_dir=model_dir, max_batch_size=max_batch_size, max_seq_len=args.max_seq_len,
-                        dtype=dtype, device=device, attention_backend=args.attention_backend,
-                        graph_mode="off" if args.disable_cuda_graph else "auto",
-                        cuda_graph_max_bs=args.cuda_graph_max_bs, spec=_spec(args, algorithm),
-                        cpu_compile=not args.disable_cpu_compile, compile_cache_dir=args.compile_cache_dir,
-                        compiled_steps=args.compiled_steps, step_matmul=args.step_matmul,
-                        profile=getattr(args, "profile", False))
+    values = _flag_values(args) | {"model_dir": model_dir, "max_batch_size": max_batch_size, "max_queue_size": 0}
+    return replace(engine_config(values), spec=_spec(args, algorithm))
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -274,9 +248,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers generate() baseline")
-    p.add_argument("--profile", action="store_true",
-                   help="report per step the time spent drafting, in the verify forward, in accept/compaction, "
-                        "in the drafter's update and in bookkeeping")
     p.add_argument("--json", default=None, help="write the report here")
     _add_engine_args(p)
     p.set_defaults(func=cmd_bench)

@@ -3,21 +3,33 @@
 Nothing below the edge reads raw dicts or environment variables: it receives one of these.
 Validation errors are `ValueError`s whose message starts with the offending field's name, so a
 server can hand them back to the client unchanged.
+
+Every `EngineConfig` and `SpecConfig` field is an engine knob declared once, with its `Knob`
+(help, choices, edge name): the `specserve generate/bench` flags, the llm_<variant> config.pbtxt
+parameters and the parameter table of model_repository/README.md are generated from `knobs()`.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-from dataclasses import dataclass, field, replace
+import typing
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from specserve.hardware import auto_dtype
 
 ALGORITHMS = ("none", "ngram", "eagle", "eagle3", "mtp", "standalone")
 GRAPH_MODES = ("auto", "off", "static")
 STEP_MATMULS = ("auto", "inductor")
-ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+COMPILED_STEPS = ("auto", "always")
+NGRAM_MATCH_TYPES = ("BFS", "PROB")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -26,6 +38,59 @@ def resolve_device(device: str) -> str:
     if device in ("", "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
+
+
+@dataclass(frozen=True)
+class Knob:
+    """An engine knob's help and its edges: the CLI flag `--<edge>` and the config.pbtxt
+    parameter `<edge>`, where `edge` is `name` or else the field's name.
+
+    switch: the edges are an on/off switch (a flag without value, a true/false parameter) whose
+    off and on give these field values. no_flag / no_param: why the knob is no CLI flag / no
+    config.pbtxt parameter ("" = it is one). path: a relative path in config.pbtxt is resolved
+    against the project root. The last four attributes are the field's, filled in by `knobs()`.
+    """
+
+    help: str
+    choices: tuple[str, ...] = ()
+    name: str = ""
+    switch: tuple[Any, Any] | None = None
+    path: bool = False
+    no_flag: str = ""
+    no_param: str = ""
+    field: str = ""
+    default: Any = None  # MISSING: a required field
+    type: type = str
+    optional: bool = False  # None is a value: the edges' empty
+
+    @property
+    def edge(self) -> str:
+        return self.name or self.field
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.edge.replace("_", "-")
+
+    def from_edge(self, value: Any) -> Any:
+        """The field's value for a value at the edge (a switch's bool)."""
+        return self.switch[bool(value)] if self.switch else value
+
+    def to_edge(self, value: Any) -> Any:
+        """The edge's value for a field value (a switch: whether it is on)."""
+        return value == self.switch[1] if self.switch else value
+
+
+def knob(default: Any = MISSING, **kw: Any) -> Any:
+    """A dataclass field declared with its `Knob` (keyword arguments)."""
+    return field(default=default, metadata={"knob": Knob(**kw)})
+
+
+def _check_choices(config: Any) -> None:
+    """Every knob with choices holds one of them."""
+    for f in fields(config):
+        choices, value = f.metadata["knob"].choices if "knob" in f.metadata else (), getattr(config, f.name)
+        if choices and value not in choices:
+            raise ValueError(f"{f.name}: must be one of {', '.join(choices)}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -145,39 +210,44 @@ class SpecConfig:
     """Speculative decoding knobs; one name per concept, as SGLang names them.
 
     num_steps: draft depth; topk: branching per step; num_draft_tokens: tree size verified,
-    root included. `for_model` fills unset values with SGLang's defaults.
+    root included. `resolved` fills unset values with SGLang's defaults.
     """
 
-    algorithm: str = "none"
-    num_steps: int = 0
-    topk: int = 0
-    num_draft_tokens: int = 0
-    drafter_path: str | None = None
-    token_map: str | None = None  # FR-Spec hot token ids for EAGLE-1/2 (SGLang: --speculative-token-map)
-    standalone_num_layers: int = 0  # standalone without drafter_path: the target's first k layers (0 = N/4)
-    # plain decoding for a step whose batch has at least this many requests (0 = never); vLLM's
-    # --speculative-disable-by-batch-size: where a verify forward of many trees is no longer free
-    disable_by_batch_size: int = 0
-    # choose each step's tree among smaller budgets of the configured one (plain decoding included)
-    # from measured step costs and acceptance; setting num_steps, topk or num_draft_tokens pins the shape
-    adaptive: bool = True
-    # NGRAM (SGLang's names and defaults)
-    ngram_min_match_window: int = 2  # SGLang: 1. Measured on MT-bench: same accept gain, 1/5 the drafts
-    ngram_max_match_window: int = 12
-    ngram_min_bfs_breadth: int = 1
-    ngram_max_bfs_breadth: int = 10
-    ngram_match_type: str = "BFS"
-    ngram_branch_length: int = 18
-    ngram_capacity: int = 1_000_000
+    algorithm: str = knob("none", choices=ALGORITHMS, help="the drafting method (none = plain decoding)",
+                          no_flag="generate takes --variant, a served variant's name; bench --algorithm, a list")
+    num_steps: int = knob(0, help="draft depth (0 = SGLang's default)")
+    topk: int = knob(0, help="branching per draft step (0 = SGLang's default)")
+    num_draft_tokens: int = knob(0, help="tree size verified, root included (0 = SGLang's default)")
+    drafter_path: str | None = knob(None, path=True, help="the drafter: an EAGLE-1/2/3 or MTP head, or "
+                                    "standalone's draft model (empty: none; standalone then drafts with the target's "
+                                    "first standalone_num_layers layers)")
+    token_map: str | None = knob(None, path=True, help="FR-Spec hot token ids (.pt) for EAGLE-1/2 "
+                                 "(SGLang's --speculative-token-map)")
+    standalone_num_layers: int = knob(0, help="standalone without drafter_path: the target's first k layers "
+                                      "draft (0 = a quarter of them)")
+    disable_by_batch_size: int = knob(0, help="plain decoding for a step whose batch has at least this many requests, "
+                                      "where a verify forward of many trees is no longer free (0 = never; vLLM's "
+                                      "--speculative-disable-by-batch-size)")
+    adaptive: bool = knob(True, help="each step drafts the tree (or none) among smaller budgets of the configured one "
+                          "that measured step costs and acceptance say is fastest; setting num_steps, topk or "
+                          "num_draft_tokens pins one shape")
+    # NGRAM: SGLang's names and defaults
+    ngram_min_match_window: int = knob(2, help="shortest suffix looked up (SGLang: 1; measured on MT-bench: the "
+                                       "same accept gain from a fifth of the drafts)")
+    ngram_max_match_window: int = knob(12, help="longest suffix looked up")
+    ngram_min_bfs_breadth: int = knob(1, help="BFS: the fewest children a draft node takes (long matches, deep levels)")
+    ngram_max_bfs_breadth: int = knob(10, help="BFS: the most children a draft node takes (short matches); PROB: "
+                                      "children offered per node")
+    ngram_match_type: str = knob("BFS", choices=NGRAM_MATCH_TYPES, help="BFS: level by level, breadth by match "
+                                 "length; PROB: best first by path frequency")
+    ngram_branch_length: int = knob(18, help="tokens stored after each position (must exceed ngram_max_match_window)")
+    ngram_capacity: int = knob(1_000_000, help="n-gram trie nodes per request; the least recent leaves go first")
 
     def __post_init__(self) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm: {self.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+        _check_choices(self)
         for name in ("num_steps", "topk", "num_draft_tokens", "disable_by_batch_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if self.ngram_match_type not in ("BFS", "PROB"):
-            raise ValueError(f"ngram_match_type: must be BFS or PROB, got {self.ngram_match_type!r}")
 
     def resolved(self) -> SpecConfig:
         """Fill unset (0) values with SGLang's defaults: Llama (5, 4, 8); NGRAM 12 draft tokens;
@@ -200,65 +270,59 @@ class SpecConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What the engine is built from.
+    """What the engine is built from: each field's `Knob` says what it does. device and dtype
+    `auto` are resolved here, for this machine; `spec`'s fields are knobs of their own."""
 
-    max_batch_size: KV-cache slots, i.e. requests decoded together; more wait in a queue.
-    max_seq_len: prompt + generated tokens per request (the cache is slots × max_seq_len).
-    max_queue_size: requests that may wait for a slot; beyond it `add_request` refuses (0 = no bound).
-    request_timeout_s: a request still unfinished this long after it arrived ends with
-    finish_reason "timeout" (0 = never).
-    """
-
-    model_dir: str
-    max_batch_size: int = 8
-    max_seq_len: int = 2048
-    dtype: str = "bfloat16"
-    device: str = "cpu"
+    model_dir: str = knob(path=True, help="the target's HF model directory (empty = the embedded SmolLM2 that "
+                          "`specserve prepare` builds)")
+    max_batch_size: int = knob(8, help="KV-cache slots, i.e. requests decoded together; more wait in a queue",
+                               no_flag="generate decodes one request, bench as many as its --batch-size")
+    max_seq_len: int = knob(2048, help="prompt + generated tokens per request (the cache is slots x max_seq_len)")
+    dtype: str = knob("auto", choices=(*DTYPES, "auto"),
+                      help="auto = bfloat16 on CUDA and on CPUs with AVX512-BF16 / AMX, else float32")
+    device: str = knob("auto", help="cpu, cuda, cuda:N (auto = cuda when available)")
     spec: SpecConfig = field(default_factory=SpecConfig)
-    num_threads: int | None = None
-    attention_backend: str = "auto"  # torch | flashinfer | auto (flashinfer on CUDA when installed)
-    graph_mode: str = "auto"  # auto: CUDA graphs on CUDA | off | static: bucketed forward, no capture
-    cuda_graph_max_bs: int = 0  # largest captured batch size (0 = max_batch_size)
-    # on CPU, run the target's forwards through its AOTInductor-compiled program (models/compiled.py);
-    # off here, on in the CLI and the served configs (their disable_cpu_compile switch)
-    cpu_compile: bool = False
-    compile_cache_dir: str = ""  # compiled programs kept across restarts ("" = ~/.cache/specserve/compiled)
-    # with cpu_compile: which steps (decode, tree verify) run the compiled step program. auto: per
-    # batch-size bucket and tree size, whichever of it and the eager forward is faster, timed at
-    # start-up and on every step (on some CPUs oneDNN's eager bf16 matmuls win); always: every step
-    # the program covers
-    compiled_steps: str = "auto"
-    # with cpu_compile: the matmuls of the few-row programs (target steps, draft heads). auto: the
-    # AVX2 few-row kernel in float32 where it builds and runs (specserve_kernels.few_row_gemm), else
-    # inductor's autotuned ones; inductor: always inductor's
-    step_matmul: str = "auto"
-    profile: bool = False  # on CUDA, synchronize around each step phase so StepProfile is exact
-    max_queue_size: int = 0
-    request_timeout_s: float = 0.0
+    num_threads: int | None = knob(None, help="torch intra-op threads (empty = torch's default)")
+    attention_backend: str = knob("auto", choices=ATTENTION_BACKENDS,
+                                  help="auto = on CUDA flashinfer when installed (bf16/fp16), else our Triton kernel; torch on CPU")
+    # auto: CUDA graphs on CUDA; off; static: the bucketed forward graphs capture, run without capture
+    graph_mode: str = knob("auto", choices=GRAPH_MODES, name="disable_cuda_graph", switch=("auto", "off"),
+                           help="run decode / verify eagerly on CUDA (no CUDA graphs)")
+    cuda_graph_max_bs: int = knob(0, help="largest captured batch size (0 = max_batch_size)")
+    # on CPU, the target's forwards run through its AOTInductor-compiled program (runtime/compiled.py)
+    cpu_compile: bool = knob(True, name="disable_cpu_compile", switch=(True, False),
+                             help="run the target eagerly on CPU (default: its AOTInductor-compiled forward, compiled "
+                                  "once per model and CPU and kept in compile_cache_dir)")
+    compile_cache_dir: str = knob("", path=True, help="where compiled programs are kept across restarts "
+                                  "(empty = ~/.cache/specserve/compiled)")
+    compiled_steps: str = knob("auto", choices=COMPILED_STEPS,
+                               help="with compiled forwards on CPU, which decode / verify steps run the compiled step "
+                                    "program: auto = per batch size and tree size, the faster of it and the eager "
+                                    "forward, timed at start-up and while serving; always = every step it covers")
+    step_matmul: str = knob("auto", choices=STEP_MATMULS,
+                            help="the compiled few-row programs' matmuls: auto = the AVX2 few-row kernel in float32 "
+                                 "where it runs (specserve_kernels.few_row_gemm), else inductor's autotuned ones; "
+                                 "inductor = always inductor's")
+    profile: bool = knob(False, help="time each step's phases (drafting, verify forward, accept / compaction, drafter "
+                         "update, bookkeeping; on CUDA synchronized so the times are exact); bench reports them",
+                         no_param="a served model reports no step profile")
+    max_queue_size: int = knob(64, help="requests that may wait for a slot; a new one beyond it is refused "
+                               "(UNAVAILABLE when served; 0 = no bound)",
+                               no_flag="generate and bench queue every prompt they are given, without bound")
+    request_timeout_s: float = knob(0.0, help="a request still unfinished this long after it arrived ends with "
+                                    "finish_reason timeout (0 = never)")
 
     def __post_init__(self) -> None:
-        if self.compiled_steps not in ("auto", "always"):
-            raise ValueError(f"compiled_steps: must be auto or always, got {self.compiled_steps!r}")
-        if self.step_matmul not in STEP_MATMULS:
-            raise ValueError(f"step_matmul: must be one of {', '.join(STEP_MATMULS)}, got {self.step_matmul!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.max_batch_size <= 0:
-            raise ValueError(f"max_batch_size: must be positive, got {self.max_batch_size}")
-        if self.max_seq_len <= 0:
-            raise ValueError(f"max_seq_len: must be positive, got {self.max_seq_len}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
-            )
-        if self.graph_mode not in GRAPH_MODES:
-            raise ValueError(f"graph_mode: must be one of {', '.join(GRAPH_MODES)}, got {self.graph_mode!r}")
-        if self.cuda_graph_max_bs < 0:
-            raise ValueError(f"cuda_graph_max_bs: must be >= 0, got {self.cuda_graph_max_bs}")
-        if self.max_queue_size < 0:
-            raise ValueError(f"max_queue_size: must be >= 0, got {self.max_queue_size}")
-        if self.request_timeout_s < 0:
-            raise ValueError(f"request_timeout_s: must be >= 0, got {self.request_timeout_s}")
+        object.__setattr__(self, "device", resolve_device(self.device))  # frozen: resolved once, here
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", auto_dtype(self.device))
+        _check_choices(self)
+        for name in ("max_batch_size", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        for name in ("cuda_graph_max_bs", "max_queue_size", "request_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -267,3 +331,30 @@ class EngineConfig:
     @property
     def compile_cache_path(self) -> Path:
         return Path(self.compile_cache_dir) if self.compile_cache_dir else Path.home() / ".cache/specserve/compiled"
+
+
+def _knob(cls: type, f: Any) -> Knob:
+    kinds = typing.get_args(hint := typing.get_type_hints(cls)[f.name]) or (hint,)
+    return replace(f.metadata["knob"], field=f.name, default=f.default, optional=type(None) in kinds,
+                   type=next(k for k in kinds if k is not type(None)))
+
+
+@functools.cache
+def knobs() -> tuple[Knob, ...]:
+    """Every engine knob, its field's attributes filled in: EngineConfig's fields in order,
+    SpecConfig's in place of `spec`."""
+    out: list[Knob] = []
+    for f in fields(EngineConfig):
+        out += [_knob(SpecConfig, g) for g in fields(SpecConfig)] if f.name == "spec" else [_knob(EngineConfig, f)]
+    return tuple(out)
+
+
+def spec_config(values: Mapping[str, Any]) -> SpecConfig:
+    """SpecConfig from the SpecConfig fields among `values`."""
+    return SpecConfig(**{f.name: values[f.name] for f in fields(SpecConfig) if f.name in values})
+
+
+def engine_config(values: Mapping[str, Any]) -> EngineConfig:
+    """EngineConfig from field values, SpecConfig's beside EngineConfig's (as `knobs()` lists them)."""
+    own = {f.name: values[f.name] for f in fields(EngineConfig) if f.name in values and f.name != "spec"}
+    return EngineConfig(spec=spec_config(values), **own)

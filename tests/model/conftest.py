@@ -12,7 +12,7 @@ from specserve.prompts import load_questions, render_chat
 def make_engine(model_dir, algorithm="none", dtype="float32", max_batch_size=8, max_seq_len=1024, cpu_compile=False,
                 **spec) -> Engine:
     return Engine(EngineConfig(model_dir=str(model_dir), max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                               dtype=dtype, cpu_compile=cpu_compile, compiled_steps="always",
+                               device="cpu", dtype=dtype, cpu_compile=cpu_compile, compiled_steps="always",
                                spec=SpecConfig(algorithm=algorithm, **spec)))
 
 

@@ -11,7 +11,8 @@ from specserve.config import EngineConfig, SpecConfig
 def test_report_has_the_contract_fields_and_the_profile(tmp_path, tiny_target_dir):
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": p}) for p in ("a b a b a b", "one two one two", "x y z")))
-    config = EngineConfig(model_dir=str(tiny_target_dir), dtype="float32", max_batch_size=2, max_seq_len=256)
+    config = EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", cpu_compile=False,
+                          max_batch_size=2, max_seq_len=256)
     report = run_bench(config, str(data), num_prompts=3, max_new_tokens=8, batch_size=2, hf_baseline=False,
                        specs=[SpecConfig(algorithm="ngram", num_draft_tokens=4)], profile=True)
     assert report["interleaved"] and report["rotated"] and report["num_prompts"] == 3 and report["hardware"]["cores"] >= 1

@@ -139,8 +139,8 @@ def test_fr_spec_token_map(tmp_path, target):
 
 
 def _engine(tiny_target_dir, algorithm="none", batch=4, **spec):
-    return Engine(EngineConfig(model_dir=str(tiny_target_dir), dtype="float32", max_batch_size=batch, max_seq_len=256,
-                               spec=SpecConfig(algorithm=algorithm, **spec)))
+    return Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", cpu_compile=False,
+                               max_batch_size=batch, max_seq_len=256, spec=SpecConfig(algorithm=algorithm, **spec)))
 
 
 def test_algorithm_must_match_checkpoint(tmp_path, tiny_target_dir):

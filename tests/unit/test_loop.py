@@ -146,7 +146,7 @@ def _tiny_engine(tiny_target_dir, **config):
     from specserve.engine.engine import Engine
 
     config = {"max_batch_size": 2, "max_seq_len": 128, **config}
-    return Engine(EngineConfig(model_dir=str(tiny_target_dir), dtype="float32", **config))
+    return Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", cpu_compile=False, **config))
 
 
 def test_a_full_queue_refuses_with_queue_full(tiny_target_dir):

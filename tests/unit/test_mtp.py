@@ -115,8 +115,8 @@ def test_mtp_drafting_is_lossless(tmp_path, tiny_target_dir, steps, topk, ndt):
     params = SamplingParams(max_tokens=20, ignore_eos=True)
 
     def engine(**spec):
-        return Engine(EngineConfig(model_dir=str(path), dtype="float32", max_batch_size=2, max_seq_len=256,
-                                   spec=SpecConfig(**spec)))
+        return Engine(EngineConfig(model_dir=str(path), device="cpu", dtype="float32", cpu_compile=False,
+                                   max_batch_size=2, max_seq_len=256, spec=SpecConfig(**spec)))
 
     ref = engine().generate(prompts, params)
     outs = engine(algorithm="mtp", num_steps=steps, topk=topk, num_draft_tokens=ndt).generate(prompts, params)

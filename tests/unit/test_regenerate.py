@@ -32,7 +32,8 @@ def test_regenerate_writes_the_targets_greedy_answers(tmp_path, tiny_target_dir,
     rows = json.loads(out.read_text())
     by_prompt = {r["conversations"][0]["value"]: r["conversations"][1] for r in rows}
     assert set(by_prompt) <= {"Name a colour.", "Count to three."}  # the 400-word prompt does not fit in 64
-    engine = Engine(EngineConfig(model_dir=str(tiny_target_dir), max_batch_size=1, max_seq_len=128))
+    engine = Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="bfloat16", cpu_compile=False,
+                                 max_batch_size=1, max_seq_len=128))
     tok = hf_tokenizer(str(tiny_target_dir))
     for prompt, answer in by_prompt.items():
         ids = engine.tokenizer.encode(render_chat(str(tiny_target_dir), prompt), add_special_tokens=False).ids

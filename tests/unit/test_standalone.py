@@ -12,8 +12,8 @@ from specserve.engine.engine import Engine
 
 
 def _engine(tiny_target_dir, algorithm="none", batch=2, **spec):
-    return Engine(EngineConfig(model_dir=str(tiny_target_dir), dtype="float32", max_batch_size=batch, max_seq_len=256,
-                               spec=SpecConfig(algorithm=algorithm, **spec)))
+    return Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", cpu_compile=False,
+                               max_batch_size=batch, max_seq_len=256, spec=SpecConfig(algorithm=algorithm, **spec)))
 
 
 def _prompts():

@@ -1,18 +1,18 @@
 """The decoupled and preprocessing models' config.pbtxt parameters -> frozen configs.
 
 Every parameter is a string in config.pbtxt; this module converts and validates them (errors name
-the parameter) into an `EngineConfig` and `RequestLimits`. It does not parse requests.
+the parameter) into an `EngineConfig` (a parameter per engine knob, `config.knobs()`) and
+`RequestLimits` (`SERVING_PARAMETERS`). It does not parse requests.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
+from dataclasses import MISSING
 from pathlib import Path
 from typing import Any
 
-from specserve.config import EngineConfig, SpecConfig, resolve_device
-from specserve.hardware import auto_dtype
+from specserve.config import EngineConfig, Knob, engine_config, knobs
 from specserve.serving.contract import RequestLimits
 
 # ---- config.pbtxt parameters ----------------------------------------------------------------
@@ -60,77 +60,59 @@ def request_limits_from_parameters(params: Mapping[str, str]) -> RequestLimits:
         raise ValueError(f"parameters: {e}") from None
 
 
-_ENGINE_KEYS = ("model_dir", "max_batch_size", "max_seq_len", "dtype", "device", "num_threads", "attention_backend",
-                "disable_cuda_graph", "cuda_graph_max_bs", "disable_cpu_compile", "compile_cache_dir", "compiled_steps",
-                "step_matmul", "max_queue_size", "request_timeout_s")
-_SERVING_KEYS = ("default_max_tokens", "apply_chat_template")
+# The parameters beside the engine knobs (RequestLimits' fields but max_seq_len, which is one), with their help.
+SERVING_PARAMETERS: dict[str, str] = {
+    "default_max_tokens": "max_tokens of a request that sets none",
+    "apply_chat_template": "the default of a request without an `apply_chat_template` input (false = the raw "
+                           "prompt, as vLLM's backend)",
+}
+
+
+def parameter_text(value: Any) -> str:
+    """A value as config.pbtxt writes it: booleans true / false, None empty."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def engine_parameters() -> dict[str, Knob]:
+    """The engine knobs that are config.pbtxt parameters, by parameter name."""
+    return {k.edge: k for k in knobs() if not k.no_param}
+
+
+def default_text(k: Knob) -> str:
+    """The knob's default as config.pbtxt writes it (a required field's: empty)."""
+    return "" if k.default is MISSING else parameter_text(k.to_edge(k.default))
+
+
+def _parse(k: Knob, text: str) -> Any:
+    """One non-empty parameter -> the field's value."""
+    if k.switch or k.type is bool:
+        return k.from_edge(_parse_bool(k.edge, text))
+    if k.path:
+        return resolve_path(text)
+    if k.type in (int, float):
+        try:
+            return k.type(text)
+        except ValueError:
+            kind = "an integer" if k.type is int else "a number"
+            raise ValueError(f"{k.edge}: expected {kind}, got {text!r}") from None
+    return text
 
 
 def engine_config_from_parameters(params: Mapping[str, str]) -> EngineConfig:
     """The decoupled model's config.pbtxt parameters -> EngineConfig.
 
-    model_dir / drafter_path / token_map: empty = the embedded default / none; relative paths are resolved
-    against the project root. device: empty or "auto" = cuda when available; attention_backend,
-    disable_cuda_graph and cuda_graph_max_bs as SGLang names them; disable_cpu_compile (default false:
-    the target's compiled forward on CPU), compile_cache_dir (empty = ~/.cache/specserve/compiled) and
-    compiled_steps (auto: the compiled step program where measured faster; always), step_matmul
-    (auto: the AVX2 few-row kernel in float32 where it runs; inductor). Every SpecConfig
-    field (algorithm, num_steps, topk, num_draft_tokens, ngram_*) may be set by its name;
-    empty values keep the default. Unknown keys are an error (typos should not pass silently).
+    A parameter per engine knob, under the knob's edge name (model_repository/README.md lists them);
+    a missing or empty one keeps the default; relative paths are resolved against the project root.
+    Unknown keys are an error (typos should not pass silently).
     """
-    spec_fields = {f.name: f for f in dataclasses.fields(SpecConfig)}
-    unknown = sorted(set(params) - set(spec_fields) - set(_ENGINE_KEYS) - set(_SERVING_KEYS))
+    by_name = engine_parameters()
+    unknown = sorted(set(params) - set(by_name) - set(SERVING_PARAMETERS))
     if unknown:
         raise ValueError(f"{unknown[0]}: unknown parameter")
-    given = {k: v.strip() for k, v in params.items() if v.strip()}
-
-    spec_kw: dict[str, Any] = {}
-    for name, value in given.items():
-        if name not in spec_fields:
-            continue
-        if name in ("drafter_path", "token_map"):
-            spec_kw[name] = resolve_path(value)
-        elif spec_fields[name].default is None or isinstance(spec_fields[name].default, str):
-            spec_kw[name] = value
-        elif isinstance(spec_fields[name].default, bool):
-            if value.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(f"{name}: expected true or false, got {value!r}")
-            spec_kw[name] = value.lower() in ("true", "1")
-        else:
-            try:
-                spec_kw[name] = type(spec_fields[name].default)(value)
-            except ValueError:
-                raise ValueError(f"{name}: expected a number, got {value!r}") from None
-
-    model_dir = model_dir_from_parameters(params)
-    kw: dict[str, Any] = {"model_dir": model_dir, "device": resolve_device(given.get("device", "auto")),
-                          "spec": SpecConfig(**spec_kw)}
-    if "request_timeout_s" in given:
-        try:
-            kw["request_timeout_s"] = float(given["request_timeout_s"])
-        except ValueError:
-            raise ValueError(f"request_timeout_s: expected a number, got {given['request_timeout_s']!r}") from None
-    for name in ("max_batch_size", "max_seq_len", "num_threads", "cuda_graph_max_bs", "max_queue_size"):
-        if name in given:
-            try:
-                kw[name] = int(given[name])
-            except ValueError:
-                raise ValueError(f"{name}: expected an integer, got {given[name]!r}") from None
-    if "dtype" in given:
-        kw["dtype"] = auto_dtype(kw["device"]) if given["dtype"] == "auto" else given["dtype"]
-    if "attention_backend" in given:
-        kw["attention_backend"] = given["attention_backend"]
-    if "disable_cuda_graph" in given:
-        flag = given["disable_cuda_graph"].lower()
-        if flag not in ("true", "false", "1", "0"):
-            raise ValueError(f"disable_cuda_graph: expected true or false, got {given['disable_cuda_graph']!r}")
-        kw["graph_mode"] = "off" if flag in ("true", "1") else "auto"
-    kw["cpu_compile"] = not _parse_bool("disable_cpu_compile", given.get("disable_cpu_compile", "false"))
-    if "compile_cache_dir" in given:
-        kw["compile_cache_dir"] = resolve_path(given["compile_cache_dir"])
-    for name in ("compiled_steps", "step_matmul"):
-        if name in given:
-            kw[name] = given[name]
-    return EngineConfig(**kw)
-
-
+    values = {by_name[key].field: _parse(by_name[key], text.strip())
+              for key, text in params.items() if key in by_name and text.strip()}
+    return engine_config({**values, "model_dir": model_dir_from_parameters(params)})

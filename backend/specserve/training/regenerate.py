@@ -94,9 +94,11 @@ def regenerate(rc: RegenerateConfig) -> Path:
     from specserve.training.data import sharegpt_path
 
     questions = first_turns(Path(rc.data) if rc.data else sharegpt_path(), rc.num_conversations, rc.seed)
+    # every prompt is queued at once (max_queue_size 0: no bound); the target runs eagerly
     engine = Engine(EngineConfig(model_dir=rc.model_dir, max_batch_size=rc.batch_size,
                                  max_seq_len=rc.max_prompt_tokens + rc.max_new_tokens, dtype=rc.dtype,
-                                 device=rc.device, spec=SpecConfig(algorithm="none")))
+                                 device=rc.device, cpu_compile=False, max_queue_size=0,
+                                 spec=SpecConfig(algorithm="none")))
     prompts: dict[str, str] = {}  # request id -> its prompt
     for k, q in enumerate(questions):
         ids = engine.tokenizer.encode(render_chat(rc.model_dir, q), add_special_tokens=False).ids

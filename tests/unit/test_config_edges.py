@@ -1,0 +1,126 @@
+"""Every engine knob reaches both edges with the dataclass's default: the `specserve generate/bench`
+flags and the llm models' config.pbtxt parameters, both generated from `config.knobs()`."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from specserve.cli import _engine_config, build_parser
+from specserve.config import EngineConfig, Knob, SpecConfig, knobs
+from specserve.prepare import default_model_dir
+from specserve.serving.parameters import (
+    SERVING_PARAMETERS,
+    default_text,
+    engine_config_from_parameters,
+    parameter_text,
+)
+
+FLAGS = [k for k in knobs() if not k.no_flag]
+PARAMS = [k for k in knobs() if not k.no_param]
+
+
+def _field(config: EngineConfig, k: Knob) -> Any:
+    return getattr(config.spec if k.field in SpecConfig.__dataclass_fields__ else config, k.field)
+
+
+def _other(k: Knob) -> Any:
+    """A value of the knob's field that is neither its default nor what the default resolves to."""
+    resolved = _field(EngineConfig(model_dir="m"), k) if k.default is not dataclasses.MISSING else None
+    if k.switch:
+        return k.switch[1]
+    if k.type is bool:
+        return not k.default
+    if k.choices:
+        return next(c for c in k.choices if c not in (k.default, resolved))
+    if k.type in (int, float):
+        return k.type((k.default or 0) + 2)
+    return "/other"
+
+
+def _assert_only(config: EngineConfig, base: EngineConfig, changed: Knob | None, value: Any = None) -> None:
+    """Every knob's field equals base's, but `changed`, which holds `value`."""
+    for k in knobs():
+        if k is changed:
+            assert _field(config, k) == value, k.edge
+        elif k.field != "model_dir":
+            assert _field(config, k) == _field(base, k), f"{k.edge} differs from the dataclass default"
+
+
+def test_every_field_is_a_knob_with_help_and_its_own_edge_name():
+    fields = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "spec"]
+    fields += [f.name for f in dataclasses.fields(SpecConfig)]
+    assert sorted(k.field for k in knobs()) == sorted(fields)  # a field without a Knob fails in knobs()
+    assert len({k.edge for k in knobs()} | set(SERVING_PARAMETERS)) == len(knobs()) + len(SERVING_PARAMETERS)
+    for k in knobs():
+        assert k.help, k.field
+        assert not (k.no_flag and k.no_param), f"{k.field} reaches no edge"
+        assert not k.switch or k.default in k.switch, k.field
+
+
+# ---- the CLI --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> str:
+    (tmp_path / "config.json").write_text("{}")  # all `_engine_config` looks for
+    return str(tmp_path)
+
+
+def _cli_config(model_dir: str, *argv: str) -> EngineConfig:
+    args = build_parser().parse_args(["bench", "--model-dir", model_dir, *argv])
+    return _engine_config(args, "none", EngineConfig.max_batch_size)
+
+
+def _argv(k: Knob, value: Any) -> list[str]:
+    if k.switch:
+        return [k.flag]
+    if k.type is bool:
+        return [k.flag if value else f"--no-{k.flag[2:]}"]
+    return [k.flag, str(value)]
+
+
+def test_the_cli_defaults_are_the_dataclass_defaults(model_dir):
+    config = _cli_config(model_dir)
+    base = EngineConfig(model_dir=model_dir, max_queue_size=0)  # generate and bench queue without bound
+    _assert_only(config, base, None)
+    assert config == base
+
+
+@pytest.mark.parametrize("k", FLAGS, ids=lambda k: k.flag)
+def test_each_flag_sets_its_field(k, model_dir, tmp_path):
+    value = _other(k)
+    if k.field == "model_dir":
+        value = str(tmp_path / "other")
+        Path(value).mkdir()
+        (Path(value) / "config.json").write_text("{}")
+    config = _cli_config(model_dir, *_argv(k, k.to_edge(value)))
+    _assert_only(config, EngineConfig(model_dir=model_dir, max_queue_size=0), k, value)
+
+
+def test_existing_flag_names_still_parse(model_dir):
+    config = _cli_config(model_dir, "--disable-cuda-graph", "--disable-cpu-compile", "--no-adaptive",
+                         "--attention-backend", "torch", "--ngram-match-type", "PROB")
+    assert (config.graph_mode, config.cpu_compile, config.spec.adaptive) == ("off", False, False)
+    args = build_parser().parse_args(["bench", "--algorithm", "eagle", "--model-dir", model_dir])
+    assert _engine_config(args, args.algorithm, 1).spec.algorithm == "eagle"
+
+
+# ---- config.pbtxt ---------------------------------------------------------------------------
+
+
+def test_the_parameter_defaults_are_the_dataclass_defaults():
+    base = EngineConfig(model_dir=str(default_model_dir()))
+    assert engine_config_from_parameters({}) == base
+    written = {k.edge: default_text(k) for k in PARAMS}  # every default spelled out parses back to itself
+    assert engine_config_from_parameters(written) == base
+
+
+@pytest.mark.parametrize("k", PARAMS, ids=lambda k: k.edge)
+def test_each_parameter_sets_its_field(k):
+    value = _other(k)
+    config = engine_config_from_parameters({k.edge: parameter_text(k.to_edge(value))})
+    _assert_only(config, EngineConfig(model_dir=str(default_model_dir())), k, value)
