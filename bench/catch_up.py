@@ -1,5 +1,5 @@
 """A draft head's catch-up on the CPU: one forward of the general program against consecutive
-few-row forwards (what `EagleDrafter.chunks_pay` chooses between at start-up), per row count.
+few-row forwards (what `HeadRunner.chunks_pay` chooses between at start-up), per row count.
 
     .venv/bin/python bench/catch_up.py --algorithm eagle3 --rows 1,4,16,24,48,96,192 [--json results/catch_up.json]
 
@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 
 from specserve import cli
-from specserve.drafters.beam import causal_extend_mask
 from specserve.engine.engine import Engine
 from specserve.hardware import describe
 from specserve.models.cpu_linear import median_ms
-from specserve.models.few_row_head import FEW_ROWS
+from specserve.models.llama import causal_extend_mask
+from specserve.runtime.few_row_head import FEW_ROWS
 
 PREFIX = 120
 
@@ -43,7 +43,7 @@ def main() -> None:
     args = p.parse_args()
     parsed = cli.build_parser().parse_args(["bench", "--algorithm", args.algorithm])
     drafter = Engine(cli._engine_config(parsed, args.algorithm, 1)).drafter
-    if drafter.compiled is None or drafter.few_rows is None:
+    if drafter.runner.compiled is None or drafter.runner.few_rows is None:
         raise SystemExit("the head's programs are off (no g++?): nothing to compare")
     width = drafter.head.cfg.feature_size
     rows_ms = []
@@ -51,15 +51,15 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             def chunked(rows: int = rows) -> None:
                 for a in range(0, rows, FEW_ROWS):
-                    forward(drafter.few_rows, width, PREFIX + a, min(FEW_ROWS, rows - a))
+                    forward(drafter.runner.few_rows, width, PREFIX + a, min(FEW_ROWS, rows - a))
 
-            whole = round(median_ms(lambda rows=rows: forward(drafter.compiled, width, PREFIX, rows), args.repeats), 3)
+            whole = round(median_ms(lambda rows=rows: forward(drafter.runner.compiled, width, PREFIX, rows), args.repeats), 3)
             chunks = round(median_ms(chunked, args.repeats), 3)
             rows_ms.append({"rows": rows, "one_forward_ms": whole, "few_row_forwards_ms": chunks})
             print(f"{args.algorithm} {rows:4d} rows: one forward {whole:7.2f} ms, {FEW_ROWS}-row forwards {chunks:7.2f} ms",
                   flush=True)
     report = {"algorithm": args.algorithm, "few_rows": FEW_ROWS, "prefix": PREFIX, "hardware": describe(),
-              "chunked_catch_up": drafter.chunked_catch_up, "rows": rows_ms}
+              "chunked_catch_up": drafter.runner.chunked_catch_up, "rows": rows_ms}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")

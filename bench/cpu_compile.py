@@ -52,8 +52,8 @@ def main() -> None:
         for mode in modes:
             engine = Engine(replace(base, spec=spec, cpu_compile=mode != "eager",
                                     step_matmul="inductor" if mode == "inductor" else "auto"))
-            if mode == "onednn" and engine.compiled is not None:
-                engine.compiled.step_runner = None  # every target forward through the prefill program
+            if mode == "onednn" and engine.runner.compiled is not None:
+                engine.runner.compiled.step_runner = None  # every target forward through the prefill program
             runs[f"{algorithm} {mode}"] = EngineRun(engine, args.max_new_tokens)
     tokenizer = next(iter(runs.values())).engine.tokenizer
     prompts = [tokenizer.encode(render_chat(model_dir, q), add_special_tokens=False).ids for q in questions]
@@ -68,8 +68,8 @@ def main() -> None:
     for name, r in runs.items():
         report["runs"][name] = {"tokens_per_s": round(r.tokens_per_s, 2), "accept_length": round(r.accept_length, 3),
                                 "profile_ms": r.engine.profile.per_step_ms(), "shapes": r.engine.chooser.summary(),
-                                "step_matmul": getattr(r.engine.compiled, "step_matmul", None),
-                                "step_paths": r.engine.paths.summary()}
+                                "step_matmul": getattr(r.engine.runner.compiled, "step_matmul", None),
+                                "step_paths": r.engine.runner.paths.summary()}
     for algorithm in args.algorithm.split(","):
         first = runs[f"{algorithm} {modes[0]}"]
         line = f"{algorithm:8s} {modes[0]} {first.tokens_per_s:6.1f} tok/s"

@@ -21,10 +21,10 @@ import torch
 
 from specserve.config import EngineConfig
 from specserve.hardware import cpu_flags, describe
-from specserve.models.compiled import CompiledTarget
 from specserve.models.kv_cache import KVCache
 from specserve.models.weights import load_llama
 from specserve.prepare import default_model_dir
+from specserve.runtime.compiled import CompiledTarget
 
 
 def main() -> None:

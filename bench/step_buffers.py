@@ -38,7 +38,7 @@ def one_process(mode: str, batch: int, tokens: int, context: int, seconds: float
     mask = torch.ones(tokens, tokens, dtype=torch.bool).tril().expand(batch, tokens, tokens)
 
     def step() -> None:
-        engine.compiled.forward(tok, positions, slots, lens, mask, [context] * batch)
+        engine.runner.compiled.forward(tok, positions, slots, lens, mask, [context] * batch)
 
     with torch.inference_mode():
         for _ in range(5):

@@ -157,9 +157,9 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         "hardware": describe(),
         "interleaved": True,
         "rotated": True,  # each chunk starts with the next run
-        "cpu_compile": base_engine.compiled is not None,  # the target's AOTInductor-compiled forward
+        "cpu_compile": base_engine.runner.compiled is not None,  # the target's AOTInductor-compiled forward
         # the step program's matmuls: the AVX2 few-row kernel or inductor's autotuned ones
-        "step_matmul": getattr(base_engine.compiled, "step_matmul", None),
+        "step_matmul": getattr(base_engine.runner.compiled, "step_matmul", None),
     }
     hf = lookup = None
     if hf_baseline:
@@ -186,8 +186,8 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
             r.run(prompts[i : i + batch_size])
 
     report["baseline_tokens_per_s"] = round(base.tokens_per_s, 2)
-    report["compiled_step_buckets"] = list(base_engine.compiled_step_buckets)  # as chosen at the end
-    report["baseline_step_paths"] = base_engine.paths.summary()
+    report["compiled_step_buckets"] = list(base_engine.runner.compiled_step_buckets)  # as chosen at the end
+    report["baseline_step_paths"] = base_engine.runner.paths.summary()
     if profile:
         report["baseline_profile_ms"] = base.engine.profile.per_step_ms()
     if hf is not None:
@@ -217,8 +217,8 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
             "same_output_fraction": sum(a == b for a, b in zip(run.outputs, base.outputs)) / len(prompts),
             "tokens": sum(len(o) for o in run.outputs),
             "adaptive": len(run.engine.chooser.menu) > 1,
-            "compiled_step_buckets": list(run.engine.compiled_step_buckets),
-            "step_paths": run.engine.paths.summary(),  # forwards through the compiled program / eagerly
+            "compiled_step_buckets": list(run.engine.runner.compiled_step_buckets),
+            "step_paths": run.engine.runner.paths.summary(),  # forwards through the compiled program / eagerly
             "shapes": run.engine.chooser.summary(),
         }
         if profile:

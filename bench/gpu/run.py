@@ -28,9 +28,9 @@ import torch
 
 from specserve.config import EngineConfig, ModelConfig, SpecConfig
 from specserve.models.attention import TORCH_ATTENTION, FlashInferAttention, resolve_attention
-from specserve.models.cuda_graph import GraphRunner
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel
+from specserve.runtime.cuda_graph import GraphRunner
 
 log = logging.getLogger("bench.gpu")
 

@@ -7,10 +7,12 @@ tensors (`SPECSERVE_FORCE_TRITON=1` forces the kernel, for testing under `TRITON
     verify_greedy   accept the draft path matching the target's argmax, plus a bonus token
     verify_sample   lossless tree speculative sampling (target-only), plus a bonus token
     compact_kv      move the accepted nodes' K/V to consecutive positions, in place
+    tree_attention  decode / tree-verify attention over the slot KV cache's live keys
 """
 
 from specserve_kernels._launch import MAX_NODES
 from specserve_kernels.kv_compact import compact_kv, compact_kv_reference
+from specserve_kernels.tree_attention import tree_attention, tree_attention_reference
 from specserve_kernels.tree_build import TreeTensors, build_tree, build_tree_reference
 from specserve_kernels.verify_greedy import VerifyResult, verify_greedy, verify_greedy_reference
 from specserve_kernels.verify_sample import verify_sample, verify_sample_reference
@@ -23,6 +25,8 @@ __all__ = [
     "build_tree_reference",
     "compact_kv",
     "compact_kv_reference",
+    "tree_attention",
+    "tree_attention_reference",
     "verify_greedy",
     "verify_greedy_reference",
     "verify_sample",

@@ -40,7 +40,7 @@ def test_cuda_graphs_equal_eager(smollm2_dir, prompts, algorithm):
     """fp32, torch attention: a captured graph replays the same forward as eager code."""
     eager = _engine(smollm2_dir, algorithm, graph_mode="off", attention_backend="torch")
     graphs = _engine(smollm2_dir, algorithm, graph_mode="auto", attention_backend="torch")
-    assert graphs.graphs is not None and graphs.graphs.graph_bytes > 0
+    assert graphs.runner.graphs is not None and graphs.runner.graphs.graph_bytes > 0
     ref = eager.generate(prompts, PARAMS)
     out = graphs.generate(prompts, PARAMS)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
@@ -56,7 +56,7 @@ def test_captured_drafts_equal_eager(smollm2_dir, prompts, algorithm):
     engines = [Engine(EngineConfig(model_dir=str(smollm2_dir), device="cuda", dtype="float32", max_batch_size=4,
                                    max_seq_len=1024, spec=spec, graph_mode=mode, attention_backend="torch"))
                for mode in ("off", "auto")]
-    assert engines[1].drafter.graphs is not None and engines[1].drafter.graphs.graph_bytes > 0
+    assert engines[1].drafter.runner.graphs is not None and engines[1].drafter.runner.graphs.graph_bytes > 0
     ref, out = (e.generate(prompts, PARAMS) for e in engines)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
     assert [o.accept_lengths for o in out] == [r.accept_lengths for r in ref]

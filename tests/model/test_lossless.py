@@ -81,7 +81,7 @@ def test_adaptive_shapes_are_lossless(engine_factory, mtbench_prompts, reference
 def compiled_reference(engine_factory, mtbench_prompts) -> list[list[int]]:
     """`none` on the compiled target forward (as served on CPU)."""
     engine = engine_factory(cpu_compile=True)
-    assert engine.compiled is not None
+    assert engine.runner.compiled is not None
     return [o.token_ids for o in engine.generate(mtbench_prompts, SamplingParams(max_tokens=MAX_TOKENS))]
 
 
@@ -92,8 +92,8 @@ def test_compiled_adaptive_is_lossless(engine_factory, mtbench_prompts, compiled
     from specserve.serving.repository import served_drafter
 
     engine = engine_factory(algorithm=algorithm, cpu_compile=True, **served_drafter(algorithm))
-    assert engine.compiled is not None
-    assert algorithm == "ngram" or engine.drafter.compiled is not None
+    assert engine.runner.compiled is not None
+    assert algorithm == "ngram" or engine.drafter.runner.compiled is not None
     engine.chooser.explore_every = 2
     params = SamplingParams(max_tokens=MAX_TOKENS)
     assert [o.token_ids for o in engine.generate(mtbench_prompts, params)] == compiled_reference

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
-from specserve.engine.adaptive import PathChooser, ShapeChooser, shape_menu
+from specserve.engine.adaptive import ShapeChooser, shape_menu
 from specserve.engine.engine import Engine
+from specserve.runtime.paths import PathChooser
 from specserve.tree import DraftShape
 
 
@@ -89,8 +90,8 @@ def test_off_menu_shapes_are_ignored():
 
 
 def _engine(tiny_target_dir, algorithm, batch, **spec):
-    return Engine(EngineConfig(model_dir=str(tiny_target_dir), dtype="float32", max_batch_size=batch,
-                               max_seq_len=256, spec=SpecConfig(algorithm=algorithm, **spec)))
+    return Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", cpu_compile=False,
+                               max_batch_size=batch, max_seq_len=256, spec=SpecConfig(algorithm=algorithm, **spec)))
 
 
 def _drafter_spec(tmp_path, algorithm):

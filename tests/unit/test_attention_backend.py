@@ -15,8 +15,11 @@ import torch
 
 from specserve.config import ModelConfig
 from specserve.models.attention import (
+    TORCH_ATTENTION,
+    TRITON_ATTENTION,
     FlashInferAttention,
     TorchAttention,
+    flashinfer_available,
     grouped_attention,
     resolve_attention,
 )
@@ -121,10 +124,45 @@ def test_resolve_attention():
     cpu, cuda, bf16 = torch.device("cpu"), torch.device("cuda"), torch.bfloat16
     assert resolve_attention("auto", cpu, bf16) == "torch"
     assert resolve_attention("torch", cpu, bf16) == "torch"
-    assert resolve_attention("auto", cuda, torch.float32) == "torch"  # flashinfer has no fp32 kernels
+    assert resolve_attention("auto", cuda, torch.float32) == "triton"  # flashinfer has no fp32 kernels
+    if not flashinfer_available():
+        assert resolve_attention("auto", cuda, bf16) == "triton"
+    assert resolve_attention("triton", cpu, bf16) == "triton"  # the kernel's reference: for tests
     with pytest.raises(ValueError, match="^attention_backend: flashinfer needs a CUDA device"):
         resolve_attention("flashinfer", cpu, bf16)
     with pytest.raises(ValueError, match="^attention_backend"):
         resolve_attention("flashinfer", cuda, torch.float32)
     with pytest.raises(ValueError, match="^attention_backend"):
         resolve_attention("xformers", cpu, bf16)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("case", ["prefill", "decode_equal", "decode_ragged", "tree"])
+def test_triton_backend_matches_torch(tiny, case, static, monkeypatch):
+    """The Triton kernel (under the interpreter) in the model's forward, eager and in the static
+    bucketed form CUDA graphs capture, against torch attention."""
+    monkeypatch.setenv("SPECSERVE_FORCE_TRITON", "1")
+    model, cache = tiny
+    g = torch.Generator().manual_seed(2)
+    cache.data.normal_(generator=g)
+    slots = torch.tensor([3, 0, 2])
+    lens, t = torch.tensor([20, 5, 61]), 4
+    new_mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool).expand(3, 4, 4)
+    if case == "prefill":
+        lens, t, new_mask = torch.zeros(3, dtype=torch.int64), 7, None
+    elif case.startswith("decode"):
+        lens, t, new_mask = (torch.tensor([20, 20, 20]) if case == "decode_equal" else lens), 1, None
+    tokens = torch.randint(0, model.cfg.vocab_size, (3, t), generator=g)
+    positions = lens[:, None] + torch.arange(t)
+    before = cache.data.clone()
+    ref = _run(model, cache, TORCH_ATTENTION, tokens, positions, slots, lens, new_mask)
+    cache.data.copy_(before)
+    if static and case != "prefill":
+        mask = new_mask if new_mask is not None else torch.ones(3, 1, 1, dtype=torch.bool)
+        a = model.static_attention_inputs(positions, slots, lens, mask, cache, TRITON_ATTENTION)
+        assert a.mask is None  # the kernel reads live lengths, not a (B, 1, T, S) mask
+        got = model(tokens, a, cache).logits
+    else:
+        got = _run(model, cache, TRITON_ATTENTION, tokens, positions, slots, lens, new_mask)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)

@@ -1,4 +1,4 @@
-"""The target's AOTInductor-compiled forward on CPU (`models/compiled.py`) against the eager one.
+"""The target's AOTInductor-compiled forward on CPU (`runtime/compiled.py`) against the eager one.
 
 float32 on the tiny target: prefill, decode and tree verification give the eager logits, hidden
 states, EAGLE-3 features and K/V cache entries; engines with the compiled forward emit the eager
@@ -18,7 +18,9 @@ import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.engine import Engine
-from specserve.models.compiled import (
+from specserve.models.kv_cache import KVCache
+from specserve.models.weights import load_llama
+from specserve.runtime.compiled import (
     STALE_AFTER_DAYS,
     CompiledTarget,
     can_compile,
@@ -26,9 +28,8 @@ from specserve.models.compiled import (
     program_key,
     remove_stale,
 )
-from specserve.models.few_row_head import FEW_ROWS
-from specserve.models.kv_cache import KVCache
-from specserve.models.weights import load_llama
+from specserve.runtime.few_row_head import FEW_ROWS
+from specserve.runtime.target import TargetRunner
 from specserve_kernels import few_row_gemm
 
 pytestmark = pytest.mark.skipif(not can_compile(torch.device("cpu")), reason="needs g++ (make setup installs it)")
@@ -149,8 +150,8 @@ def test_packages_unused_for_weeks_are_removed(tmp_path):
 
 
 def _engine(tiny_target_dir, compile_dir, cpu_compile, algorithm="none", **spec):
-    return Engine(EngineConfig(model_dir=str(tiny_target_dir), dtype="float32", max_batch_size=4, max_seq_len=128,
-                               cpu_compile=cpu_compile, compile_cache_dir=str(compile_dir), compiled_steps="always",
+    return Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", max_batch_size=4,
+                               max_seq_len=128, cpu_compile=cpu_compile, compile_cache_dir=str(compile_dir), compiled_steps="always",
                                spec=SpecConfig(algorithm=algorithm, **spec)))
 
 
@@ -167,10 +168,10 @@ def test_compiled_engines_are_lossless(tmp_path, tiny_target_dir, compile_dir, a
     elif algorithm == "ngram":
         spec = dict(num_draft_tokens=6)
     eng = _engine(tiny_target_dir, compile_dir, True, algorithm, **spec)
-    assert eng.compiled is not None
+    assert eng.runner.compiled is not None
     assert getattr(eng.drafter, "compiled", None) is not None or algorithm in ("none", "ngram")
     ref = _engine(tiny_target_dir, compile_dir, False)
-    assert ref.compiled is None
+    assert ref.runner.compiled is None
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (5, 23, 9, 40)]
     prompts[1] = prompts[1][:8] * 3  # repeats give NGRAM something to draft
@@ -190,16 +191,15 @@ def test_compiled_head_matches_eager(tmp_path, tiny_target_dir, compile_dir, alg
     FEW_ROWS rows run the head's program, the beam's run its few-row program."""
     from test_eagle import write_checkpoint
 
-    from specserve.drafters.beam import causal_extend_mask
-    from specserve.models.llama import prefix_mask
+    from specserve.models.llama import causal_extend_mask, prefix_mask
 
     spec = dict(drafter_path=str(write_checkpoint(tmp_path / algorithm, algorithm)), num_steps=3, topk=2,
                 num_draft_tokens=6)
     compiled = _engine(tiny_target_dir, compile_dir, True, algorithm, **spec).drafter
     eager = _engine(tiny_target_dir, compile_dir, False, algorithm, **spec).drafter
-    assert compiled.compiled is not None and compiled.few_rows is not None and eager.compiled is None
+    assert compiled.runner.compiled is not None and compiled.runner.few_rows is not None and eager.runner.compiled is None
     ran = {"head": 0, "few rows": 0}
-    for name, program in (("head", compiled.compiled), ("few rows", compiled.few_rows)):
+    for name, program in (("head", compiled.runner.compiled), ("few rows", compiled.runner.few_rows)):
         for width, runner in program.runners.items():
             program.runners[width] = lambda *a, runner=runner, name=name: (ran.__setitem__(name, ran[name] + 1),
                                                                            runner(*a))[1]
@@ -227,7 +227,7 @@ def test_compiled_head_matches_eager(tmp_path, tiny_target_dir, compile_dir, alg
             torch.testing.assert_close(compiled.cache.data, eager.cache.data, rtol=1e-4, atol=1e-4)
     # the catch-up after the prefix is a few rows: a few-row program takes it (EAGLE-3's at the fused features' width)
     assert ran == {"head": 1, "few rows": 2}
-    assert sorted(compiled.few_rows.runners) == sorted({cfg.feature_size, cfg.hidden_size})
+    assert sorted(compiled.runner.few_rows.runners) == sorted({cfg.feature_size, cfg.hidden_size})
 
 
 class _Seq:
@@ -253,7 +253,7 @@ def test_a_catch_up_in_few_row_chunks_matches_one_forward(tmp_path, tiny_target_
     tokens = [torch.randint(3, VOCAB, (n + 1,), generator=g).tolist() for n in lens]
     feats = torch.randn(2, max(lens), drafters[0].head.cfg.feature_size, generator=g)
     for d, chunked in zip(drafters, (True, False)):
-        d.chunked_catch_up = chunked
+        d.runner.chunked_catch_up = chunked
         d.features[:2, : max(lens)] = feats
     seqs = [_Seq(tokens[i], i, lens[i]) for i in range(2)]
     with torch.inference_mode():
@@ -280,9 +280,9 @@ def test_catch_ups_run_in_chunks_only_where_timed_faster(tmp_path, tiny_target_d
     drafter = _engine(tiny_target_dir, compile_dir, True, "eagle", **spec).drafter
     assert not drafter.cache.data.any()  # the timing at start-up gave back the entries it used
     for whole_s, chunk_s, expected in ((0.004, 0.0001, True), (0.0005, 0.002, False)):
-        drafter.compiled.forward = lambda *a, c=whole_s: time.sleep(c)
-        drafter.few_rows.forward = lambda *a, c=chunk_s: time.sleep(c)
-        assert drafter.chunks_pay() is expected
+        drafter.runner.compiled.forward = lambda *a, c=whole_s: time.sleep(c)
+        drafter.runner.few_rows.forward = lambda *a, c=chunk_s: time.sleep(c)
+        assert drafter.runner.chunks_pay() is expected
 
 
 def test_steps_run_compiled_only_where_timed_faster(tiny_target_dir, compile_dir, monkeypatch):
@@ -292,10 +292,10 @@ def test_steps_run_compiled_only_where_timed_faster(tiny_target_dir, compile_dir
         costs = {"compiled": 0.002 if b == 1 else 0.006, "eager": 0.004}
         return {name: (lambda c=c: time.sleep(c)) for name, c in costs.items()}
 
-    monkeypatch.setattr(Engine, "_step_forwards", fake_forwards)
-    eng = Engine(EngineConfig(model_dir=str(tiny_target_dir), dtype="float32", max_batch_size=4, max_seq_len=128,
-                              cpu_compile=True, compile_cache_dir=str(compile_dir)))
-    assert eng.chooser.buckets == [1, 2, 4] and eng.compiled_step_buckets == (1,)
+    monkeypatch.setattr(TargetRunner, "_step_forwards", fake_forwards)
+    eng = Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", max_batch_size=4,
+                              max_seq_len=128, cpu_compile=True, compile_cache_dir=str(compile_dir)))
+    assert eng.chooser.buckets == [1, 2, 4] and eng.runner.compiled_step_buckets == (1,)
     monkeypatch.undo()
     ref = _engine(tiny_target_dir, compile_dir, False)
     g = torch.Generator().manual_seed(7)

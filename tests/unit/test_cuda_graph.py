@@ -13,8 +13,8 @@ import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.engine import Engine
-from specserve.models.cuda_graph import default_batch_sizes
 from specserve.models.llama import ForwardOutput
+from specserve.runtime.cuda_graph import default_batch_sizes
 from specserve.tree import TreeBatch
 
 VOCAB = 49152
@@ -22,8 +22,8 @@ VOCAB = 49152
 
 def _engine(tiny_target_dir, graph_mode, algorithm="none", batch=4, cuda_graph_max_bs=0, **kw):
     spec = SpecConfig(algorithm=algorithm, **kw)
-    return Engine(EngineConfig(model_dir=str(tiny_target_dir), dtype="float32", max_batch_size=batch,
-                               max_seq_len=256, graph_mode=graph_mode, cuda_graph_max_bs=cuda_graph_max_bs,
+    return Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", cpu_compile=False,
+                               max_batch_size=batch, max_seq_len=256, graph_mode=graph_mode, cuda_graph_max_bs=cuda_graph_max_bs,
                                spec=spec))
 
 
@@ -40,7 +40,7 @@ def test_default_batch_sizes():
 
 def test_buckets_and_padding_slot(tiny_target_dir):
     eng = _engine(tiny_target_dir, "static", "ngram", batch=6, num_draft_tokens=8)
-    runner = eng.graphs
+    runner = eng.runner.graphs
     assert runner is not None
     assert runner.num_tokens == [1, 8] and runner.batch_sizes == [1, 2, 4, 6]
     assert runner.bucket_for(3, 5) == (4, 8)
@@ -49,8 +49,8 @@ def test_buckets_and_padding_slot(tiny_target_dir):
     # the padding slot is a 7th slot no request ever gets
     assert eng.cache.num_slots == 7 and runner.padding_slot == 6
     assert sorted(eng.cache.allocate() for _ in range(6)) == list(range(6)) and eng.cache.num_free == 0
-    assert _engine(tiny_target_dir, "off").graphs is None
-    assert _engine(tiny_target_dir, "auto").graphs is None  # auto captures on CUDA only
+    assert _engine(tiny_target_dir, "off").runner.graphs is None
+    assert _engine(tiny_target_dir, "auto").runner.graphs is None  # auto captures on CUDA only
 
 
 @torch.inference_mode()
@@ -72,7 +72,7 @@ def test_static_forward_equals_eager_forward(tiny_target_dir):
     new_mask = mask.expand(3, 5, 5)
     positions = lens[:, None] + depth
     before = cache.data.clone()
-    static = eng.graphs.forward(tokens, positions, slots, lens, new_mask, lens.tolist())
+    static = eng.runner.graphs.forward(tokens, positions, slots, lens, new_mask, lens.tolist())
     static_cache = cache.data.clone()
     cache.data.copy_(before)
     a = model.attention_inputs(positions, slots, lens, new_mask, cache, lens.tolist(), slots.tolist())
@@ -128,7 +128,7 @@ def test_device_beam_builds_the_host_drafts_trees(tmp_path, tiny_target_dir, alg
     eng = _engine(tiny_target_dir, graph_mode, algorithm, batch=5, cuda_graph_max_bs=4, **spec)
     drafter, compared, above = eng.drafter, [], []
     if graph_mode == "static":
-        assert drafter.graphs is not None and drafter.graphs.batch_sizes == [1, 2, 4]
+        assert drafter.runner.graphs is not None and drafter.runner.graphs.batch_sizes == [1, 2, 4]
     propose = drafter.propose
 
     def both(seqs, shape):  # noqa: ANN001, ANN202

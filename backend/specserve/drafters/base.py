@@ -11,12 +11,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from specserve.runtime.plan import RuntimePlan
 from specserve.tree import DraftTree, TreeBatch
 
 if TYPE_CHECKING:
@@ -28,12 +28,9 @@ if TYPE_CHECKING:
 class DraftContext:
     """What a drafter is built from: the target and the engine's fixed sizes, not the engine.
 
-    num_slots: drafter-cache slots, the graphs' padding slot (the last) included when
-    graph_batch_sizes is set; max_len: cache entries per slot (max_seq_len plus the trees' scratch
-    area); graph_batch_sizes: the buckets a static draft runs in (empty: no static drafts);
-    capture_graphs: whether those drafts are captured as CUDA graphs; compile_cache_dir: where a
-    drafter keeps its compiled CPU programs (None: run eagerly); step_matmul: the matmuls of its
-    few-row program (`EngineConfig.step_matmul`).
+    num_slots: drafter-cache slots, the static buckets' padding slot (the last) included when the
+    runtime plan is static; max_len: cache entries per slot (max_seq_len plus the trees' scratch
+    area); runtime: how the drafter's forwards run (`runtime.plan.RuntimePlan`).
     """
 
     target: LlamaModel
@@ -43,10 +40,7 @@ class DraftContext:
     max_seq_len: int
     dtype: torch.dtype
     device: str
-    graph_batch_sizes: tuple[int, ...] = ()
-    capture_graphs: bool = False
-    compile_cache_dir: Path | None = None
-    step_matmul: str = "auto"
+    runtime: RuntimePlan = field(default_factory=lambda: RuntimePlan(torch.device("cpu")))
 
 
 class SequenceView(Protocol):

@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 import specserve_kernels as K
-from specserve.models.attention import AttentionInputs
 from specserve.models.llama import prefix_mask
 from specserve.tree import DraftTree, DynamicTreeBuilder, TreeBatch
 
@@ -27,33 +26,11 @@ from specserve.tree import DraftTree, DynamicTreeBuilder, TreeBatch
 DraftStep = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def scattered_attention_inputs(
-    rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, write_pos: torch.Tensor,
-    slots: list[int] | torch.Tensor, mask: torch.Tensor | None, key_len: int,
-) -> AttentionInputs:
-    """AttentionInputs for tokens written at arbitrary cache entries `write_pos` (B, T) of their
-    slots, with rope `positions` (B, T) and an explicit mask (None: causal over a fresh prefill).
-
-    slots: host ints (consecutive slots are read as a cache view), or a (B,) device tensor for a
-    static, capturable forward (keys gathered per slot)."""
-    b, t = positions.shape
-    slot_range = None
-    if not isinstance(slots, torch.Tensor):
-        first = slots[0]
-        slot_range = (first, b) if slots == list(range(first, first + b)) else None
-        slots = torch.tensor(slots, device=positions.device)
-    cos, sin = rope
-    return AttentionInputs(
-        slots=slots, cache_lens=write_pos[:, 0], write_slots=slots[:, None].expand(b, t), write_pos=write_pos,
-        key_len=key_len, mask=mask, is_causal=mask is None, slot_range=slot_range,
-        cos=cos[positions].unsqueeze(2), sin=sin[positions].unsqueeze(2),
-    )
-
-
-def causal_extend_mask(starts: torch.Tensor, t: int, key_len: int) -> torch.Tensor:
-    """(B, 1, T, S): T new tokens after each row's prefix [0, starts[b]), causal among themselves."""
-    causal = torch.ones(t, t, dtype=torch.bool, device=starts.device).tril().expand(len(starts), t, t)
-    return prefix_mask(starts, causal, key_len)
+def own_entries(k: int, first: int, width: int, device: torch.device) -> torch.Tensor:
+    """(k, W) bool: beam row r's own scratch entry `first + r`, built on the device (writing a
+    scalar through a device index would copy it from the host: not capturable)."""
+    rows = torch.arange(k, device=device)[:, None]
+    return torch.arange(width, device=device)[None, :] == rows + first
 
 
 def grow_trees(
@@ -75,7 +52,7 @@ def grow_trees(
     own = torch.arange(k, device=dev)
     for s in range(1, num_steps):
         first = (s - 1) * k  # this step's scratch entries: [first, first + k)
-        visible[:, own, first + own] = True
+        visible = visible | own_entries(k, first, visible.shape[-1], dev)
         key_len = int(base.max()) + first + k
         mask = prefix_mask(base, visible[:, :, : first + k], key_len)
         states, probs, tokens = step(beam_tokens.to(dev), parent_state, (base + s - 1)[:, None].expand(b, k),
@@ -121,7 +98,7 @@ def grow_trees_on_device(
     batch_rows = torch.arange(b, device=dev)[:, None]
     for s in range(1, num_steps):
         first = (s - 1) * k
-        visible[:, own, first + own] = True
+        visible = visible | own_entries(k, first, visible.shape[-1], dev)
         mask = prefix_mask(base, visible, key_len)  # entries after this step's are not written yet: hidden
         states, probs, tokens = step(beam_tokens, parent_state, (base + s - 1)[:, None].expand(b, k),
                                      base[:, None] + first + own, mask, key_len)

@@ -10,16 +10,14 @@ L-1 pairs the tree root with the last accepted feature, and the hidden state it 
 on_prefill / on_accept only store the target's features of the new positions (`features`); the
 head catches up over everything it has not seen at the start of the next propose, overwriting the
 scratch area, so the drafter's cache holds target features only. Steps that decode without drafts
-therefore cost the drafter nothing. On CPU a catch-up of more rows than the few-row programs take
-runs as consecutive few-row forwards of up to `FEW_ROWS` rows each, or as one forward of the
-general program, whichever `chunks_pay` timed faster at start-up.
+therefore cost the drafter nothing. How each head forward runs (eager, the CPU's compiled
+programs, few-row chunks of a long catch-up) is `runtime.head.HeadRunner`'s choice.
 propose: after the catch-up, step 0 takes topk children of the root from `last_hidden`;
 `beam.grow_trees_on_device` runs the num_steps - 1 draft forwards over the beam (rope position
 L + step - 1, K/V in a scratch area after L that only the node's descendants see), each node
-carrying its parent's hidden state, and picks the beam and the final tree by tensor ops. When the
-engine uses graphs (`graph_mode` static, or auto on CUDA) the configured shape's draft runs with
-keys over the whole slot, captured once per batch size by `cuda_graph.DraftGraphs`; other shapes
-run eagerly. `draft_on_host` is the same draft with the host's `DynamicTreeBuilder`: the tests'
+carrying its parent's hidden state, and picks the beam and the final tree by tensor ops. On a
+static runtime plan (CUDA graphs) the configured shape's draft, with keys over the whole slot, is
+what the runner captures once per batch size; other shapes run eagerly. `draft_on_host` is the same draft with the host's `DynamicTreeBuilder`: the tests'
 reference.
 
 The drafter does not verify, sample or touch the target's cache.
@@ -28,7 +26,6 @@ The drafter does not verify, sample or touch the target's cache.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,26 +33,16 @@ import torch
 
 from specserve.config import SpecConfig
 from specserve.drafters.base import DraftContext, Drafter, SequenceView
-from specserve.drafters.beam import (
-    causal_extend_mask,
-    grow_trees,
-    grow_trees_on_device,
-    scattered_attention_inputs,
-)
+from specserve.drafters.beam import grow_trees, grow_trees_on_device
 from specserve.drafters.eagle_model import load_eagle
 from specserve.drafters.mtp_model import load_mtp
-from specserve.models.compiled import CompiledHead, compiled_or_none
-from specserve.models.cpu_linear import pack_for_inference
-from specserve.models.cuda_graph import DraftGraphs
-from specserve.models.few_row_head import FEW_ROWS, FewRowHead
 from specserve.models.kv_cache import KVCache
-from specserve.models.llama import ForwardOutput, rope_table
+from specserve.models.llama import ForwardOutput, causal_extend_mask, rope_table
+from specserve.runtime.head import HeadRunner
 from specserve.tree import DraftShape, DraftTree, TreeBatch
 
 log = logging.getLogger(__name__)
 
-CHUNKED_CATCH_UP_ROWS = 64  # catch-ups of more rows run as one forward (measured a tie beyond, on AVX2)
-CATCH_UP_PROBE_ROWS = 32  # the catch-up `chunks_pay` times both ways
 
 
 def load_token_map(path: str | Path) -> torch.Tensor:
@@ -99,23 +86,10 @@ class EagleDrafter(Drafter):
                                     device=ctx.device)
         self.synced = [0] * ctx.num_slots  # per slot: positions the head's cache holds (the rest wait in `features`)
         self.full_shape = DraftShape.configured(spec)
-        # on CPU: the head's forwards compiled (from the plain weights, so before they are prepacked);
         # EAGLE-3 reads the target's fused features on catch-up and its own states in the beam
         widths = (self.head.cfg.feature_size, self.head.cfg.hidden_size)
-        cache_dir = ctx.compile_cache_dir
-        self.compiled = None if cache_dir is None else compiled_or_none(f"{spec.algorithm} head", lambda: CompiledHead(
-            self.head, self.head.embed_weight, self.rope, self.cache, widths, cache_dir))
-        # drafting steps and the catch-ups after them are a few rows: programs with matmuls for a few rows
-        self.few_rows = None if self.compiled is None else compiled_or_none(
-            f"{spec.algorithm} head (few rows)", lambda: FewRowHead(
-                self.head, self.head.embed_weight, self.rope, self.cache, widths, cache_dir, ctx.step_matmul))
-        self.chunked_catch_up = self.few_rows is not None and self.chunks_pay()
-        pack_for_inference(self.head)  # bf16 on CPU: the head's linears
-        self.head.pack_logits()  # on CPU: its output layer (bf16: packed; float32: int8 where that is faster here)
-        self.graphs = None if not ctx.graph_batch_sizes else DraftGraphs(
-            self._draft_static, ctx.graph_batch_sizes, self.cache.reserve(), torch.device(ctx.device),
-            ctx.capture_graphs,
-        )
+        self.runner = HeadRunner(spec.algorithm, self.head, self.rope, self.cache, ctx.runtime, widths)
+        self.runner.capture_drafts(self._draft_static, self.full_shape)
 
     # ---- one head forward over the draft cache ------------------------------------------------
 
@@ -124,17 +98,7 @@ class EagleDrafter(Drafter):
         """tokens, positions, write_pos (B, T); hidden (B, T, F); mask (B, 1, T, S) or None for a
         causal fresh prefill -> h (B, T, H)."""
         with self.model_forward():
-            if self.compiled is not None and self.compiled.fits(key_len):
-                if mask is None:
-                    mask = causal_extend_mask(torch.zeros(len(tokens), dtype=torch.int64, device=self.device),
-                                              tokens.shape[1], key_len)
-                slots_t = slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, device=self.device)
-                few = self.few_rows is not None and self.few_rows.covers(tokens, hidden, key_len)
-                program = self.few_rows if few else self.compiled
-                return program.forward(tokens, hidden, positions, write_pos, mask, slots_t)
-            a = scattered_attention_inputs(self.rope, positions, write_pos, slots, mask, key_len)
-            layer_cache = self.cache.layer(0)
-            return self.head(tokens, hidden, lambda attn, x: attn(x, layer_cache, a))
+            return self.runner.forward(tokens, hidden, positions, write_pos, mask, key_len, slots)
 
     def _features(self, out: ForwardOutput) -> torch.Tensor:
         """(B, T, F): the target's final-norm hidden (EAGLE-1/2) or fused aux layer inputs (EAGLE-3)."""
@@ -152,7 +116,7 @@ class EagleDrafter(Drafter):
         positions = start_t[:, None] + torch.arange(t, device=self.device)  # (B, T)
         slots = [s.slot for s in seqs]
         hs = []
-        for a, z in self._chunks(b, t):  # columns [a, z): each chunk sees the ones before it in the cache
+        for a, z in self.runner.chunks(b, t):  # columns [a, z): each chunk sees the ones before it in the cache
             key_len = max(starts) + z
             mask = None if max(starts) + a == 0 else causal_extend_mask(start_t + a, z - a, key_len)
             pos = positions[:, a:z].contiguous()  # the programs take dense inputs
@@ -161,43 +125,6 @@ class EagleDrafter(Drafter):
         h = torch.cat(hs, dim=1) if len(hs) > 1 else hs[0]  # (B, T, H)
         last = torch.tensor(lens, device=self.device) - 1
         self.last_hidden[slots] = h[torch.arange(b, device=self.device), last]
-
-    def _chunks(self, b: int, t: int) -> list[tuple[int, int]]:
-        """A catch-up's columns [a, z) per forward: all at once, or few-row chunks (`chunked_catch_up`)."""
-        width = FEW_ROWS // b
-        if not self.chunked_catch_up or width == 0 or b * t <= FEW_ROWS or b * t > CHUNKED_CATCH_UP_ROWS:
-            return [(0, t)]
-        return [(a, min(a + width, t)) for a in range(0, t, width)]
-
-    def chunks_pay(self, rows: int = CATCH_UP_PROBE_ROWS, repeats: int = 3) -> bool:
-        """Whether a catch-up of `rows` rows runs faster as few-row forwards than as one forward of
-        the general program, timed on this CPU (best of `repeats` each, after one untimed run) in
-        slot 0's first `rows` cache entries, which it gives back as it found them."""
-        feature_size = self.head.cfg.feature_size
-        tokens = torch.zeros(1, rows, dtype=torch.int64, device=self.device)
-        feats = torch.zeros(1, rows, feature_size, dtype=self.features.dtype, device=self.device)
-        positions = torch.arange(rows, device=self.device)[None]
-        slots = torch.zeros(1, dtype=torch.int64, device=self.device)
-        if not (self.compiled.fits(rows) and self.few_rows.covers(tokens[:, :FEW_ROWS], feats[:, :FEW_ROWS], rows)):
-            return False
-
-        def run(program, width: int) -> float:  # noqa: ANN001
-            start = time.perf_counter()
-            for a in range(0, rows, width):
-                z = min(a + width, rows)
-                mask = causal_extend_mask(torch.tensor([a], device=self.device), z - a, z)
-                program.forward(tokens[:, a:z], feats[:, a:z], positions[:, a:z], positions[:, a:z], mask, slots)
-            return time.perf_counter() - start
-
-        with torch.inference_mode():
-            entries = self.cache.data[:, :, 0, :, :rows].clone()  # (layers, 2, kv heads, rows, head dim)
-            whole = min(run(self.compiled, rows) for _ in range(repeats + 1))
-            chunked = min(run(self.few_rows, FEW_ROWS) for _ in range(repeats + 1))
-            self.cache.data[:, :, 0, :, :rows] = entries
-        log.info("%s drafter: a %d-row catch-up takes %.2f ms in one forward, %.2f ms in %d-row forwards: %s",
-                 self.spec.algorithm, rows, whole * 1e3, chunked * 1e3, FEW_ROWS,
-                 "chunked" if chunked < whole else "one forward")
-        return chunked < whole
 
     # ---- Drafter hooks ------------------------------------------------------------------------
 
@@ -269,10 +196,9 @@ class EagleDrafter(Drafter):
         self._catch_up(seqs)
         host_slots, cache_lens = [s.slot for s in seqs], [s.cache_len for s in seqs]
         roots = [s.token_ids[-1] for s in seqs]
-        if self.graphs is not None and shape == self.full_shape:
-            batch = self.graphs(host_slots, cache_lens, roots)
-            if batch is not None:  # None: more requests than the largest bucket, drafted below
-                return batch
+        batch = self.runner.draft(shape, host_slots, cache_lens, roots)
+        if batch is not None:  # None: not the captured shape, or more requests than the largest bucket
+            return batch
         key_len = max(cache_lens) + max((shape.num_steps - 1) * shape.topk, 1)  # prefix + the beam's scratch
         return self._draft(host_slots, torch.tensor(cache_lens, device=self.device),
                            torch.tensor(roots, device=self.device), shape, key_len)

@@ -20,10 +20,10 @@ from torch import nn
 
 from specserve.config import SpecConfig
 from specserve.drafters.base import DraftContext, Drafter, SequenceView
-from specserve.drafters.beam import causal_extend_mask, grow_trees, scattered_attention_inputs
+from specserve.drafters.beam import grow_trees
 from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.kv_cache import KVCache
-from specserve.models.llama import ForwardOutput, LlamaModel
+from specserve.models.llama import ForwardOutput, LlamaModel, causal_extend_mask, scattered_attention_inputs
 from specserve.models.weights import load_llama
 from specserve.tree import DraftShape, DraftTree
 

@@ -19,11 +19,10 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import specserve_kernels as K
 from specserve.config import EngineConfig, SamplingParams
 from specserve.drafters import DraftContext, Drafter
 from specserve.drafters.factory import build_drafter
-from specserve.engine.adaptive import PathChooser, ShapeChooser, shape_menu
+from specserve.engine.adaptive import ShapeChooser, shape_menu
 from specserve.engine.detokenize import IncrementalDetokenizer
 from specserve.engine.outputs import (
     FINISH_ABORT,
@@ -54,17 +53,13 @@ from specserve.engine.sampling import (
 )
 from specserve.host_memory import keep_freed_memory
 from specserve.models.attention import (
-    TORCH_ATTENTION,
-    AttentionBackend,
-    FlashInferAttention,
     resolve_attention,
 )
-from specserve.models.compiled import CompiledTarget, can_compile, compiled_or_none
-from specserve.models.cpu_linear import pack_for_inference
-from specserve.models.cuda_graph import GraphRunner, default_batch_sizes
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput
 from specserve.models.weights import load_llama
+from specserve.runtime.plan import RuntimePlan
+from specserve.runtime.target import TargetRunner
 from specserve.tree import DraftShape, DraftTree, TreeBatch
 
 log = logging.getLogger(__name__)
@@ -179,35 +174,24 @@ class Engine:
             keep_freed_memory()
         self.model = load_llama(config.model_dir, config.torch_dtype, config.device)
         self.model_config = self.model.cfg
-        # static shapes (decode, verify, drafts) run through buckets; on CUDA in auto mode they are captured
-        self.use_graphs = config.graph_mode == "static" or (config.graph_mode == "auto" and self.device.type == "cuda")
-        self.capture_graphs = self.device.type == "cuda" and config.graph_mode == "auto"
-        max_bs = min(config.cuda_graph_max_bs or config.max_batch_size, config.max_batch_size)
-        self.graph_batch_sizes = default_batch_sizes(max_bs)
-        self.cache = KVCache(  # with graphs, one more slot than requests: padding rows write there
-            self.model_config, config.max_batch_size + int(self.use_graphs), config.max_seq_len + MAX_TREE_NODES,
+        self.plan = RuntimePlan.from_config(config)
+        self.cache = KVCache(  # static buckets take one more slot than requests: padding rows write there
+            self.model_config, config.max_batch_size + self.plan.spare_slots, config.max_seq_len + MAX_TREE_NODES,
             config.torch_dtype, config.device,
         )
         self.model.init_rope(self.cache.max_len)
-        self.attention = resolve_attention(config.attention_backend, self.device, config.torch_dtype)
-        self.model.attention_backend = self._attention_backend()
         self.tokenizer = Tokenizer.from_file(f"{config.model_dir}/tokenizer.json")
         self.eos_ids = self._eos_ids()
-        compile_on_cpu = config.cpu_compile and not self.use_graphs and can_compile(self.device)
         self.drafter: Drafter = build_drafter(self.spec, DraftContext(
-            target=self.model, model_dir=config.model_dir, num_slots=config.max_batch_size + int(self.use_graphs),
+            target=self.model, model_dir=config.model_dir, num_slots=config.max_batch_size + self.plan.spare_slots,
             max_len=self.cache.max_len, max_seq_len=config.max_seq_len, dtype=config.torch_dtype, device=config.device,
-            graph_batch_sizes=self.graph_batch_sizes if self.use_graphs else (), capture_graphs=self.capture_graphs,
-            compile_cache_dir=config.compile_cache_path if compile_on_cpu else None, step_matmul=config.step_matmul,
+            runtime=self.plan,
         ))
-        self.graphs = self._graph_runner() if self.use_graphs else None
-        # on CPU: the target's forwards through one compiled program (exported from the plain weights, so first)
-        self.compiled = compiled_or_none("target", lambda: CompiledTarget(
-            self.model, self.cache, self.drafter.aux_layers, config.max_batch_size, config.max_seq_len,
-            config.compile_cache_path, config.step_matmul,
-        )) if compile_on_cpu else None
-        if pack_for_inference(self.model, keep_weights=("lm_head",)):  # drafters share the lm_head
-            log.info("target: bf16 linear weights prepacked for oneDNN (CPU)")
+        self.runner = TargetRunner(
+            self.model, self.cache, config, self.plan,
+            attention=resolve_attention(config.attention_backend, self.device, config.torch_dtype),
+            aux_layers=self.drafter.aux_layers, tree_tokens=min(self.spec.num_draft_tokens, MAX_TREE_NODES),
+        )
         self._default_generator = torch.Generator().manual_seed(0)
         self._forced_shape: DraftShape | None = None  # warm-up runs each shape in turn
         self._observe = True  # whether steps feed the chooser's estimates
@@ -224,90 +208,12 @@ class Engine:
         full = DraftShape.configured(spec)
         pinned = not config.spec.adaptive or bool(config.spec.num_steps or config.spec.topk or config.spec.num_draft_tokens)
         menu = (full,) if pinned or spec.algorithm == "none" else shape_menu(spec.num_steps, spec.topk, spec.num_draft_tokens)
-        self.chooser = ShapeChooser(menu, default_batch_sizes(config.max_batch_size),
-                                    drafts_catch_up=self.drafter.catches_up)
-        # per step: the compiled step program or the eager forward, whichever is measured faster
-        self.paths = PathChooser(pinned=config.compiled_steps == "always")
-        if self.compiled is not None and config.compiled_steps == "auto":
-            self._time_step_paths(self.chooser.buckets)
+        self.chooser = ShapeChooser(menu, self.runner.buckets, drafts_catch_up=self.drafter.catches_up)
+        # seeding every tree size of the menu lets the warm-up's shape timings run on the faster path
+        self.runner.seed_paths([1, *(min(s.num_draft_tokens, MAX_TREE_NODES) for s in menu)], self.cache.num_free,
+                               config.max_seq_len)
         if len(menu) > 1:
             self._warm_up()
-
-    @torch.inference_mode()
-    def _time_step_paths(self, buckets: Sequence[int], repeats: int = 3) -> None:
-        """Seed the path choice: each bucket's step at every tree size of the shape menu (1 = decode)
-        timed through the compiled program and eagerly, interleaved, on free slots at a mid-length
-        context; the median of `repeats` after two untimed calls. The K/V written land in free
-        slots, which a prefill overwrites. Serving steps keep measuring both paths. Seeding every
-        size lets the warm-up's shape timings, and serving's first steps, run on the faster path."""
-        context = min(256, self.config.max_seq_len // 2)
-        sizes = sorted({1, *(min(s.num_draft_tokens, MAX_TREE_NODES) for s in self.chooser.menu)})
-        for b in buckets:
-            if b > self.cache.num_free:
-                continue
-            for t in sizes:
-                run = self._step_forwards(b, t, context)
-                samples: dict[str, list[float]] = {name: [] for name in run}
-                for i in range(repeats + 2):
-                    for name, forward in run.items():
-                        start = time.perf_counter()
-                        forward()
-                        if i >= 2:
-                            samples[name].append(time.perf_counter() - start)
-                for name in run:
-                    self.paths.seed((b, t), name, statistics.median(samples[name]))
-                log.info("target step at batch %d, %d token(s): compiled %.1f ms, eager %.1f ms -> %s", b, t,
-                         statistics.median(samples["compiled"]) * 1e3, statistics.median(samples["eager"]) * 1e3,
-                         self.paths.best((b, t)))
-
-    @property
-    def compiled_step_buckets(self) -> tuple[int, ...]:
-        """The batch-size buckets whose decode steps run the compiled step program now."""
-        if self.compiled is None:
-            return ()
-        return tuple(b for b in self.chooser.buckets if self.paths.best((b, 1)) == "compiled")
-
-    def _step_forwards(self, b: int, t: int, context: int) -> dict[str, Callable[[], object]]:
-        """A step of b requests with t-node chains at `context` cached tokens, through the compiled
-        program and eagerly (what `_verify_step` runs), on the first b slots."""
-        dev = self.device
-        tokens = torch.zeros(b, t, dtype=torch.int64, device=dev)
-        slots, host_lens = torch.arange(b, device=dev), [context] * b
-        cache_lens = torch.full((b,), context, device=dev)
-        positions = cache_lens[:, None] + torch.arange(t, device=dev)
-        mask = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(b, t, t)
-        aux = self.drafter.aux_layers
-
-        def eager() -> object:
-            attn = self.model.attention_inputs(positions, slots, cache_lens, None if t == 1 else mask, self.cache,
-                                               host_lens, list(range(b)))
-            return self.model(tokens, attn, self.cache, aux_layers=aux)
-
-        return {"compiled": lambda: self.compiled.forward(tokens, positions, slots, cache_lens, mask, host_lens),
-                "eager": eager}
-
-    def _attention_backend(self, graph_batch_size: int | None = None, graph_num_tokens: int = 1) -> AttentionBackend:
-        if self.attention == "torch":
-            return TORCH_ATTENTION
-        cfg = self.model_config
-        return FlashInferAttention(
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.cache.max_len, self.config.torch_dtype,
-            self.device, graph_batch_size, graph_num_tokens,
-        )
-
-    def _graph_runner(self) -> GraphRunner:
-        """Buckets: batch sizes up to cuda_graph_max_bs, and 1 token (decode) or a full tree."""
-        capture = self.capture_graphs
-        return GraphRunner(
-            self.model,
-            self.cache,
-            batch_sizes=self.graph_batch_sizes,
-            num_tokens=sorted({1, min(self.spec.num_draft_tokens, MAX_TREE_NODES)}),
-            aux_layers=self.drafter.aux_layers,
-            padding_slot=self.cache.reserve(),
-            make_backend=lambda bs, t: self._attention_backend(bs if capture else None, t),
-            capture=capture,
-        )
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
@@ -464,20 +370,11 @@ class Engine:
         tokens = torch.zeros(len(reqs), t, dtype=torch.int64)
         for i, r in enumerate(reqs):
             tokens[i, : lens[i]] = torch.tensor(r.prompt_ids)
-        dev = self.device
-        positions = torch.arange(t, device=dev).expand(len(reqs), t)
-        slots = [r.slot for r in reqs]
-        slots_t, zeros = torch.tensor(slots, device=dev), torch.zeros(len(reqs), dtype=torch.int64, device=dev)
-        last = torch.tensor(lens, device=dev)[:, None] - 1  # (B, 1)
-        if self.compiled is not None and self.compiled.fits(len(reqs), t, 0):
-            causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(len(reqs), t, t)
-            out = self.compiled.forward(tokens.to(dev), positions, slots_t, zeros, causal, [0] * len(reqs), last)
-        else:
-            attn = self.model.attention_inputs(positions, slots_t, zeros, None, self.cache, [0] * len(reqs), slots)
-            out = self.model(tokens.to(dev), attn, self.cache, logit_index=last, aux_layers=self.drafter.aux_layers)
+        last = torch.tensor(lens, device=self.device)[:, None] - 1  # (B, 1)
+        out = self.runner.prefill(tokens.to(self.device), [r.slot for r in reqs], last)
         for r, n in zip(reqs, lens):
             r.cache_len = n
-        roots = TreeBatch.root_only(torch.tensor([r.token_ids[-1] for r in reqs], device=dev))
+        roots = TreeBatch.root_only(torch.tensor([r.token_ids[-1] for r in reqs], device=self.device))
         _, emitted, logprobs = self._verify(reqs, roots, out.logits)
         for r, tokens, lp in zip(reqs, emitted, logprobs):
             self._append_tokens(r, tokens, lp)
@@ -527,25 +424,10 @@ class Engine:
         cache_lens = torch.tensor(host_lens, device=self.device)
         slots = torch.tensor([r.slot for r in reqs], device=self.device)
         positions = cache_lens[:, None] + batch.depth  # (B, N)
-        new_mask = None if batch.is_root_only else batch.mask
-        bucket = self.graphs.bucket_for(*batch.tokens.shape) if self.graphs else None
-        path_key = (self.chooser.bucket(len(reqs)), batch.tokens.shape[1])
-        path = None
-        if self.compiled is not None and self.compiled.fits(*batch.tokens.shape, max(host_lens)):
-            path = self.paths.choose(path_key)
-        if bucket is not None:
-            out = self.graphs.forward(batch.tokens, positions, slots, cache_lens, new_mask, host_lens)
-        elif path == "compiled":
-            out = self.compiled.forward(batch.tokens, positions, slots, cache_lens, batch.mask, host_lens)
-        else:
-            attn = self.model.attention_inputs(
-                positions, slots, cache_lens, new_mask, self.cache, host_lens, [r.slot for r in reqs]
-            )
-            out = self.model(batch.tokens, attn, self.cache, aux_layers=self.drafter.aux_layers)
+        out, settled = self.runner.step(batch.tokens, positions, slots, cache_lens, batch.mask, batch.is_root_only,
+                                        host_lens, [r.slot for r in reqs])
         t2 = clock()
         p.forward += t2 - t1
-        if path is not None:
-            self.paths.observe(path_key, path, t2 - t1)
         result, emitted, logprobs = self._verify(reqs, batch, out.logits)
         if not batch.is_root_only:
             K.compact_kv(self.cache.data, slots, cache_lens, result.accepted_nodes, result.accept_length)
@@ -574,7 +456,6 @@ class Engine:
             p.drafter_update += clock() - t4
         if self._observe:
             lengths = [len(e) for e in emitted]
-            settled = path is None or self.paths.settled_on(path_key, path)
             seconds = clock() - start if settled and not catching_up else None
             nested = None
             if shape.drafts and self.drafter.nested_trees and len(self.chooser.menu) > 1:

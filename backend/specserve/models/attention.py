@@ -1,4 +1,4 @@
-"""Attention over the static KV cache: plain torch (any device) or flashinfer (CUDA).
+"""Attention over the static KV cache: plain torch (any device), our Triton kernel, or flashinfer (CUDA).
 
 `AttentionInputs` is what every layer of one forward shares. A backend gets one `plan` per forward (host side, before the forward or before a CUDA-graph
 replay) and one `attend` per layer (inside the forward, capturable). The model writes the new
@@ -20,7 +20,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from specserve.config import ATTENTION_BACKENDS
+import specserve_kernels as K
+from specserve.config import ATTENTION_BACKENDS, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ WORKSPACE_BYTES = 128 * 2**20  # flashinfer's float workspace, as its examples s
 class AttentionBackend(Protocol):
     name: str
     needs_plan: bool  # False: `plan` is a no-op and callers may skip building its inputs
+    reads_mask: bool  # False: `attend` reads `new_mask` and the cache lengths, not the (B, 1, T, S) mask
 
     def plan(self, a: AttentionInputs, host_cache_lens: list[int]) -> None:
         """Host-side preparation for one forward (index buffers, masks); no-op for torch."""
@@ -65,6 +67,7 @@ class TorchAttention:
 
     name = "torch"
     needs_plan = False
+    reads_mask = True
 
     def plan(self, a: AttentionInputs, host_cache_lens: list[int]) -> None:
         return None
@@ -90,6 +93,29 @@ class TorchAttention:
 TORCH_ATTENTION = TorchAttention()  # stateless: one instance serves every model and drafter
 
 
+class TritonAttention:
+    """Decode and tree verification through `specserve_kernels.tree_attention`: bf16 in, fp32
+    softmax in registers, only each request's live keys read (inside a CUDA graph too); causal
+    prefill of fresh sequences through SDPA. Needs no (B, 1, T, S) mask and no plan."""
+
+    name = "triton"
+    needs_plan = False
+    reads_mask = False
+
+    def plan(self, a: AttentionInputs, host_cache_lens: list[int]) -> None:
+        return None
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: AttentionInputs) -> torch.Tensor:
+        b, _, t, _ = q.shape
+        if a.is_causal:
+            return TORCH_ATTENTION.attend(q, k_cache, v_cache, a)
+        out = K.tree_attention(q, k_cache, v_cache, a.slots, a.cache_lens, a.new_mask, a.key_len)  # (B, T, Hq, D)
+        return out.reshape(b, t, -1)
+
+
+TRITON_ATTENTION = TritonAttention()
+
+
 @dataclass(frozen=True)
 class AttentionInputs:
     """Everything attention needs that is the same for every layer of one forward.
@@ -97,7 +123,9 @@ class AttentionInputs:
     Shape:
         slots, cache_lens: (B,) int64
         write_slots, write_pos: (B, T) int64, where each new token's K/V goes
-        mask: (B, 1, T, S) bool or None (None = causal over fresh, slot-contiguous sequences)
+        mask: (B, 1, T, S) bool or None (None = causal over fresh, slot-contiguous sequences, or a
+            backend that does not read it)
+        new_mask: (B, T, T) bool or None (causal): which new tokens each new token sees
         cos, sin: (B, T, 1, D), sin signed (see rope_table)
     """
 
@@ -112,6 +140,7 @@ class AttentionInputs:
     cos: torch.Tensor
     sin: torch.Tensor
     backend: AttentionBackend = TORCH_ATTENTION  # planned for these inputs (see attention_backend)
+    new_mask: torch.Tensor | None = None
 
 
 class FlashInferAttention:
@@ -125,6 +154,7 @@ class FlashInferAttention:
 
     name = "flashinfer"
     needs_plan = True
+    reads_mask = True
 
     def __init__(
         self,
@@ -195,15 +225,30 @@ def flashinfer_available() -> bool:
 
 
 def resolve_attention(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """'auto' -> flashinfer on CUDA in fp16/bf16 when it is installed, else torch (flashinfer has
-    no fp32 kernels). Raises, naming the field, for a combination that cannot run."""
+    """'auto' -> on CUDA flashinfer in fp16/bf16 when it is installed, else our Triton kernel; torch
+    on CPU. Raises, naming the field, for a combination that cannot run. (`triton` on a CPU runs
+    the kernel's torch reference: for tests.)"""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
     usable = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
-        return "flashinfer" if usable and flashinfer_available() else "torch"
+        if device.type != "cuda":
+            return "torch"
+        return "flashinfer" if usable and flashinfer_available() else "triton"
     if name == "flashinfer" and not (usable and flashinfer_available()):
         raise ValueError(
             "attention_backend: flashinfer needs a CUDA device, dtype bfloat16 or float16, and the `gpu` extra installed"
         )
     return name
+
+
+def make_attention_backend(name: str, cfg: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device,
+                           graph_batch_size: int | None = None, graph_num_tokens: int = 1) -> AttentionBackend:
+    """The backend `name` (resolved) for a model of `cfg` over a cache of `max_len` entries; a
+    flashinfer instance is built for one CUDA-graph bucket when graph_batch_size is set."""
+    if name == "torch":
+        return TORCH_ATTENTION
+    if name == "triton":
+        return TRITON_ATTENTION
+    return FlashInferAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max_len, dtype, device,
+                               graph_batch_size, graph_num_tokens)

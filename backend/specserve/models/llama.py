@@ -70,6 +70,35 @@ def prefix_mask(cache_lens: torch.Tensor, new_mask: torch.Tensor, key_len: int) 
     return (in_prefix[:, None, :] | (in_new[:, None, :] & gathered)).unsqueeze(1)
 
 
+def scattered_attention_inputs(
+    rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, write_pos: torch.Tensor,
+    slots: list[int] | torch.Tensor, mask: torch.Tensor | None, key_len: int,
+) -> AttentionInputs:
+    """AttentionInputs for tokens written at arbitrary cache entries `write_pos` (B, T) of their
+    slots, with rope `positions` (B, T) and an explicit mask (None: causal over a fresh prefill).
+
+    slots: host ints (consecutive slots are read as a cache view), or a (B,) device tensor for a
+    static, capturable forward (keys gathered per slot)."""
+    b, t = positions.shape
+    slot_range = None
+    if not isinstance(slots, torch.Tensor):
+        first = slots[0]
+        slot_range = (first, b) if slots == list(range(first, first + b)) else None
+        slots = torch.tensor(slots, device=positions.device)
+    cos, sin = rope
+    return AttentionInputs(
+        slots=slots, cache_lens=write_pos[:, 0], write_slots=slots[:, None].expand(b, t), write_pos=write_pos,
+        key_len=key_len, mask=mask, is_causal=mask is None, slot_range=slot_range,
+        cos=cos[positions].unsqueeze(2), sin=sin[positions].unsqueeze(2),
+    )
+
+
+def causal_extend_mask(starts: torch.Tensor, t: int, key_len: int) -> torch.Tensor:
+    """(B, 1, T, S): T new tokens after each row's prefix [0, starts[b]), causal among themselves."""
+    causal = torch.ones(t, t, dtype=torch.bool, device=starts.device).tril().expand(len(starts), t, t)
+    return prefix_mask(starts, causal, key_len)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, in_features: int | None = None) -> None:
         super().__init__()
@@ -194,11 +223,12 @@ class LlamaModel(nn.Module):
         cos = self._rope[0][positions].unsqueeze(2)  # (B, T, 1, D)
         sin = self._rope[1][positions].unsqueeze(2)
 
+        backend = backend or self.attention_backend
         fresh_causal = new_mask is None and max(host_cache_lens) == 0
         if fresh_causal:
             mask, is_causal = None, True
-        elif new_mask is None and t == 1 and len(set(host_cache_lens)) == 1:
-            mask, is_causal = None, False  # one new token, equal lengths: every key is visible
+        elif (new_mask is None and t == 1 and len(set(host_cache_lens)) == 1) or not backend.reads_mask:
+            mask, is_causal = None, False  # one new token, equal lengths (every key is visible), or no mask read
         else:
             if new_mask is None:
                 new_mask = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril().expand(b, t, t)
@@ -216,7 +246,8 @@ class LlamaModel(nn.Module):
             slot_range=(first, b) if consecutive else None,
             cos=cos,
             sin=sin,
-            backend=backend or self.attention_backend,
+            backend=backend,
+            new_mask=new_mask,
         )
         a.backend.plan(a, host_cache_lens)
         return a
@@ -231,8 +262,9 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
     ) -> AttentionInputs:
         """The same inputs with every shape fixed by the tensors' shapes and no host values: keys
-        span the whole slot (key_len = max_len) behind a mask built on the device. This is what a
-        CUDA graph captures; the caller plans `backend` itself before each replay.
+        span the whole slot (key_len = max_len) behind a mask built on the device (a backend that
+        reads the live length instead, `reads_mask` False, gets none). This is what a CUDA graph
+        captures; the caller plans `backend` itself before each replay.
 
         positions (B, T); slots, cache_lens (B,); new_mask (B, T, T) bool.
         """
@@ -244,12 +276,13 @@ class LlamaModel(nn.Module):
             write_slots=slots[:, None].expand(b, t),
             write_pos=cache_lens[:, None] + torch.arange(t, device=positions.device),
             key_len=cache.max_len,
-            mask=prefix_mask(cache_lens, new_mask, cache.max_len),
+            mask=prefix_mask(cache_lens, new_mask, cache.max_len) if backend.reads_mask else None,
             is_causal=False,
             slot_range=None,
             cos=self._rope[0][positions].unsqueeze(2),
             sin=self._rope[1][positions].unsqueeze(2),
             backend=backend,
+            new_mask=new_mask,
         )
 
     def forward(

@@ -88,4 +88,4 @@ def load_llama(model_dir: str | Path, dtype: torch.dtype, device: str = "cpu") -
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise KeyError(f"checkpoint: no weights for {missing[:5]}")
-    return model.to(device).eval()
+    return model.to(device).eval().requires_grad_(False)  # frozen: no autograd in serving or graphs

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specserve.models.compiled import (
+from specserve.models.kv_cache import KVCache
+from specserve.runtime.compiled import (
     STEP_CONFIGS,
     STEP_ROWS,
     CompiledHead,
@@ -28,7 +29,6 @@ from specserve.models.compiled import (
     load_or_compile,
     program_key,
 )
-from specserve.models.kv_cache import KVCache
 from specserve_kernels import few_row_gemm
 
 FEW_ROWS = STEP_ROWS  # forwards of at most this many rows (batch x tokens) run the few-row program

@@ -1,0 +1,172 @@
+"""The target's forwards, behind one call per kind: `prefill` and `step` (decode or tree verify).
+
+Per forward the runner picks, by its `RuntimePlan`: a CUDA-graph bucket (or the same static bucket
+run eagerly, `graph_mode=static`), the CPU's compiled program where `PathChooser` measured it
+faster, or the eager model. Prefills never run in a bucket. The runner also picks the attention
+backend each bucket plans and replays.
+
+This module knows nothing about requests, drafts or verification: it runs forwards and times the
+paths it chooses between.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from specserve.config import EngineConfig
+from specserve.models.attention import TORCH_ATTENTION, AttentionBackend, make_attention_backend
+from specserve.models.cpu_linear import pack_for_inference
+from specserve.models.kv_cache import KVCache
+from specserve.models.llama import ForwardOutput, LlamaModel
+from specserve.runtime.compiled import CompiledTarget, compiled_or_none
+from specserve.runtime.cuda_graph import GraphRunner, default_batch_sizes
+from specserve.runtime.paths import PathChooser
+from specserve.runtime.plan import RuntimePlan
+
+log = logging.getLogger(__name__)
+
+
+class TargetRunner:
+    """Runs the target's forwards on the path its plan and `PathChooser` pick.
+
+    `graphs`: the static buckets (None unless the plan is static); `compiled`: the CPU's compiled
+    program (None unless the plan compiles and it built); `paths`: compiled vs eager per step key.
+    """
+
+    def __init__(self, model: LlamaModel, cache: KVCache, config: EngineConfig, plan: RuntimePlan, attention: str,
+                 aux_layers: tuple[int, ...], tree_tokens: int) -> None:
+        """tree_tokens: the largest tree a step verifies (the verify buckets' token count)."""
+        self.model, self.cache, self.plan, self.aux_layers = model, cache, plan, aux_layers
+        self.attention = attention
+        self.model.attention_backend = self.make_backend()
+        self.buckets = default_batch_sizes(config.max_batch_size)
+        self.graphs = None
+        if plan.static:
+            self.graphs = GraphRunner(
+                model, cache, batch_sizes=plan.batch_sizes, num_tokens=sorted({1, tree_tokens}),
+                aux_layers=aux_layers, padding_slot=cache.reserve(),
+                make_backend=lambda bs, t: self.make_backend(bs if plan.capture else None, t), capture=plan.capture,
+            )
+        # on CPU: the target's forwards through one compiled program (exported from the plain weights, so first)
+        self.compiled = None
+        if plan.compile_cache_dir is not None:
+            self.compiled = compiled_or_none("target", lambda: CompiledTarget(
+                model, cache, aux_layers, config.max_batch_size, config.max_seq_len, plan.compile_cache_dir,
+                plan.step_matmul,
+            ))
+        if pack_for_inference(model, keep_weights=("lm_head",)):  # drafters share the lm_head
+            log.info("target: bf16 linear weights prepacked for oneDNN (CPU)")
+        self.paths = PathChooser(pinned=config.compiled_steps == "always")
+
+    def make_backend(self, graph_batch_size: int | None = None, graph_num_tokens: int = 1) -> AttentionBackend:
+        """The attention backend of one bucket (graph_batch_size: its batch size when captured)."""
+        if self.attention == "torch":
+            return TORCH_ATTENTION
+        return make_attention_backend(self.attention, self.model.cfg, self.cache.max_len, self.cache.data.dtype,
+                                      self.cache.data.device, graph_batch_size, graph_num_tokens)
+
+    def bucket(self, batch_size: int) -> int:
+        """The batch-size bucket a step of `batch_size` requests counts under."""
+        return self.buckets[min(bisect.bisect_left(self.buckets, batch_size), len(self.buckets) - 1)]
+
+    # ---- forwards -------------------------------------------------------------------------------
+
+    def prefill(self, tokens: torch.Tensor, slots: list[int], last: torch.Tensor) -> ForwardOutput:
+        """One causal forward over fresh prompts. tokens (B, T) on the device, padded after each
+        prompt; slots: the requests' slots; last (B, 1): each prompt's last position (its logits)."""
+        b, t = tokens.shape
+        dev = tokens.device
+        positions = torch.arange(t, device=dev).expand(b, t)
+        slots_t, zeros = torch.tensor(slots, device=dev), torch.zeros(b, dtype=torch.int64, device=dev)
+        if self.compiled is not None and self.compiled.fits(b, t, 0):
+            causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(b, t, t)
+            return self.compiled.forward(tokens, positions, slots_t, zeros, causal, [0] * b, last)
+        attn = self.model.attention_inputs(positions, slots_t, zeros, None, self.cache, [0] * b, slots)
+        return self.model(tokens, attn, self.cache, logit_index=last, aux_layers=self.aux_layers)
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache_lens: torch.Tensor,
+             mask: torch.Tensor, root_only: bool, host_lens: list[int], host_slots: list[int]) -> tuple[ForwardOutput, bool]:
+        """A decode or tree-verify forward. tokens, positions (B, N); slots, cache_lens (B,); mask
+        (B, N, N) the trees' masks (root_only: N = 1, plain decoding).
+
+        Returns the output and whether the forward ran on the path its key is settled on (a forward
+        exploring the other path says nothing about the step's usual cost)."""
+        b, n = tokens.shape
+        new_mask = None if root_only else mask
+        if self.graphs is not None and self.graphs.bucket_for(b, n) is not None:
+            return self.graphs.forward(tokens, positions, slots, cache_lens, new_mask, host_lens), True
+        if self.compiled is not None and self.compiled.fits(b, n, max(host_lens)):
+            key = (self.bucket(b), n)
+            path = self.paths.choose(key)
+            start = time.perf_counter()
+            if path == "compiled":
+                out = self.compiled.forward(tokens, positions, slots, cache_lens, mask, host_lens)
+            else:
+                out = self._eager(tokens, positions, slots, cache_lens, new_mask, host_lens, host_slots)
+            self.paths.observe(key, path, time.perf_counter() - start)
+            return out, self.paths.settled_on(key, path)
+        return self._eager(tokens, positions, slots, cache_lens, new_mask, host_lens, host_slots), True
+
+    def _eager(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache_lens: torch.Tensor,
+               new_mask: torch.Tensor | None, host_lens: list[int], host_slots: list[int]) -> ForwardOutput:
+        attn = self.model.attention_inputs(positions, slots, cache_lens, new_mask, self.cache, host_lens, host_slots)
+        return self.model(tokens, attn, self.cache, aux_layers=self.aux_layers)
+
+    # ---- the compiled program's paths -----------------------------------------------------------
+
+    @property
+    def compiled_step_buckets(self) -> tuple[int, ...]:
+        """The batch-size buckets whose decode steps run the compiled step program now."""
+        if self.compiled is None:
+            return ()
+        return tuple(b for b in self.buckets if self.paths.best((b, 1)) == "compiled")
+
+    @torch.inference_mode()
+    def seed_paths(self, tree_sizes: Sequence[int], num_free: int, max_seq_len: int, repeats: int = 3) -> None:
+        """Seed the path choice: each bucket's step at every tree size (1 = decode) timed through
+        the compiled program and eagerly, interleaved, on free slots at a mid-length context; the
+        median of `repeats` after two untimed calls. The K/V written land in free slots, which a
+        prefill overwrites. Serving steps keep measuring both paths."""
+        if self.compiled is None or self.paths.pinned:
+            return
+        context = min(256, max_seq_len // 2)
+        for b in self.buckets:
+            if b > num_free:
+                continue
+            for t in sorted(set(tree_sizes)):
+                run = self._step_forwards(b, t, context)
+                samples: dict[str, list[float]] = {name: [] for name in run}
+                for i in range(repeats + 2):
+                    for name, forward in run.items():
+                        start = time.perf_counter()
+                        forward()
+                        if i >= 2:
+                            samples[name].append(time.perf_counter() - start)
+                for name in run:
+                    self.paths.seed((b, t), name, statistics.median(samples[name]))
+                log.info("target step at batch %d, %d token(s): compiled %.1f ms, eager %.1f ms -> %s", b, t,
+                         statistics.median(samples["compiled"]) * 1e3, statistics.median(samples["eager"]) * 1e3,
+                         self.paths.best((b, t)))
+
+    def _step_forwards(self, b: int, t: int, context: int) -> dict[str, Callable[[], object]]:
+        """A step of b requests with t-node chains at `context` cached tokens, through the compiled
+        program and eagerly, on the first b slots."""
+        assert self.compiled is not None
+        dev = self.cache.data.device
+        tokens = torch.zeros(b, t, dtype=torch.int64, device=dev)
+        slots, host_lens = torch.arange(b, device=dev), [context] * b
+        cache_lens = torch.full((b,), context, device=dev)
+        positions = cache_lens[:, None] + torch.arange(t, device=dev)
+        mask = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(b, t, t)
+        compiled = self.compiled
+        return {
+            "compiled": lambda: compiled.forward(tokens, positions, slots, cache_lens, mask, host_lens),
+            "eager": lambda: self._eager(tokens, positions, slots, cache_lens, None if t == 1 else mask, host_lens,
+                                         list(range(b))),
+        }
