@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
+
+
+def server_module() -> ModuleType:
+    """`specserve.serving.server`, which starts a tritonserver here: part of the server package,
+    not of the client, so a client-only install gets a clear error instead of a bare ImportError."""
+    try:
+        return importlib.import_module("specserve.serving.server")
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] != "specserve":
+            raise
+        raise ModuleNotFoundError(
+            "starting a tritonserver here needs the server package `specserve` (install the project root); "
+            "where a command takes --url, point it at a running server instead",
+            name=e.name,
+        ) from e
 
 
 def add_server_arguments(p: argparse.ArgumentParser, num_threads_help: str) -> None:
@@ -31,18 +48,12 @@ def server_for(
     if url is not None:
         yield url
         return
-    from specserve.serving.server import (
-        TritonProcess,
-        copy_repository,
-        default_repository,
-        free_port,
-        models_for,
-    )
-
-    repository = Path(repository or default_repository())
+    server = server_module()
+    repository = Path(repository or server.default_repository())
     with tempfile.TemporaryDirectory(prefix="specserve-bench-") as tmp:
         if overrides:
-            repository = copy_repository(repository, Path(tmp) / "repo", {f"llm_{variant}": dict(overrides)})
-        ports = [free_port() for _ in range(3)]
-        with TritonProcess(repository, models_for([variant]), *ports, log=log or Path(tmp) / "tritonserver.log") as server:
-            yield server.grpc_url
+            repository = server.copy_repository(repository, Path(tmp) / "repo", {f"llm_{variant}": dict(overrides)})
+        ports = [server.free_port() for _ in range(3)]
+        log = log or Path(tmp) / "tritonserver.log"
+        with server.TritonProcess(repository, server.models_for([variant]), *ports, log=log) as process:
+            yield process.grpc_url

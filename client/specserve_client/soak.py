@@ -33,6 +33,7 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
+from specserve_client.local_server import server_module
 from specserve_client.stream import grpc_inputs, request_inputs
 
 TIMEOUT_S = 120.0
@@ -213,8 +214,6 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specserve.serving.server import TritonProcess, default_repository, free_port, models_for
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variant", default="base")
     p.add_argument("--minutes", type=float, default=10.0)
@@ -230,9 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     kinds = tuple(args.kinds.split(","))
     if not kinds or not set(kinds) <= set(KIND_WEIGHTS):
         p.error(f"--kinds: choose among {', '.join(KIND_WEIGHTS)}, got {args.kinds!r}")
+    server_side = server_module()  # the soak always starts its own server
     args.out.mkdir(parents=True, exist_ok=True)
-    ports = [free_port() for _ in range(3)]
-    with TritonProcess(default_repository(), models_for([args.variant]), *ports, log=args.out / "tritonserver.log") as server:
+    ports = [server_side.free_port() for _ in range(3)]
+    with server_side.TritonProcess(server_side.default_repository(), server_side.models_for([args.variant]), *ports,
+                                   log=args.out / "tritonserver.log") as server:
         report = soak(server.grpc_url, server.metrics_url, server.proc.pid, args.variant, args.minutes, args.concurrency,
                       args.sample_s, args.connection_per_request, kinds)
     (args.out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
