@@ -122,10 +122,17 @@ def build_tree(parents: torch.Tensor) -> TreeTensors:
         CUDA input runs the Triton kernel, CPU input the reference (see `use_triton`).
     """
     check_tensor("parents", parents, torch.int64, 2)
+    check_num_nodes("parents", parents.shape[1])
+    return TreeTensors(*torch.ops.specserve.build_tree(parents))
+
+
+@torch.library.custom_op("specserve::build_tree", mutates_args=())
+def _build_tree_op(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One op to tracing and the capture check (a shape-only fake below); the kernel or the reference."""
     bsz, n = parents.shape
-    check_num_nodes("parents", n)
     if not use_triton(parents) or bsz == 0:
-        return build_tree_reference(parents)
+        t = build_tree_reference(parents)
+        return t.depth, t.mask, t.first_child, t.next_sibling
 
     device = parents.device
     depth = torch.empty(bsz, n, dtype=torch.int64, device=device)
@@ -147,7 +154,14 @@ def build_tree(parents: torch.Tensor) -> TreeTensors:
         *next_sibling.stride(),
         BLOCK_N=triton.next_power_of_2(n),
     )
-    return TreeTensors(depth, mask, first_child, next_sibling)
+    return depth, mask, first_child, next_sibling
+
+
+@_build_tree_op.register_fake
+def _(parents):  # noqa: ANN001, ANN202
+    bsz, n = parents.shape
+    return (parents.new_empty(bsz, n), parents.new_empty(bsz, n, n, dtype=torch.bool), parents.new_empty(bsz, n),
+            parents.new_empty(bsz, n))
 
 
 def _first_true(x: torch.Tensor) -> torch.Tensor:

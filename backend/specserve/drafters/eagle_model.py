@@ -305,11 +305,12 @@ def load_eagle(path: str | Path, target: LlamaModel, dtype: torch.dtype, device:
     state = eagle_state_dict(tensors, cfg)
     with torch.device("meta"):
         head = EagleHead(cfg, target)
-    head.load_state_dict({k: v if k == "d2t" else v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    head.load_state_dict({k: v.to(device) if k == "d2t" else v.to(device=device, dtype=dtype)
+                          for k, v in state.items()}, strict=True, assign=True)
     if cfg.algorithm == "eagle3" and "embed_tokens.weight" in tensors:
         head.own_embed = nn.Embedding.from_pretrained(
-            take(tensors, "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)).to(dtype))
-    return head.to(device).eval().requires_grad_(False)
+            take(tensors, "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)).to(device=device, dtype=dtype))
+    return head.eval().requires_grad_(False)  # loaded onto the device
 
 
 def save_eagle(head: EagleHead, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,

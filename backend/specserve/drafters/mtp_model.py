@@ -154,8 +154,8 @@ def load_mtp(path: str | Path, target: LlamaModel, dtype: torch.dtype, device: s
     state = mtp_state_dict(tensors, cfg)
     with torch.device("meta"):
         head = MtpHead(cfg, target)
-    head.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
-    return head.to(device).eval().requires_grad_(False)
+    head.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=True, assign=True)
+    return head.eval().requires_grad_(False)  # loaded onto the device
 
 
 def save_mtp(head: MtpHead, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:

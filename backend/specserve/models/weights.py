@@ -81,11 +81,11 @@ def load_llama(model_dir: str | Path, dtype: torch.dtype, device: str = "cpu") -
     cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = LlamaModel(cfg)
-    state = {k: v.to(dtype) for k, v in llama_state_dict(read_safetensors(model_dir), cfg).items()}
-    model.load_state_dict(state, strict=False, assign=True)
+    state = {k: v.to(device=device, dtype=dtype) for k, v in llama_state_dict(read_safetensors(model_dir), cfg).items()}
+    missing = model.load_state_dict(state, strict=False, assign=True).missing_keys
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
+        missing = [n for n in missing if n != "lm_head.weight"]
     if missing:
         raise KeyError(f"checkpoint: no weights for {missing[:5]}")
-    return model.to(device).eval().requires_grad_(False)  # frozen: no autograd in serving or graphs
+    return model.eval().requires_grad_(False)  # loaded onto the device; frozen: no autograd in serving or graphs

@@ -9,10 +9,11 @@ operands, and raises `CaptureUnsafe` on what breaks a capture or a replay:
   into the graph), and copies between host and device;
 - an op autograd would record (a parameter that requires grad, outside inference mode).
 
-Run under `FakeTensorMode` with tensors on device "cuda", it checks the GPU code path on a
-machine without a GPU: a scalar written through a device index (`t[idx] = True`) then fails to
-allocate its hidden device copy, which `check_capturable` reports as a host-to-device copy too.
-On a real GPU the runtime runs each function once under the guard before capturing it.
+On a machine without a GPU, the engine built on the "meta" device (shapes only, no data) runs
+the GPU code path: the runtime's captured functions under the guard with device type "meta"
+catch the same faults (a host tensor is still on "cpu"; a scalar written through a device index
+is still a 0-dim value of `index_put_`). On a GPU the runtime runs each function once under the
+guard before capturing it.
 
 `op_count` counts the ops that launch a kernel (views are free): on a GPU each costs about 1-3 us
 even when tiny, so the count of one decode step is its launch cost before any GPU is at hand.
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -64,35 +65,23 @@ class CaptureGuard(TorchDispatchMode):
             host = [tuple(t.shape) for t in tensors if t.device.type == "cpu"]
             raise CaptureUnsafe(f"{func}: host tensor(s) of shape {host} among device operands (a hidden copy)")
         target = kwargs.get("device")
+        if name in ("index_put_", "index_put") and args[2].dim() == 0:
+            raise CaptureUnsafe(f"{func}: a scalar written through a tensor index (`t[index] = True`): under CUDA "
+                                "its value is copied from the host; build the value with a device op")
         if target is not None and devices and torch.device(target).type not in devices:
             raise CaptureUnsafe(f"{func}: copies between host and device")
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             raise CaptureUnsafe(f"{func}: autograd records this op (freeze the weights, run under inference mode)")
         out = func(*args, **kwargs)
-        if getattr(func, "namespace", "aten") == "aten" and not func.is_view and name not in _FREE:
+        if func.namespace in ("aten", "specserve") and not func.is_view and name not in _FREE:
             self.ops[name] += 1
         return out
 
 
 def check_capturable(fn: Callable[[], T], device_type: str = "cuda") -> tuple[T, CaptureGuard]:
-    """Run `fn` once under a `CaptureGuard`; returns its output and the guard (its op counts).
-
-    Raises `CaptureUnsafe` naming the first unsafe op. Under `FakeTensorMode` without CUDA, a
-    hidden host-to-device copy fails before any op is dispatched ("not linked with support for
-    cuda devices"): reported as the same error."""
+    """Run `fn` once under a `CaptureGuard` for tensors on `device_type`; returns its output and
+    the guard (its op counts). Raises `CaptureUnsafe` naming the first unsafe op."""
     guard = CaptureGuard(device_type)
-    try:
-        with guard:
-            out = fn()
-    except RuntimeError as e:
-        if isinstance(e, CaptureUnsafe) or "not linked with support for cuda" not in str(e):
-            raise
-        raise CaptureUnsafe(f"a host value is copied to the device: {e}") from e
+    with guard:
+        out = fn()
     return out, guard
-
-
-def fake_cuda_mode() -> Any:
-    """A `FakeTensorMode` in which tensors may live on device "cuda" without a GPU (shapes only)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode(allow_non_fake_inputs=True)

@@ -11,8 +11,9 @@ engine never hands out (`padding_slot`), and padding tokens of a real row sit af
 only themselves, and write K/V beyond the row's cache length (scratch the next step overwrites).
 
 With `capture=False` the same static forward runs eagerly; that is how the CPU tests check the
-padding and slicing logic, and it is what a bucket does on CPU. This module does not decide when
-graphs are used (the engine does), does not capture prefill, and does not know how a drafter
+padding and slicing logic, and it is what a bucket does on CPU. Every captured function runs
+under inference mode and, once before its capture, under `capture_guard`. This module does not
+decide when graphs are used (the runtime plan does), does not capture prefill, and does not know how a drafter
 drafts (it captures the function it is given).
 """
 
@@ -29,6 +30,7 @@ import torch
 from specserve.models.attention import AttentionBackend
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, LlamaModel
+from specserve.runtime.capture_guard import check_capturable
 from specserve.tree import TreeBatch
 
 T = TypeVar("T")
@@ -165,15 +167,32 @@ class GraphRunner:
         a = self.model.static_attention_inputs(bk.positions, bk.slots, bk.cache_lens, bk.new_mask, self.cache, bk.backend)
         return self.model(bk.tokens, a, self.cache, aux_layers=self.aux_layers)
 
+    def captured_functions(self) -> dict[tuple[int, int], Callable[[], ForwardOutput]]:
+        """Per bucket, the function its graph captures (what the capture-guard tests run)."""
+        return {key: capturable(lambda bk=bk: self._run(bk)) for key, bk in self.buckets.items()}
+
     def _capture(self, bk: _Bucket, pool: object) -> None:
         if bk.backend.needs_plan:
             self._plan(bk, [0] * bk.tokens.shape[0])  # padding rows only: a valid plan to capture
-        bk.graph, bk.output = capture(lambda: self._run(bk), self.device, pool)
+        bk.graph, bk.output = capture(capturable(lambda: self._run(bk)), self.device, pool)
+
+
+def capturable(fn: Callable[[], T]) -> Callable[[], T]:
+    """`fn` as a graph captures it: under inference mode (autograd records nothing)."""
+
+    def run() -> T:
+        with torch.inference_mode():
+            return fn()
+
+    return run
 
 
 def capture(fn: Callable[[], T], device: torch.device, pool: object) -> tuple[torch.cuda.CUDAGraph, T]:
-    """Warm `fn` up twice on a side stream (lazy inits and autotuning stay outside the graph),
-    then capture one call into `pool`; returns the graph and the output its replays rewrite."""
+    """Run `fn` once under the capture guard (a host read or a host operand fails here, named,
+    rather than as a capture error), warm it up twice on a side stream (lazy inits and autotuning
+    stay outside the graph), then capture one call into `pool`; returns the graph and the output
+    its replays rewrite."""
+    check_capturable(fn, device.type)
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -223,12 +242,19 @@ class DraftGraphs:
             i64 = dict(dtype=torch.int64, device=device)
             bk = _DraftBucket(torch.full((bs,), padding_slot, **i64), torch.zeros(bs, **i64), torch.zeros(bs, **i64))
             if capture_graphs:
-                bk.graph, bk.output = capture(lambda bk=bk: self.draft(bk.slots, bk.base, bk.roots), device, pool)
+                bk.graph, bk.output = capture(self._captured(bk), device, pool)
             self.buckets[bs] = bk
         if capture_graphs:
             self.graph_bytes = torch.cuda.memory_allocated(device) - before
             log.info("CUDA graphs: %d drafts captured (batch sizes %s), %.1f MiB",
                      len(self.buckets), self.batch_sizes, self.graph_bytes / 2**20)
+
+    def _captured(self, bk: _DraftBucket) -> Callable[[], TreeBatch]:
+        return capturable(lambda: self.draft(bk.slots, bk.base, bk.roots))
+
+    def captured_functions(self) -> dict[int, Callable[[], TreeBatch]]:
+        """Per batch size, the function its graph captures (what the capture-guard tests run)."""
+        return {bs: self._captured(bk) for bs, bk in self.buckets.items()}
 
     def __call__(self, slots: list[int], base: list[int], roots: list[int]) -> TreeBatch | None:
         """The B = len(slots) trees, or None when B is above the largest bucket (draft eagerly)."""
