@@ -15,7 +15,7 @@ MODEL := models/SmolLM2-135M-Instruct/model.safetensors
 VARIANTS ?= base,ngram,eagle2,eagle3,mtp
 PYTEST_ARGS ?=
 
-.PHONY: setup prepare serve test lint bench bench-gpu loadtest profile soak clean
+.PHONY: setup prepare serve test lint bench bench-gpu gpu-check loadtest profile soak clean
 
 setup: $(STAMP)
 
@@ -57,7 +57,10 @@ bench: setup prepare
 	$(BENCH) --algorithm ngram --dataset bench/grounded.jsonl --json results/bench_ngram_grounded.json
 	$(PY) bench/eagle_sweep.py --out results/eagle_sweep
 
-bench-gpu: setup prepare  # on a CUDA machine; see bench/gpu/README.md for the device tool
+gpu-check:  # on a CUDA machine with the model prepared (docs/gpu.md); no set-up of its own
+	bench/gpu/check.sh results/gpu-check
+
+bench-gpu: setup prepare  # on a CUDA machine; see bench/gpu/README.md
 	$(PY) bench/gpu/run.py --out results/gpu
 
 loadtest: setup prepare

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from specserve.config import EngineConfig, ModelConfig, SpecConfig
-from specserve.models.attention import TORCH_ATTENTION, FlashInferAttention, resolve_attention
+from specserve.models.attention import make_attention_backend, resolve_attention
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel
 from specserve.runtime.cuda_graph import GraphRunner
@@ -103,7 +103,7 @@ def weight_bytes_per_step(model: LlamaModel) -> int:
 
 @torch.inference_mode()
 def bench_steps(cfg: ModelConfig, device: torch.device, batch_sizes: list[int], tree_tokens: list[int],
-                context: int, iters: int, graphs: bool) -> dict:
+                context: int, iters: int, graphs: bool, attention: str = "auto") -> dict:
     dtype = torch.bfloat16
     model = random_model(cfg, dtype, device)
     max_bs = max(batch_sizes)
@@ -111,15 +111,15 @@ def bench_steps(cfg: ModelConfig, device: torch.device, batch_sizes: list[int], 
     model.init_rope(cache.max_len)
     bandwidth = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**26)
     floor = weight_bytes_per_step(model) / bandwidth
-    attention = resolve_attention("auto", device, dtype)
+    attention = resolve_attention(attention, device, dtype)
+    # the KV cache each request reads per step: every layer's K and V over the context
+    kv_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * context * dtype.itemsize
     report = {"shape": asdict(cfg), "attention": attention, "context": context, "weight_bytes": weight_bytes_per_step(model),
-              "copy_bandwidth_gbs": bandwidth / 1e9, "bandwidth_floor_ms": floor * 1e3, "decode": [], "verify": []}
+              "kv_bytes_per_request": kv_bytes, "copy_bandwidth_gbs": bandwidth / 1e9,
+              "bandwidth_floor_ms": floor * 1e3, "decode": [], "verify": []}
 
     def backend(bs: int, t: int, capture: bool):  # noqa: ANN202
-        if attention == "torch":
-            return TORCH_ATTENTION
-        return FlashInferAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cache.max_len, dtype, device,
-                                   bs if capture else None, t)
+        return make_attention_backend(attention, cfg, cache.max_len, dtype, device, bs if capture else None, t)
 
     def step_fn(bs: int, t: int, capture: bool) -> Callable[[], object]:
         runner = GraphRunner(model, cache, [bs], [t], (), padding_slot=max_bs,
@@ -138,7 +138,8 @@ def bench_steps(cfg: ModelConfig, device: torch.device, batch_sizes: list[int], 
         for name, capture in modes:
             row[f"{name}_ms"] = timer(device, step_fn(bs, 1, capture), iters) * 1e3
         best = min(row[f"{n}_ms"] for n, _ in modes)
-        row["vs_bandwidth_floor"] = best / (floor * 1e3)
+        row["bandwidth_floor_ms"] = (floor + bs * kv_bytes / bandwidth) * 1e3  # weights once, each request's KV
+        row["vs_bandwidth_floor"] = best / row["bandwidth_floor_ms"]
         report["decode"].append(row)
         log.info("decode bs=%d %s", bs, row)
     decode_bs1 = report["decode"][0]
@@ -153,7 +154,11 @@ def bench_steps(cfg: ModelConfig, device: torch.device, batch_sizes: list[int], 
 
 
 def bench_variants(model_dir: str, device: torch.device, algorithms: list[str], num_prompts: int,
-                   max_new_tokens: int, graphs: bool) -> list[dict]:
+                   max_new_tokens: int, graphs: bool, adaptive: bool = True, hf_static: bool = False,
+                   eager_too: bool = True, dump: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    """Per algorithm: tokens/s and accept length at batch 1, bf16, graphs on and off (CUDA), with the
+    algorithm's pinned shape and (adaptive) its adaptive one; `hf_static`: HF generate() with its
+    static cache as the baseline. `dump(rows)` after each row (a timeout keeps what ran)."""
     from tokenizers import Tokenizer
 
     from specserve.bench import run_engine
@@ -167,16 +172,50 @@ def bench_variants(model_dir: str, device: torch.device, algorithms: list[str], 
     base = EngineConfig(model_dir=model_dir, max_batch_size=1, max_seq_len=2048, device=str(device))
     rows = []
     for alg in algorithms:
-        spec = SpecConfig(algorithm=alg, **served_drafter(alg))
-        for mode in (["auto", "off"] if graphs else ["off"]):
-            engine = Engine(replace(base, spec=spec, graph_mode=mode))
-            run = run_engine(engine, prompts, max_new_tokens)
-            rows.append({"algorithm": alg, "cuda_graph": mode == "auto" and device.type == "cuda",
-                         "attention": engine.attention, "tokens_per_s": run["tokens_per_s"],
-                         "accept_length": run["accept_length"]})
-            log.info("%s", rows[-1])
-            del engine
+        shapes = {"pinned": PINNED.get(alg, PINNED["eagle"])} if alg != "none" else {"pinned": {}}
+        if adaptive and alg != "none":
+            shapes["adaptive"] = {}
+        for shape_name, shape in shapes.items():
+            spec = SpecConfig(algorithm=alg, **served_drafter(alg), **shape)
+            for mode in (["auto", "off"] if graphs and eager_too else ["auto"] if graphs else ["off"]):
+                engine = Engine(replace(base, spec=spec, graph_mode=mode))
+                run = run_engine(engine, prompts, max_new_tokens)
+                rows.append({"algorithm": alg, "shape": shape_name, "cuda_graph": mode == "auto" and device.type == "cuda",
+                             "attention": engine.runner.attention, "tokens_per_s": run["tokens_per_s"],
+                             "accept_length": run["accept_length"], "profile_ms": engine.profile.per_step_ms()})
+                log.info("%s", rows[-1])
+                dump(rows)
+                del engine
+    if hf_static:
+        rows.append(hf_static_generate(model_dir, device, prompts, max_new_tokens))
+        log.info("%s", rows[-1])
+        dump(rows)
     return rows
+
+
+PINNED = {"ngram": dict(num_draft_tokens=8), "mtp": dict(num_steps=1, topk=2, num_draft_tokens=3),
+          "eagle": dict(num_steps=5, topk=4, num_draft_tokens=8)}
+
+
+def hf_static_generate(model_dir: str, device: torch.device, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """transformers' greedy generate() in bf16 with its static cache (which it compiles), one prompt at
+    a time, after one untimed run: the baseline a user gets from transformers alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+
+    def run(ids: list[int]) -> int:
+        x = torch.tensor([ids], device=device)
+        out = model.generate(x, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                             cache_implementation="static")
+        return out.shape[1] - len(ids)
+
+    run(prompts[0])
+    start = time.perf_counter()
+    tokens = sum(run(p) for p in prompts)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return {"algorithm": "hf_generate_static_cache", "tokens_per_s": tokens / (time.perf_counter() - start)}
 
 
 def markdown(report: dict) -> str:
@@ -214,6 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--skip-steps", action="store_true")
     p.add_argument("--skip-variants", action="store_true")
+    p.add_argument("--attention", default="auto", help="the steps part's attention backend")
+    p.add_argument("--no-adaptive", action="store_true", help="variants: pinned shapes only")
+    p.add_argument("--hf-static", action="store_true", help="variants: also HF generate() with its static cache")
+    p.add_argument("--graphs-only", action="store_true", help="variants: no eager runs beside the graphs")
+    p.add_argument("--json", default=None, help="write the report to this one file (no --out folder)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -223,16 +267,25 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"device": name, "torch": torch.__version__}
     if not args.skip_steps:
         report["steps"] = bench_steps(SHAPES[args.shape], device, [int(b) for b in args.batch_sizes.split(",")],
-                                      [int(t) for t in args.tree_tokens.split(",")], args.context, args.iters, graphs)
+                                      [int(t) for t in args.tree_tokens.split(",")], args.context, args.iters, graphs,
+                                      args.attention)
     if not args.skip_variants:
         from specserve.prepare import default_model_dir
 
         model_dir = args.model_dir or str(default_model_dir())
         if Path(model_dir, "config.json").is_file():
+            def dump(rows: list[dict]) -> None:
+                if args.json:
+                    Path(args.json).write_text(json.dumps(report | {"variants": rows}, indent=2) + "\n")
+
             report["variants"] = bench_variants(model_dir, device, args.algorithms.split(","), args.num_prompts,
-                                                args.max_new_tokens, graphs)
+                                                args.max_new_tokens, graphs, not args.no_adaptive, args.hf_static,
+                                                not args.graphs_only, dump)
         else:
             log.warning("variants: no model at %s (prepare it, or pass --model-dir); skipped", model_dir)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_bench.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -1,8 +1,9 @@
-"""The GPU path on the real SmolLM2: CUDA graphs and flashinfer against the eager torch path.
+"""The GPU path on the real SmolLM2: CUDA graphs, the Triton and flashinfer attention backends,
+against the eager torch path, for every algorithm.
 
 Every test here is marked `gpu` and skipped without CUDA (tests/conftest.py). The Triton kernels
 are checked on the GPU by tests/kernels/ itself, which launches them on CUDA tensors when CUDA
-is present. Run on a lent machine with: `pytest -m gpu tests/gpu tests/kernels`.
+is present. Run with `bench/gpu/check.sh` (or `pytest tests/gpu tests/kernels` on a CUDA machine).
 """
 
 from __future__ import annotations
@@ -37,29 +38,63 @@ def prompts(smollm2_dir) -> list[list[int]]:
 
 @pytest.mark.parametrize("algorithm", ["none", "ngram"])
 def test_cuda_graphs_equal_eager(smollm2_dir, prompts, algorithm):
-    """fp32, torch attention: a captured graph replays the same forward as eager code."""
+    """fp32: a captured graph with the Triton attention kernel gives the eager torch forward's tokens."""
     eager = _engine(smollm2_dir, algorithm, graph_mode="off", attention_backend="torch")
-    graphs = _engine(smollm2_dir, algorithm, graph_mode="auto", attention_backend="torch")
+    graphs = _engine(smollm2_dir, algorithm, graph_mode="auto", attention_backend="triton")
     assert graphs.runner.graphs is not None and graphs.runner.graphs.graph_bytes > 0
     ref = eager.generate(prompts, PARAMS)
     out = graphs.generate(prompts, PARAMS)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
 
 
-@pytest.mark.parametrize("algorithm", ["eagle3", "mtp"])
-def test_captured_drafts_equal_eager(smollm2_dir, prompts, algorithm):
-    """fp32: the committed drafter's whole multi-step draft replayed from a CUDA graph (with the
-    target's graphs) gives the eager engine's tokens and accept lengths."""
+def _spec(algorithm: str) -> SpecConfig:
     from specserve.serving.repository import served_drafter
 
-    spec = SpecConfig(algorithm=algorithm, **served_drafter(algorithm))
+    shape = {"none": {}, "mtp": dict(num_steps=1, topk=2, num_draft_tokens=3)}.get(
+        algorithm, dict(num_steps=5, topk=4, num_draft_tokens=8))
+    return SpecConfig(algorithm=algorithm, **served_drafter(algorithm), **shape)
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3", "mtp", "standalone"])
+def test_captured_drafts_equal_eager(smollm2_dir, prompts, algorithm):
+    """fp32: with graphs on (the target's buckets and, for EAGLE/MTP heads, the whole multi-step
+    draft replayed from a CUDA graph), the eager engine's tokens and accept lengths."""
     engines = [Engine(EngineConfig(model_dir=str(smollm2_dir), device="cuda", dtype="float32", max_batch_size=4,
-                                   max_seq_len=1024, spec=spec, graph_mode=mode, attention_backend="torch"))
+                                   max_seq_len=1024, spec=_spec(algorithm), graph_mode=mode, attention_backend="torch"))
                for mode in ("off", "auto")]
-    assert engines[1].drafter.runner.graphs is not None and engines[1].drafter.runner.graphs.graph_bytes > 0
+    assert engines[1].runner.graphs is not None and engines[1].runner.graphs.graph_bytes > 0
+    if algorithm != "standalone":
+        assert engines[1].drafter.runner.graphs is not None and engines[1].drafter.runner.graphs.graph_bytes > 0
     ref, out = (e.generate(prompts, PARAMS) for e in engines)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
     assert [o.accept_lengths for o in out] == [r.accept_lengths for r in ref]
+
+
+@pytest.mark.parametrize("algorithm", ["ngram", "eagle", "eagle3", "mtp", "standalone"])
+def test_greedy_speculation_equals_none_with_graphs(smollm2_dir, prompts, algorithm):
+    """fp32, graphs on, the Triton attention kernel: every algorithm's greedy output is `none`'s."""
+    def engine(spec: SpecConfig) -> Engine:
+        return Engine(EngineConfig(model_dir=str(smollm2_dir), device="cuda", dtype="float32", max_batch_size=4,
+                                   max_seq_len=1024, spec=spec, attention_backend="triton"))
+
+    ref = engine(_spec("none")).generate(prompts, PARAMS)
+    out = engine(_spec(algorithm)).generate(prompts, PARAMS)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    assert any(o.num_accepted_tokens > 0 for o in out)
+
+
+def test_steps_issue_no_host_sync_inside_the_forward(smollm2_dir, prompts):
+    """A bf16 decode step with graphs: the forward replays without a synchronizing call."""
+    eng = _engine(smollm2_dir, "none", "bfloat16", attention_backend="triton")
+    eng.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))
+    fn = eng.runner.graphs
+    assert fn is not None
+    bk = fn.buckets[(1, 1)]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        bk.graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.skipif(not flashinfer_available(), reason="flashinfer is not installed")

@@ -1,5 +1,5 @@
 """bench/gpu/run.py runs end to end on CPU with a tiny shape (eager only; the numbers mean
-nothing), so the script the device tool runs cannot rot between GPU sessions."""
+nothing), so the script a GPU machine runs cannot rot without one."""
 
 from __future__ import annotations
 
@@ -24,3 +24,24 @@ def test_gpu_bench_script_runs_on_cpu(tmp_path):
     assert steps["weight_bytes"] > 0 and steps["bandwidth_floor_ms"] > 0
     assert all(r["eager_ms"] > 0 and "graph_ms" not in r for r in steps["decode"])  # no capture on CPU
     assert "| 8 |" in (tmp_path / "gpu_bench.md").read_text()
+
+
+def test_variants_part_writes_one_json_as_it_goes(tmp_path, tiny_target_dir):
+    """The variants part as check.sh runs it (one JSON, rewritten after each row), pinned and
+    adaptive shapes, on the tiny target on CPU."""
+    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "variants.json"
+    rc = module.main(["--device", "cpu", "--skip-steps", "--model-dir", str(tiny_target_dir), "--algorithms",
+                      "none,ngram", "--num-prompts", "1", "--max-new-tokens", "4", "--graphs-only", "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["variants"]
+    assert [(r["algorithm"], r["shape"]) for r in rows] == [("none", "pinned"), ("ngram", "pinned"), ("ngram", "adaptive")]
+    assert all(r["tokens_per_s"] > 0 and not r["cuda_graph"] for r in rows)
+
+
+def test_check_script_parses():
+    import subprocess
+
+    subprocess.run(["bash", "-n", str(SCRIPT.parent / "check.sh")], check=True)
