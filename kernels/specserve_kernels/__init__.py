@@ -8,9 +8,18 @@ tensors (`SPECSERVE_FORCE_TRITON=1` forces the kernel, for testing under `TRITON
     verify_sample   lossless tree speculative sampling (target-only), plus a bonus token
     compact_kv      move the accepted nodes' K/V to consecutive positions, in place
     tree_attention  decode / tree-verify attention over the slot KV cache's live keys
+    add_rms_norm, rope_kv_write, silu_mul   a Llama layer's small ops fused for the GPU step
 """
 
 from specserve_kernels._launch import MAX_NODES
+from specserve_kernels.fused_layer import (
+    add_rms_norm,
+    add_rms_norm_reference,
+    rope_kv_write,
+    rope_kv_write_reference,
+    silu_mul,
+    silu_mul_reference,
+)
 from specserve_kernels.kv_compact import compact_kv, compact_kv_reference
 from specserve_kernels.tree_attention import tree_attention, tree_attention_reference
 from specserve_kernels.tree_build import TreeTensors, build_tree, build_tree_reference
@@ -18,6 +27,12 @@ from specserve_kernels.verify_greedy import VerifyResult, verify_greedy, verify_
 from specserve_kernels.verify_sample import verify_sample, verify_sample_reference
 
 __all__ = [
+    "add_rms_norm",
+    "add_rms_norm_reference",
+    "rope_kv_write",
+    "rope_kv_write_reference",
+    "silu_mul",
+    "silu_mul_reference",
     "MAX_NODES",
     "TreeTensors",
     "VerifyResult",

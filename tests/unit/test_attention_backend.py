@@ -166,3 +166,35 @@ def test_triton_backend_matches_torch(tiny, case, static, monkeypatch):
     else:
         got = _run(model, cache, TRITON_ATTENTION, tokens, positions, slots, lens, new_mask)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("case", ["prefill", "tree"])
+def test_fused_gpu_step_matches_eager(tiny, case, monkeypatch):
+    """The GPU step's fused kernels (under the interpreter) in the model's forward against its eager ops."""
+    monkeypatch.setenv("SPECSERVE_FORCE_TRITON", "1")
+    model, cache = tiny
+    g = torch.Generator().manual_seed(4)
+    cache.data.normal_(generator=g)
+    slots = torch.tensor([1, 3])
+    if case == "prefill":
+        lens, t, new_mask = torch.zeros(2, dtype=torch.int64), 6, None
+    else:
+        lens, t = torch.tensor([9, 30]), 3
+        new_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(2, 3, 3)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, t), generator=g)
+    positions = lens[:, None] + torch.arange(t)
+    before = cache.data.clone()
+    ref = model(tokens, model.attention_inputs(positions, slots, lens, new_mask, cache, lens.tolist(), [1, 3],
+                                               backend=TRITON_ATTENTION), cache, aux_layers=(1, 4))
+    written = cache.data.clone()
+    cache.data.copy_(before)
+    model.use_fused_kernels()
+    try:
+        got = model(tokens, model.attention_inputs(positions, slots, lens, new_mask, cache, lens.tolist(), [1, 3],
+                                                   backend=TRITON_ATTENTION), cache, aux_layers=(1, 4))
+    finally:
+        model.use_fused_kernels(False)
+    torch.testing.assert_close(cache.data, written, rtol=1e-5, atol=1e-5)
+    for name in ("logits", "hidden", "aux_hidden"):
+        torch.testing.assert_close(getattr(got, name), getattr(ref, name), rtol=1e-4, atol=1e-4)

@@ -71,6 +71,20 @@ WARM_UP_TEXT = (
 )
 
 
+@dataclass(frozen=True)
+class Verified:
+    """What one verify step decided, read to the host once. Per row: `emitted` the tokens it
+    appends (its accepted drafts, then the bonus token; as many as its accept length), `accepted`
+    its accepted node indices (as many), `logprobs` each token's where the request asked for
+    them (see `sampling.token_logprobs`), `tree_sizes` its tree's node count; `result` on the device."""
+
+    result: K.VerifyResult
+    emitted: list[list[int]]
+    logprobs: list[list[dict[int, tuple[float, int]]] | None]
+    accepted: list[list[int]]
+    tree_sizes: list[int]
+
+
 class QueueFull(RuntimeError):
     """`add_request` while `max_queue_size` requests already wait: try again later."""
 
@@ -375,7 +389,8 @@ class Engine:
         for r, n in zip(reqs, lens):
             r.cache_len = n
         roots = TreeBatch.root_only(torch.tensor([r.token_ids[-1] for r in reqs], device=self.device))
-        _, emitted, logprobs = self._verify(reqs, roots, out.logits)
+        v = self._verify(reqs, roots, out.logits)
+        emitted, logprobs = v.emitted, v.logprobs
         for r, tokens, lp in zip(reqs, emitted, logprobs):
             self._append_tokens(r, tokens, lp)
         self.drafter.on_prefill(reqs, out)
@@ -428,13 +443,14 @@ class Engine:
                                         host_lens, [r.slot for r in reqs])
         t2 = clock()
         p.forward += t2 - t1
-        result, emitted, logprobs = self._verify(reqs, batch, out.logits)
+        v = self._verify(reqs, batch, out.logits)
+        result, emitted, logprobs = v.result, v.emitted, v.logprobs
         if not batch.is_root_only:
             K.compact_kv(self.cache.data, slots, cache_lens, result.accepted_nodes, result.accept_length)
         t3 = clock()
         p.verify += t3 - t2
         p.steps += 1
-        for r, num_nodes, tokens, lp in zip(reqs, batch.num_nodes.tolist(), emitted, logprobs):
+        for r, num_nodes, tokens, lp in zip(reqs, v.tree_sizes, emitted, logprobs):
             n = len(tokens)  # accept_length: root + accepted drafts; the bonus is the next root
             r.cache_len += n
             r.num_verify_steps += 1
@@ -459,7 +475,7 @@ class Engine:
             seconds = clock() - start if settled and not catching_up else None
             nested = None
             if shape.drafts and self.drafter.nested_trees and len(self.chooser.menu) > 1:
-                nested = [row[:n] for row, n in zip(result.accepted_nodes.tolist(), lengths)]
+                nested = v.accepted
             self.chooser.observe(len(reqs), shape, seconds, lengths, nested, warm_up=self._warming_up)
 
     def _clock(self) -> float:
@@ -470,10 +486,8 @@ class Engine:
 
     def _verify(
         self, reqs: list[Request], batch: TreeBatch, logits: torch.Tensor
-    ) -> tuple[K.VerifyResult, list[list[int]], list[list[dict[int, tuple[float, int]]] | None]]:
-        """logits (B, N, V) at the tree nodes -> the verify result; per row, the tokens it emits
-        (its accepted drafts, then the bonus token; as many as its accept_length) and, for rows
-        that asked for logprobs, each token's (see `sampling.token_logprobs`).
+    ) -> Verified:
+        """logits (B, N, V) at the tree nodes -> what the step verified (`Verified`).
 
         Greedy rows and sampled rows go to their own kernel call; results are merged by row.
         """
@@ -482,12 +496,15 @@ class Engine:
             suppress_eos(logits[i], batch.depth[i], self.eos_ids, r.params.min_tokens - r.num_output_tokens)
             apply_penalties(logits[i], r.params, r.token_ids, len(r.prompt_ids), batch.tokens[i], batch.mask[i])
         dev = logits.device
-        accepted = torch.full((b, n), -1, dtype=torch.int64, device=dev)
-        accept_length = torch.zeros(b, dtype=torch.int64, device=dev)
-        bonus = torch.zeros(b, dtype=torch.int64, device=dev)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         links = (batch.tokens, batch.first_child, batch.next_sibling)
+        if not sampled:  # all greedy (the common case): one kernel over the whole batch, no row gathers
+            result = K.verify_greedy(*links, logits.argmax(-1))
+            return self._emitted(reqs, batch, logits, result)
+        accepted = torch.full((b, n), -1, dtype=torch.int64, device=dev)
+        accept_length = torch.zeros(b, dtype=torch.int64, device=dev)
+        bonus = torch.zeros(b, dtype=torch.int64, device=dev)
         if greedy:
             g = torch.tensor(greedy, device=dev)
             res = K.verify_greedy(*(x[g] for x in links), logits[g].argmax(-1))
@@ -499,17 +516,25 @@ class Engine:
             res = K.verify_sample(*(x[s] for x in links), probs, coins[:, :-1].contiguous(), coins[:, -1].contiguous())
             accepted[s], accept_length[s], bonus[s] = res.accepted_nodes, res.accept_length, res.bonus_tokens
         result = K.VerifyResult(accepted_nodes=accepted, accept_length=accept_length, bonus_tokens=bonus)
+        return self._emitted(reqs, batch, logits, result)
+
+    def _emitted(self, reqs: list[Request], batch: TreeBatch, logits: torch.Tensor, result: K.VerifyResult) -> Verified:
+        """The step's one host read: per row, the tokens it emits, its accepted nodes and tree size."""
+        n = batch.tokens.shape[1]
+        accepted = result.accepted_nodes
         path_tokens = torch.gather(batch.tokens, 1, accepted.clamp(min=0))  # (B, N): token of accepted node j
-        # the step's one host sync: what was accepted decides what comes next
-        paths, lengths, bonuses = path_tokens.tolist(), accept_length.tolist(), bonus.tolist()
-        emitted = [p[1:k] + [t] for p, k, t in zip(paths, lengths, bonuses)]
+        # one row per request: [path tokens (N), accepted nodes (N), accept length, bonus token, tree size]
+        extra = torch.stack([result.accept_length, result.bonus_tokens, batch.num_nodes], dim=1)
+        rows = torch.cat([path_tokens, accepted, extra], dim=1).tolist()
+        emitted = [r[1 : r[2 * n]] + [r[2 * n + 1]] for r in rows]
         # token j of a row was drawn at its accepted node j (node 0 = the root)
         logprobs = [
             token_logprobs(logits[i, accepted[i, : len(tokens)]], tokens, r.params.logprobs)
             if r.params.logprobs is not None else None
             for i, (r, tokens) in enumerate(zip(reqs, emitted))
         ]
-        return result, emitted, logprobs
+        return Verified(result, emitted, logprobs, [r[n : n + len(e)] for r, e in zip(rows, emitted)],
+                        [r[2 * n + 2] for r in rows])
 
     def _append_tokens(self, req: Request, tokens: list[int],
                        logprobs: list[dict[int, tuple[float, int]]] | None = None) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import specserve_kernels as K
 from specserve.config import ModelConfig
 from specserve.models.attention import TORCH_ATTENTION, AttentionBackend, AttentionInputs
 from specserve.models.kv_cache import KVCache
@@ -108,6 +109,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(in_features or cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=False)
         self.split = (q_out, kv_out, kv_out)
+        self.fused = False  # the GPU step's fused kernels (`LlamaModel.use_fused_kernels`)
 
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -124,11 +126,14 @@ class Attention(nn.Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor, layer_cache: tuple[torch.Tensor, torch.Tensor], a: AttentionInputs) -> torch.Tensor:
-        q, k, v = self.project(x, a.cos, a.sin)
-
         k_cache, v_cache = layer_cache  # (slots, Hkv, max_len, D)
-        k_cache[a.write_slots, :, a.write_pos] = k  # scattered per (slot, position)
-        v_cache[a.write_slots, :, a.write_pos] = v
+        if self.fused:  # one kernel: rope on q and k, k and v into the cache
+            q = K.rope_kv_write(self.qkv_proj(x), a.cos, a.sin, k_cache, v_cache, a.write_slots, a.write_pos,
+                                self.num_heads, self.num_kv_heads)
+        else:
+            q, k, v = self.project(x, a.cos, a.sin)
+            k_cache[a.write_slots, :, a.write_pos] = k  # scattered per (slot, position)
+            v_cache[a.write_slots, :, a.write_pos] = v
         return self.o_proj(a.backend.attend(q, k_cache, v_cache, a))
 
 
@@ -137,8 +142,11 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # rows [gate | up]
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down_proj(K.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -185,6 +193,7 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.fused = False  # `use_fused_kernels`
         self.attention_backend: AttentionBackend = TORCH_ATTENTION  # the engine may pick flashinfer
 
     @property
@@ -304,12 +313,36 @@ class LlamaModel(nn.Module):
         """tokens (B, T) -> the final-norm hidden (B, T, H) and the asked-for layers' inputs
         (B, T, len(aux_layers) * H) or None; attend(layer index, attention module, x) runs attention."""
         x = self.embed_tokens(tokens)  # (B, T, H)
+        if self.fused:
+            return self._run_fused_layers(x, attend, aux_layers)
         aux = []
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 aux.append(x)
             x = layer(x, lambda attn, h, i=i: attend(i, attn, h))
         return self.norm(x), torch.cat(aux, dim=-1) if aux else None
+
+    def _run_fused_layers(self, x: torch.Tensor, attend: Callable[[int, Attention, torch.Tensor], torch.Tensor],
+                          aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`run_layers` with each residual add fused into the norm after it (one kernel for both):
+        x is the residual stream, h the normed input of the next block."""
+        aux = []
+        h = self.layers[0].input_layernorm(x)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
+            if i in aux_layers:
+                aux.append(x)
+            post = layer.post_attention_layernorm
+            x, h = K.add_rms_norm(x, attend(i, layer.self_attn, h), post.weight, post.eps)
+            x, h = K.add_rms_norm(x, layer.mlp(h), next_norm.weight, next_norm.eps)
+        return h, torch.cat(aux, dim=-1) if aux else None
+
+    def use_fused_kernels(self, on: bool = True) -> None:
+        """The GPU step: residual adds fused into the norms, RoPE with the cache write, silu * up, each
+        one Triton kernel (the CPU keeps the eager ops, which its compiled programs fuse)."""
+        self.fused = on
+        for layer in self.layers:
+            layer.self_attn.fused = layer.mlp.fused = on
 
     def output(self, hidden: torch.Tensor, aux: torch.Tensor | None, logit_index: torch.Tensor | None) -> ForwardOutput:
         """Logits (through lm_head) at logit_index (B, K) of hidden (B, T, H), all T when None."""

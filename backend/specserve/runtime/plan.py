@@ -3,7 +3,9 @@
 - static: decode, tree-verify and draft forwards run in fixed-shape buckets whose padding rows
   write into a spare cache slot (`graph_mode` static, or auto on CUDA);
 - capture: those buckets are captured as CUDA graphs and replayed (auto on CUDA);
-- compile: on a CPU, forwards run through compiled programs (`cpu_compile`), cached on disk.
+- compile: on a CPU, forwards run through compiled programs (`cpu_compile`), cached on disk;
+- fused_kernels: on a GPU, the target's layers run their small ops as fused Triton kernels. The
+  "meta" device (shapes only) stands in for a GPU in the capture-guard tests.
 
 The target's runner (`runtime.target`) and each draft head's (`runtime.head`) read this plan; the
 engine and the drafters never ask which path a forward takes.
@@ -32,6 +34,7 @@ class RuntimePlan:
     batch_sizes: tuple[int, ...] = ()
     compile_cache_dir: Path | None = None
     step_matmul: str = "auto"
+    fused_kernels: bool = False
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> RuntimePlan:
@@ -47,6 +50,7 @@ class RuntimePlan:
             batch_sizes=default_batch_sizes(max_bs) if static else (),
             compile_cache_dir=config.compile_cache_path if compile_cpu else None,
             step_matmul=config.step_matmul,
+            fused_kernels=device.type in ("cuda", "meta"),
         )
 
     @property

@@ -45,6 +45,7 @@ class TargetRunner:
         self.model, self.cache, self.plan, self.aux_layers = model, cache, plan, aux_layers
         self.attention = attention
         self.model.attention_backend = self.make_backend()
+        model.use_fused_kernels(plan.fused_kernels)
         self.buckets = default_batch_sizes(config.max_batch_size)
         self.graphs = None
         if plan.static:
