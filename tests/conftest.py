@@ -21,7 +21,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """`gpu` tests need CUDA: skipped, with the reason shown, on a machine without it."""
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs CUDA (run on a GPU machine, e.g. through the device tool)")
+    skip = pytest.mark.skip(reason="needs CUDA (run on a GPU machine: make gpu-check)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -1,13 +1,15 @@
-"""GPU benchmark: one script the device tool runs as is (see bench/gpu/README.md).
+"""GPU benchmark: one script that runs as is on a CUDA machine (see bench/gpu/README.md).
 
-Two parts, both written to `<out>/gpu_bench.json` and printed as tables:
+Two parts, written to `<out>/gpu_bench.json` and printed as tables, or to one `--json` file:
 
   steps:    a model with random bf16 weights in a given shape (default Llama-3.1-8B) on the
             static KV cache: decode step time at batch 1..64 and tree-verify step time at
             8/16/32/64 tree tokens, CUDA graphs on and off, against the HBM bandwidth limit
-            (bytes of weights read per step / measured device-to-device copy bandwidth).
+            (bytes of weights and of each request's KV read per step / measured device-to-device
+            copy bandwidth).
   variants: the serving engine on a real model directory (the prepared SmolLM2 by default):
-            tokens/s and accept length per algorithm on MT-bench first turns, graphs on and off.
+            tokens/s and accept length per algorithm on MT-bench first turns, graphs on (and off),
+            pinned and adaptive shapes, and HF generate() with its static cache (`--hf-static`).
 
 On CPU the same code runs (eager only, perf_counter timing) so the CPU suite keeps it working;
 its numbers there mean nothing. This script does not install anything.

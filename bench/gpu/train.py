@@ -1,4 +1,4 @@
-"""The drafter-training pipeline on one lent GPU, in calls of at most ten minutes.
+"""The drafter-training pipeline on one GPU, in calls of at most ten minutes each.
 
     PYTHONPATH=backend:kernels:client python3 bench/gpu/train.py --out $WORK --budget-minutes 9
 
@@ -7,7 +7,7 @@ keeping its token ids and cutting loops), `dump` (the target's features over tho
 one `train-<algorithm>` per drafter (from the dump, a held-out split, the best head kept). Every
 stage stops by itself before `--budget-minutes` has passed in this call and goes on where it
 stopped when the same command is run again, so repeating one command walks the whole pipeline
-through the device tool's ten-minute calls; it prints `pipeline complete` at the end. The minutes
+through calls of bounded length; it prints `pipeline complete` at the end. The minutes
 each stage may use in all are flags (the defaults fit about 25 minutes of device time).
 
 It writes under `--out`: `regen.json`, `features/`, and `<algorithm>/` per drafter in the published
