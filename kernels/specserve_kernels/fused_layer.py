@@ -54,7 +54,9 @@ def _add_rms_norm_op(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     h = x.shape[-1]
     x, delta = x.contiguous(), delta.contiguous()
     x_out, y = torch.empty_like(x), torch.empty_like(x)
-    _add_rms_norm_kernel[(x.numel() // h,)](x, delta, weight, x_out, y, h, eps, BLOCK=triton.next_power_of_2(h))
+    block = triton.next_power_of_2(h)
+    _add_rms_norm_kernel[(x.numel() // h,)](x, delta, weight, x_out, y, h, eps, BLOCK=block,
+                                             num_warps=min(16, max(1, block // 256)))
     return x_out, y
 
 

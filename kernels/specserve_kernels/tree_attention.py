@@ -45,7 +45,7 @@ def _tree_attention_split_kernel(
     b = pid // HKV
     h = pid % HKV
     slot = tl.load(slots_ptr + b)
-    cache_len = tl.load(lens_ptr + b)
+    cache_len = tl.load(lens_ptr + b).to(tl.int32)  # loop bounds in one integer type
     kv_len = cache_len + T
     rows = tl.arange(0, BLOCK_M)
     g = rows // T  # query head within the group
