@@ -18,7 +18,10 @@ from specserve.serving.parameters import (
     engine_config_from_parameters,
     parameter_text,
 )
+from specserve.serving.repository import VARIANTS, llm_config, llm_parameters
+from specserve.serving.server import read_parameters
 
+REPO = Path(__file__).resolve().parents[2] / "model_repository"
 FLAGS = [k for k in knobs() if not k.no_flag]
 PARAMS = [k for k in knobs() if not k.no_param]
 
@@ -124,3 +127,17 @@ def test_each_parameter_sets_its_field(k):
     value = _other(k)
     config = engine_config_from_parameters({k.edge: parameter_text(k.to_edge(value))})
     _assert_only(config, EngineConfig(model_dir=str(default_model_dir())), k, value)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_each_committed_llm_config_is_generated_and_sets_only_its_variant(variant):
+    path = REPO / f"llm_{variant.name}" / "config.pbtxt"
+    assert path.read_text() == llm_config(variant), "run `specserve model-repository` and commit the result"
+    params = read_parameters(path)
+    assert params == llm_parameters(variant)
+    config = engine_config_from_parameters(params)
+    set_here = {k.field for k in PARAMS if k.edge in params}
+    for k in knobs():
+        if k.field not in set_here and k.field != "model_dir":
+            assert _field(config, k) == _field(EngineConfig(model_dir="m"), k), f"{variant.name}: {k.edge}"
+    assert config.spec.algorithm == variant.algorithm

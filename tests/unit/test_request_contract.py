@@ -33,6 +33,7 @@ from specserve.serving.parsing import (
     parse_decoupled_inputs,
     parse_request,
 )
+from specserve.serving.repository import llm_inputs, llm_outputs
 
 LIMITS = RequestLimits(max_seq_len=256, default_max_tokens=32)
 REPO = Path(__file__).resolve().parents[2] / "model_repository"
@@ -436,13 +437,16 @@ def test_configs_match_the_contract(variant):
     ensemble = (REPO / f"ensemble_{variant}" / "config.pbtxt").read_text()
     assert _pbtxt_tensors(pre, "input") == contract
     assert _pbtxt_tensors(ensemble, "input") == contract
-    assert _pbtxt_tensors(llm, "input") == {**contract, **{k: _triton(v) for k, v in INTERNAL_INPUTS.items()}}
-    assert _pbtxt_tensors(llm, "output") == outputs
+    # the llm model declares its tensors (auto_complete_config): none in its config.pbtxt
+    assert "input [" not in llm and "output [" not in llm
+    assert {t["name"]: t["data_type"].removeprefix("TYPE_") for t in llm_inputs()} == {
+        **contract, **{k: _triton(v) for k, v in INTERNAL_INPUTS.items()}}
+    assert all(t["optional"] for t in llm_inputs())
+    assert {t["name"]: t["data_type"].removeprefix("TYPE_") for t in llm_outputs()} == outputs
     assert _pbtxt_tensors(ensemble, "output") == outputs
-    assert "decoupled: true" in llm
     assert f'model_name: "llm_{variant}"' in ensemble
     dims = lambda text: set(re.findall(r"dims: \[ ([^\]]*) \]", text.split("output [")[0]))  # noqa: E731
-    assert dims(llm) == {"1", "-1"}  # vLLM's backend format
+    assert {tuple(t["dims"]) for t in llm_inputs()} == {(1,), (-1,)}  # vLLM's backend format
     assert dims(ensemble) == dims(pre) == {"1, 1", "1, -1"}  # TensorRT-LLM's ensemble format
     params = dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', llm))
     engine_config_from_parameters(params)  # every parameter is known and valid

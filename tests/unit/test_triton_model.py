@@ -3,6 +3,7 @@ FINAL on every path (stream, stream=false, abort, engine error, shutdown, bad in
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import types
@@ -391,3 +392,31 @@ def test_a_response_holds_only_the_outputs_its_request_asked_for(triton_model):
     everything, sender = stream_for(triton_model, stream=True)  # no outputs named: every output
     everything.handle(out("a", [1], True, "stop"))
     assert {"text_output", "output_ids", "finish_reason", "num_output_tokens"} <= set(sender.sent[0][0].outputs())
+
+
+def _backend_model_config(config: dict[str, Any]) -> Any:
+    """The Python backend's own `ModelConfig` (what `auto_complete_config` receives), from the
+    nvidia-pytriton wheel's copy of triton_python_backend_utils."""
+    import importlib.util
+    from pathlib import Path
+
+    pytriton = pytest.importorskip("pytriton")
+    path = Path(pytriton.__file__).parent / "tritonserver/backends/python/triton_python_backend_utils.py"
+    spec = importlib.util.spec_from_file_location("backend_utils", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ModelConfig(json.dumps(config))
+
+
+def test_auto_complete_declares_the_tensors_and_the_decoupled_policy(triton_model):
+    from specserve.serving.repository import llm_inputs, llm_outputs
+
+    bare = {"name": "llm_base", "max_batch_size": 0, "input": [], "output": [], "parameters": {}}
+    config = triton_model.TritonPythonModel.auto_complete_config(_backend_model_config(bare)).as_dict()
+    assert config["input"] == llm_inputs() and config["output"] == llm_outputs()
+    assert config["model_transaction_policy"] == {"decoupled": True} and config["max_batch_size"] == 0
+    # a config that spells a tensor out itself (as the ensembles' do) is completed, not contradicted
+    text_input = {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], "optional": True}
+    explicit = {**bare, "input": [dict(text_input)]}
+    config = triton_model.TritonPythonModel.auto_complete_config(_backend_model_config(explicit)).as_dict()
+    assert [t["name"] for t in config["input"]].count("text_input") == 1 and len(config["input"]) == len(llm_inputs())

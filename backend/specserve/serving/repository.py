@@ -3,10 +3,13 @@
 Every `config.pbtxt` under `model_repository/` is written by `render_repository` (the command
 `specserve model-repository`): `preprocessing`, and per variant the decoupled `llm_<variant>`
 (vLLM-backend request format, one engine) and the ensemble `ensemble_<variant>` (TensorRT-LLM's
-format: `[1, 1]` tensors, `preprocessing` -> `llm_<variant>`). Their tensors come from the request contract in
-`contract` (`CONTRACT_INPUTS`, `INTERNAL_INPUTS`, `OUTPUTS`), their engine parameters from
-`VARIANTS` below, so a new input, output or parameter is added in one place and the tests check
-that the committed files equal what this module renders.
+format: `[1, 1]` tensors, `preprocessing` -> `llm_<variant>`). Their tensors come from the request
+contract in `contract` (`CONTRACT_INPUTS`, `INTERNAL_INPUTS`, `OUTPUTS`): written out for
+`preprocessing` and the ensembles, declared by the llm models themselves (`llm_inputs`,
+`llm_outputs`, which their `auto_complete_config` adds). An llm config holds only the parameters
+a variant sets (`VARIANTS` below; every other engine knob keeps its `config.knobs()` default), and
+the parameter table of model_repository/README.md is rendered from the knobs too, so the tests
+check that the committed files equal what this module renders.
 
 This module writes text only: it does not load models, start servers or copy drafters.
 """
@@ -15,51 +18,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from specserve.config import knobs
 from specserve.prepare import repo_root
-from specserve.serving.contract import CONTRACT_INPUTS, INTERNAL_INPUTS, OUTPUTS
+from specserve.serving.contract import CONTRACT_INPUTS, INTERNAL_INPUTS, OUTPUTS, RequestLimits
+from specserve.serving.parameters import SERVING_PARAMETERS, default_text, engine_parameters, parameter_text
 
 VARIABLE_LENGTH = {"stop_words", "bad_words", "input_ids", "text_output", "output_ids", "finish_reason"}  # dims [-1]
-TRTLLM_BATCH = "1, "  # TensorRT-LLM's ensemble format: a leading batch dimension of 1 on every input
+TRTLLM_BATCH = (1,)  # TensorRT-LLM's ensemble format: a leading batch dimension of 1 on every input
 
-# The decoupled model's parameters, in file order, with the served defaults.
-ENGINE_PARAMETERS: tuple[tuple[str, str], ...] = (
-    ("model_dir", ""),
-    ("algorithm", "none"),
-    ("drafter_path", ""),
-    ("num_steps", "0"),
-    ("topk", "0"),
-    ("num_draft_tokens", "0"),
-    ("max_batch_size", "8"),
-    ("max_seq_len", "2048"),
-    ("max_queue_size", "64"),
-    ("request_timeout_s", "0"),
-    ("dtype", "auto"),
-    ("device", "auto"),
-    ("num_threads", ""),
-    ("attention_backend", "auto"),
-    ("disable_cuda_graph", "false"),
-    ("cuda_graph_max_bs", "0"),
-    ("disable_cpu_compile", "false"),
-    ("compile_cache_dir", ""),
-    ("compiled_steps", "auto"),
-    ("step_matmul", "auto"),
-    ("default_max_tokens", "128"),
-    ("apply_chat_template", "false"),
-)
-PREPROCESSING_PARAMETERS: tuple[tuple[str, str], ...] = (
-    ("model_dir", ""),
-    ("max_seq_len", "2048"),
-    ("default_max_tokens", "128"),
-    ("apply_chat_template", "false"),
-)
-DRAFTING_PARAMETERS: tuple[tuple[str, str], ...] = (("adaptive", "true"), ("disable_by_batch_size", "0"))
+IDENTIFYING = ("model_dir", "algorithm")  # written in every llm config, default or not
+PREPROCESSING_PARAMETERS = ("model_dir", "max_seq_len", "default_max_tokens", "apply_chat_template")
+
+
+def parameter_defaults() -> dict[str, str]:
+    """Every parameter of an llm model and its default, as config.pbtxt writes it."""
+    limits = RequestLimits()
+    return ({name: default_text(k) for name, k in engine_parameters().items()}
+            | {name: parameter_text(getattr(limits, name)) for name in SERVING_PARAMETERS})
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One served variant: `llm_<name>` runs `algorithm`; `parameters` override or extend
-    ENGINE_PARAMETERS (drafter paths are relative to the project root)."""
+    """One served variant: `llm_<name>` runs `algorithm`; `parameters` are its config.pbtxt
+    parameters besides (drafter paths are relative to the project root)."""
 
     name: str
     algorithm: str
@@ -80,8 +63,7 @@ VARIANTS: tuple[Variant, ...] = (
         "token_map": "model_repository/llm_mtp/drafter/token_map.pt",
     }),
     Variant("standalone", "standalone",
-            "empty drafter_path = the target's first standalone_num_layers layers (0 = a quarter)",
-            {"standalone_num_layers": "0"}),
+            "empty drafter_path = the target's first standalone_num_layers layers (0 = a quarter)"),
 )
 
 
@@ -97,20 +79,34 @@ def served_drafter(algorithm: str) -> dict[str, str]:
     return {}
 
 
-def _tensors(kind: str, names: dict[str, str], optional: bool, batch: str = "") -> str:
+def _tensor(name: str, dtype: str, batch: tuple[int, ...] = ()) -> dict[str, Any]:
+    """One tensor as the Python backend's auto-complete takes it (`name`, `data_type`, `dims`)."""
+    triton_type = "STRING" if dtype == "BYTES" else dtype
+    return {"name": name, "data_type": f"TYPE_{triton_type}", "dims": [*batch, -1 if name in VARIABLE_LENGTH else 1]}
+
+
+def llm_inputs() -> list[dict[str, Any]]:
+    """The llm models' inputs, every one optional: what `preprocessing` hands over, then the client contract."""
+    return [{**_tensor(name, dtype), "optional": True} for name, dtype in {**INTERNAL_INPUTS, **CONTRACT_INPUTS}.items()]
+
+
+def llm_outputs() -> list[dict[str, Any]]:
+    return [_tensor(name, dtype) for name, dtype in OUTPUTS.items()]
+
+
+def _tensors(kind: str, names: dict[str, str], optional: bool, batch: tuple[int, ...] = ()) -> str:
     blocks = []
     for name, dtype in names.items():
-        triton_type = "STRING" if dtype == "BYTES" else dtype
-        dims = batch + ("-1" if name in VARIABLE_LENGTH else "1")
-        lines = [f'    name: "{name}"', f"    data_type: TYPE_{triton_type}", f"    dims: [ {dims} ]"]
+        t = _tensor(name, dtype, batch)
+        lines = [f'    name: "{name}"', f"    data_type: {t['data_type']}", f"    dims: [ {', '.join(map(str, t['dims']))} ]"]
         if optional:
             lines.append("    optional: true")
         blocks.append("  {\n" + "\n".join(lines) + "\n  }")
     return f"{kind} [\n" + ",\n".join(blocks) + "\n]\n"
 
 
-def _parameters(params: tuple[tuple[str, str], ...]) -> str:
-    return "".join(f'parameters: {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in params)
+def _parameters(params: dict[str, str]) -> str:
+    return "".join(f'parameters: {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in params.items())
 
 
 def _maps(kind: str, names: list[str] | dict[str, str], rename: dict[str, str] | None = None) -> str:
@@ -121,10 +117,15 @@ def _maps(kind: str, names: list[str] | dict[str, str], rename: dict[str, str] |
 GENERATED = "# Generated by `specserve model-repository`: edit backend/specserve/serving/repository.py, not this file.\n"
 
 
-def _config(comment: str, head: str, inputs: dict[str, str], outputs: dict[str, str], input_batch: str = "") -> str:
-    """The part every config shares: the comment, the model kind, optional inputs and outputs."""
-    return ("".join(f"# {line}\n" for line in comment.strip().splitlines()) + GENERATED + head
-            + _tensors("input", inputs, optional=True, batch=input_batch) + _tensors("output", outputs, optional=False))
+def _comment(text: str) -> str:
+    return "".join(f"# {line}\n" for line in text.strip().splitlines()) + GENERATED
+
+
+def _config(comment: str, head: str, inputs: dict[str, str], outputs: dict[str, str],
+            input_batch: tuple[int, ...] = ()) -> str:
+    """The part the explicit configs share: the comment, the model kind, optional inputs and outputs."""
+    return (_comment(comment) + head + _tensors("input", inputs, optional=True, batch=input_batch)
+            + _tensors("output", outputs, optional=False))
 
 
 def preprocessing_config() -> str:
@@ -136,30 +137,35 @@ Parameters: model_dir (empty = the embedded default, relative = from the project
 max_seq_len (must match the llm models'), default_max_tokens, apply_chat_template (the default
 when a request has no `apply_chat_template` input; false = raw prompt, as vLLM's backend).
 """
+    defaults = parameter_defaults()
     return (_config(comment, 'backend: "python"\nmax_batch_size: 0\n', CONTRACT_INPUTS, INTERNAL_INPUTS,
                     input_batch=TRTLLM_BATCH)
-            + "instance_group [ { count: 1, kind: KIND_CPU } ]\n" + _parameters(PREPROCESSING_PARAMETERS))
+            + "instance_group [ { count: 1, kind: KIND_CPU } ]\n"
+            + _parameters({name: defaults[name] for name in PREPROCESSING_PARAMETERS}))
+
+
+def llm_parameters(variant: Variant) -> dict[str, str]:
+    """What llm_<variant>/config.pbtxt sets: model_dir and algorithm, then the variant's parameters
+    that differ from their defaults."""
+    defaults = parameter_defaults()
+    unknown = sorted(set(variant.parameters) - set(defaults))
+    if unknown:
+        raise ValueError(f"{unknown[0]}: not a parameter of the llm models")
+    params = {"model_dir": defaults["model_dir"], "algorithm": variant.algorithm}
+    return params | {k: v for k, v in variant.parameters.items() if k in IDENTIFYING or v != defaults[k]}
 
 
 def llm_config(variant: Variant) -> str:
-    params = dict(ENGINE_PARAMETERS)
-    params["algorithm"] = variant.algorithm
-    extra = {k: v for k, v in variant.parameters.items() if k not in params}
-    params.update({k: v for k, v in variant.parameters.items() if k in params})
-    ordered = tuple(params.items()) + tuple(extra.items())
-    if variant.algorithm != "none":
-        ordered += DRAFTING_PARAMETERS
     comment = f"""
-What clients call: the decoupled model that runs the speculative engine (algorithm={variant.algorithm}:
-{variant.description}). Takes the client contract in vLLM's backend format (text_input, stream,
-sampling_parameters, ... each [1]); cancelling a stream frees its slot at the next engine step.
-The ensemble ensemble_{variant.name} feeds it input_ids + request_config from `preprocessing`.
-Parameters: see model_repository/README.md. adaptive: each step drafts the tree (or none) that the
-measured step costs and acceptance say is fastest here; num_steps / topk / num_draft_tokens pin one shape.
+llm_{variant.name}: what clients call, the decoupled model that runs the speculative engine
+(algorithm={variant.algorithm}: {variant.description}).
+Its tensors (the client contract in vLLM's backend format, each [1], and input_ids + request_config
+from `preprocessing` for ensemble_{variant.name}), the decoupled transaction policy and max_batch_size 0
+are declared by the model (auto_complete_config). A parameter not set here keeps its default:
+model_repository/README.md lists them all.
 """
-    head = 'backend: "python"\nmax_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n'
-    return (_config(comment, head, {**INTERNAL_INPUTS, **CONTRACT_INPUTS}, OUTPUTS)
-            + "instance_group [ { count: 1, kind: KIND_CPU } ]\n" + _parameters(ordered))
+    return (_comment(comment) + 'backend: "python"\n' + "instance_group [ { count: 1, kind: KIND_CPU } ]\n"
+            + _parameters(llm_parameters(variant)))
 
 
 def ensemble_config(variant: Variant) -> str:
@@ -172,7 +178,8 @@ decoupled step). Triton does not pass an ensemble's cancellation on to a running
 cancel through llm_{variant.name}.
 """
     return (
-        _config(comment, 'platform: "ensemble"\nmax_batch_size: 0\n', CONTRACT_INPUTS, OUTPUTS, input_batch=TRTLLM_BATCH)
+        _config(comment, 'platform: "ensemble"\nmax_batch_size: 0\n', CONTRACT_INPUTS, OUTPUTS,
+                input_batch=TRTLLM_BATCH)
         + "ensemble_scheduling {\n  step [\n    {\n"
         + '      model_name: "preprocessing"\n      model_version: -1\n'
         + _maps("input", CONTRACT_INPUTS)
@@ -195,6 +202,41 @@ LLM_MODEL_PY = (
 )
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def parameter_table() -> str:
+    """The README's table of the llm models' parameters and the engine flags, from `config.knobs()`."""
+    rows = ["| config.pbtxt parameter | `specserve generate` / `bench` flag | default | what it does |",
+            "|---|---|---|---|"]
+    for k in knobs():
+        param = f"— ({k.no_param})" if k.no_param else f"`{k.edge}`"
+        flag = f"— ({k.no_flag})" if k.no_flag else f"`{k.flag}`"
+        if k.type is bool and not k.switch and not k.no_flag:
+            flag += f" / `--no-{k.flag[2:]}`"
+        default = f"`{default_text(k)}`" if default_text(k) else "empty"
+        choices = f"one of {', '.join(f'`{c}`' for c in k.choices)}: " if k.choices and not k.switch else ""
+        rows.append(f"| {param} | {_cell(flag)} | {default} | {_cell(choices + k.help)} |")
+    defaults = parameter_defaults()
+    for name, help_text in SERVING_PARAMETERS.items():
+        rows.append(f"| `{name}` | — | `{defaults[name]}` | {_cell(help_text)} |")
+    return "\n".join(rows) + "\n"
+
+
+README = "README.md"
+TABLE_BEGIN = "<!-- the parameter table: generated by `specserve model-repository` -->\n"
+TABLE_END = "<!-- end of the generated parameter table -->\n"
+
+
+def readme_with_table(text: str) -> str:
+    """The README's text with its parameter table as `parameter_table` renders it."""
+    if TABLE_BEGIN not in text or TABLE_END not in text:
+        raise ValueError(f"{README}: the parameter table's markers are missing")
+    head, rest = text.split(TABLE_BEGIN, 1)
+    return head + TABLE_BEGIN + parameter_table() + TABLE_END + rest.split(TABLE_END, 1)[1]
+
+
 def render_repository() -> dict[str, str]:
     """Relative path -> text of every generated file: each model's config.pbtxt and its version
     folder (`1/model.py` for the Python models, `1/.gitkeep` for the ensembles)."""
@@ -207,10 +249,18 @@ def render_repository() -> dict[str, str]:
     return files
 
 
+def _rendered(root: Path) -> dict[str, str]:
+    """render_repository, plus the README's parameter table where root has the README."""
+    files = render_repository()
+    if (root / README).is_file():
+        files[README] = readme_with_table((root / README).read_text())
+    return files
+
+
 def write_repository(root: Path) -> list[Path]:
     """Write every generated file under root (drafters and anything else there are left alone)."""
     written = []
-    for rel, text in render_repository().items():
+    for rel, text in _rendered(root).items():
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
@@ -220,5 +270,5 @@ def write_repository(root: Path) -> list[Path]:
 
 def stale_files(root: Path) -> list[str]:
     """The generated files that differ from (or are missing in) root."""
-    return [rel for rel, text in render_repository().items()
+    return [rel for rel, text in _rendered(root).items()
             if not (root / rel).is_file() or (root / rel).read_text() != text]

@@ -1,6 +1,7 @@
 """The decoupled Triton Python model behind every `llm_<variant>` (vLLM-backend style).
 
-initialize builds the engine from config.pbtxt parameters and starts its loop thread; execute only
+auto_complete_config declares the tensors, the decoupled policy and max_batch_size 0, so config.pbtxt
+holds only parameters; initialize builds the engine from them and starts its loop thread; execute only
 parses and submits; the engine thread hands each `RequestOutput` delta to the model's Triton
 thread, the one thread that calls into Triton after `execute`: it sends each delta through the
 request's response sender, polls the open requests' cancellation and sets the load gauges (so the
@@ -49,6 +50,7 @@ from specserve.serving.contract import (
 )
 from specserve.serving.metrics import RequestStats, ServingMetrics
 from specserve.serving.parsing import PromptTokenizer, parse_decoupled_inputs
+from specserve.serving.repository import llm_inputs, llm_outputs
 
 log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -276,13 +278,26 @@ def utf8_text_files() -> None:
 
 
 class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config: Any) -> Any:
+        """What config.pbtxt leaves out, as Triton's vLLM backend declares it: the tensors
+        (`repository.llm_inputs` / `llm_outputs`), the decoupled policy, no Triton batching."""
+        for tensor in llm_inputs():
+            auto_complete_model_config.add_input(tensor)
+        for tensor in llm_outputs():
+            auto_complete_model_config.add_output(tensor)
+        auto_complete_model_config.set_model_transaction_policy({"decoupled": True})
+        auto_complete_model_config.set_max_batch_size(0)
+        return auto_complete_model_config
+
     def initialize(self, args: dict[str, str]) -> None:
         utf8_text_files()
         faulthandler.enable(all_threads=True)  # a crash in the stub logs every thread's Python stack
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException(
-                f"{args['model_name']}: set `model_transaction_policy {{ decoupled: true }}` in config.pbtxt"
+                f"{args['model_name']}: must be decoupled: run tritonserver with auto-complete (its default) or "
+                "set `model_transaction_policy { decoupled: true }` in config.pbtxt"
             )
         params = parameters.model_parameters(config)
         engine_config = parameters.engine_config_from_parameters(params)
