@@ -174,6 +174,7 @@ def test_greedy_lossless_with_continuous_batching(tmp_path, tiny_target_dir, alg
     ms = prof.per_step_ms()
     # the time inside the head's forwards and output layer is part of the draft phase, not all of it
     assert 0 < ms["draft_model_per_forward"] < ms["draft_per_forward"]
+    assert ms["device_wait"] == 0 and ms["host_work"] == ms["total"]  # on a CPU every step is host work
 
 
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])

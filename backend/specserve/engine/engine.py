@@ -98,7 +98,9 @@ class StepProfile:
     bookkeeping: the rest of the step (appending tokens, stop checks, detokenizing, outputs).
     drafting_steps: the steps that drafted; draft_forwards: the draft model forwards their
     proposes ran (catch-ups included); draft_model: the part of the draft phase spent inside those
-    forwards and the draft model's output layer (`Drafter.forward_seconds`).
+    forwards and the draft model's output layer (`Drafter.forward_seconds`). device_wait: time the
+    host waited for the device (the step's host read, and the profile's own syncs on CUDA), so
+    host_work = total - device_wait is the host's share of a step (on a CPU, all of it).
     """
 
     steps: int = 0
@@ -110,6 +112,7 @@ class StepProfile:
     verify: float = 0.0
     drafter_update: float = 0.0
     total: float = 0.0  # whole verify steps, outputs included
+    device_wait: float = 0.0
 
     def per_step_ms(self) -> dict[str, float]:
         """Milliseconds per step of each phase, bookkeeping = total - the timed phases; the draft
@@ -118,6 +121,7 @@ class StepProfile:
         n = max(self.steps, 1)
         out = {k: round(v * 1e3 / n, 3) for k, v in asdict(self).items() if k not in counts}
         out["bookkeeping"] = round(out["total"] - out["draft"] - out["forward"] - out["verify"] - out["drafter_update"], 3)
+        out["host_work"] = round(out["total"] - out["device_wait"], 3)
         if self.drafting_steps:
             out["draft_per_drafting_step"] = round(self.draft * 1e3 / self.drafting_steps, 3)
         if self.draft_forwards:
@@ -389,7 +393,7 @@ class Engine:
         for r, n in zip(reqs, lens):
             r.cache_len = n
         roots = TreeBatch.root_only(torch.tensor([r.token_ids[-1] for r in reqs], device=self.device))
-        v = self._verify(reqs, roots, out.logits)
+        v = self._verify(reqs, roots, out.logits, prefill=True)
         emitted, logprobs = v.emitted, v.logprobs
         for r, tokens, lp in zip(reqs, emitted, logprobs):
             self._append_tokens(r, tokens, lp)
@@ -480,13 +484,15 @@ class Engine:
 
     def _clock(self) -> float:
         """Host time; on CUDA, after the queued work (only when profiling: it costs a sync)."""
+        now = time.perf_counter()
         if self.config.profile and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+            waited = time.perf_counter()
+            self.profile.device_wait += waited - now
+            return waited
+        return now
 
-    def _verify(
-        self, reqs: list[Request], batch: TreeBatch, logits: torch.Tensor
-    ) -> Verified:
+    def _verify(self, reqs: list[Request], batch: TreeBatch, logits: torch.Tensor, prefill: bool = False) -> Verified:
         """logits (B, N, V) at the tree nodes -> what the step verified (`Verified`).
 
         Greedy rows and sampled rows go to their own kernel call; results are merged by row.
@@ -501,7 +507,7 @@ class Engine:
         links = (batch.tokens, batch.first_child, batch.next_sibling)
         if not sampled:  # all greedy (the common case): one kernel over the whole batch, no row gathers
             result = K.verify_greedy(*links, logits.argmax(-1))
-            return self._emitted(reqs, batch, logits, result)
+            return self._emitted(reqs, batch, logits, result, prefill)
         accepted = torch.full((b, n), -1, dtype=torch.int64, device=dev)
         accept_length = torch.zeros(b, dtype=torch.int64, device=dev)
         bonus = torch.zeros(b, dtype=torch.int64, device=dev)
@@ -516,16 +522,21 @@ class Engine:
             res = K.verify_sample(*(x[s] for x in links), probs, coins[:, :-1].contiguous(), coins[:, -1].contiguous())
             accepted[s], accept_length[s], bonus[s] = res.accepted_nodes, res.accept_length, res.bonus_tokens
         result = K.VerifyResult(accepted_nodes=accepted, accept_length=accept_length, bonus_tokens=bonus)
-        return self._emitted(reqs, batch, logits, result)
+        return self._emitted(reqs, batch, logits, result, prefill)
 
-    def _emitted(self, reqs: list[Request], batch: TreeBatch, logits: torch.Tensor, result: K.VerifyResult) -> Verified:
-        """The step's one host read: per row, the tokens it emits, its accepted nodes and tree size."""
+    def _emitted(self, reqs: list[Request], batch: TreeBatch, logits: torch.Tensor, result: K.VerifyResult,
+                 prefill: bool) -> Verified:
+        """The step's one host read: per row, the tokens it emits, its accepted nodes and tree size
+        (its wait for the device counts in the profile, prefills left out)."""
         n = batch.tokens.shape[1]
         accepted = result.accepted_nodes
         path_tokens = torch.gather(batch.tokens, 1, accepted.clamp(min=0))  # (B, N): token of accepted node j
         # one row per request: [path tokens (N), accepted nodes (N), accept length, bonus token, tree size]
         extra = torch.stack([result.accept_length, result.bonus_tokens, batch.num_nodes], dim=1)
+        read = time.perf_counter()
         rows = torch.cat([path_tokens, accepted, extra], dim=1).tolist()
+        if self.device.type != "cpu" and not prefill:  # on a GPU the read waits for the step's queued work
+            self.profile.device_wait += time.perf_counter() - read
         emitted = [r[1 : r[2 * n]] + [r[2 * n + 1]] for r in rows]
         # token j of a row was drawn at its accepted node j (node 0 = the root)
         logprobs = [
