@@ -20,7 +20,7 @@ from specserve import cli
 from specserve.engine.engine import Engine
 from specserve.hardware import describe
 from specserve.models.cpu_linear import median_ms
-from specserve.models.llama import causal_extend_mask
+from specserve.models.llama import KeyMask
 from specserve.runtime.few_row_head import FEW_ROWS
 
 PREFIX = 120
@@ -30,7 +30,7 @@ def forward(program, feature_size: int, start: int, rows: int) -> None:  # noqa:
     tokens = torch.zeros(1, rows, dtype=torch.int64)
     hidden = torch.zeros(1, rows, feature_size)
     positions = torch.arange(start, start + rows)[None]
-    mask = causal_extend_mask(torch.tensor([start]), rows, start + rows)
+    mask = KeyMask(torch.tensor([start])).dense(rows, start + rows)
     program.forward(tokens, hidden, positions, positions, mask, torch.zeros(1, dtype=torch.int64))
 
 

@@ -1,9 +1,9 @@
 """Decode and tree-verify attention over the slot KV cache, reading only each request's live keys.
 
 Request b's T new queries (its tree, or one decode token) attend to its slot's prefix
-[0, cache_lens[b]) and to the new tokens' own entries cache_lens[b] + j where new_mask[b, t, j]
-(causal among the new tokens when there is no mask). The kernel walks keys up to
-cache_lens[b] + T only, read from the device: a CUDA graph captured with a static grid still reads
+[0, cache_lens[b]) and to the N entries after it where new_mask[b, t, j] (N = T, causal, when there
+is no mask; a drafter's beam keeps N >= T scratch entries). The kernel walks keys up to
+cache_lens[b] + N only, read from the device: a CUDA graph captured with a static grid still reads
 just the live part of a long cache.
 
 Layout of one program (flash-decoding, split over the key axis):
@@ -32,7 +32,7 @@ SPLIT_KEYS = 256  # keys per split: a long cache is read by several programs per
 @triton.jit
 def _tree_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, mask_ptr, part_o_ptr, part_ml_ptr,
-    T, HKV, split_len, sm_scale,
+    T, N, HKV, split_len, sm_scale,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_ks, stride_kh, stride_kn, stride_kd,
     stride_vs, stride_vh, stride_vn, stride_vd,
@@ -46,7 +46,7 @@ def _tree_attention_split_kernel(
     h = pid % HKV
     slot = tl.load(slots_ptr + b)
     cache_len = tl.load(lens_ptr + b).to(tl.int32)  # loop bounds in one integer type
-    kv_len = cache_len + T
+    kv_len = cache_len + N
     rows = tl.arange(0, BLOCK_M)
     g = rows // T  # query head within the group
     t = rows % T  # new token
@@ -76,7 +76,7 @@ def _tree_attention_split_kernel(
         j = cols - cache_len  # index among the new tokens (negative: the prefix)
         if HAS_MASK:
             new_ok = tl.load(mask_ptr + b * stride_mb + t[:, None] * stride_mt + j[None, :] * stride_mj,
-                             mask=row_ok[:, None] & (j[None, :] >= 0) & col_ok[None, :], other=0)
+                             mask=row_ok[:, None] & (j[None, :] >= 0) & (j[None, :] < N) & col_ok[None, :], other=0)
             visible = (j[None, :] < 0) | (new_ok != 0)
         else:
             visible = j[None, :] <= t[:, None]
@@ -140,13 +140,13 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     q : the new tokens' queries, roped.
     k_cache, v_cache : one layer's cache, the new tokens' K/V already written at cache_lens + j.
     slots, cache_lens : each request's slot and cached length before the new tokens.
-    new_mask : which new tokens each new token sees (None: causal).
-    key_len : an upper bound on cache_lens + T (host int; sizes the grid, e.g. the cache length
-        under a CUDA graph): keys past each request's own cache_lens + T are never read.
+    new_mask : which of the N entries after the prefix each new token sees (None: causal, N = T).
+    key_len : an upper bound on cache_lens + N (host int; sizes the grid, e.g. the cache length
+        under a CUDA graph): keys past each request's own cache_lens + N are never read.
 
     Shape:
         q: (B, Hq, T, D); k_cache, v_cache: (slots, Hkv, max_len, D); slots, cache_lens: (B,) int64;
-        new_mask: (B, T, T) bool or None -> (B, T, Hq, D) in q's dtype.
+        new_mask: (B, T, N) bool or None -> (B, T, Hq, D) in q's dtype.
     """
     check_tensor("q", q, None, 4)
     check_tensor("k_cache", k_cache, q.dtype, 4)
@@ -179,7 +179,7 @@ def _tree_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     mask_strides = new_mask.stride() if new_mask is not None else (0, 0, 0)
     _tree_attention_split_kernel[(b * hkv, num_splits)](
         q, k_cache, v_cache, slots, cache_lens, mask, part_o, part_ml,
-        t, hkv, SPLIT_KEYS, d**-0.5,
+        t, new_mask.shape[2] if new_mask is not None else t, hkv, SPLIT_KEYS, d**-0.5,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *mask_strides,
         G=g, D=d, BLOCK_M=block_m, BLOCK_N=64 if block_m <= 32 else 32, BLOCK_D=block_d,
         HAS_MASK=new_mask is not None, NUM_SPLITS=num_splits, DOT_F32=q.dtype == torch.float32 or not q.is_cuda,
@@ -206,9 +206,10 @@ def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     keys, values = k_cache[slots].float(), v_cache[slots].float()  # (B, Hkv, S, D)
     if new_mask is None:
         new_mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril().expand(b, t, t)
+    n = new_mask.shape[2]
     rel = torch.arange(s, device=q.device)[None, :] - cache_lens[:, None]  # (B, S)
-    new = torch.gather(new_mask, 2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, s))  # (B, T, S)
-    visible = (rel < 0)[:, None, :] | ((rel >= 0) & (rel < t))[:, None, :] & new  # (B, T, S)
+    new = torch.gather(new_mask, 2, rel.clamp(0, n - 1)[:, None, :].expand(b, t, s))  # (B, T, S)
+    visible = (rel < 0)[:, None, :] | ((rel >= 0) & (rel < n))[:, None, :] & new  # (B, T, S)
     scores = q.float().reshape(b, hkv, g * t, d) @ keys.transpose(-1, -2) * d**-0.5  # (B, Hkv, G*T, S)
     scores = scores.view(b, hkv, g, t, s).masked_fill(~visible[:, None, None], float("-inf"))
     probs = scores.view(b, hkv, g * t, s).softmax(-1)

@@ -41,6 +41,19 @@ def test_kernel_matches_reference(kernel_device, dtype, b, hq, hkv, t, d, max_le
     torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
+def test_a_beam_scratch_area_wider_than_the_queries(kernel_device):
+    """A drafter's beam: T = 2 nodes see the prefix and some of N = 6 scratch entries after it."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v, slots, lens, _ = _case(gen, 2, 4, 2, 2, 32, 90, False, torch.float32)
+    visible = torch.rand(2, 2, 6, generator=gen) < 0.5
+    visible[:, 0, 4], visible[:, 1, 5] = True, True  # each node sees at least its own entry
+    args = [x.to(kernel_device) for x in (q, k, v, slots, lens, visible)]
+    want = tree_attention_reference(*args)
+    torch.testing.assert_close(tree_attention(*args, key_len=90), want, rtol=1e-4, atol=1e-4)
+    dense = grouped_attention(q, k[slots], v[slots], prefix_mask(lens, visible, 90))
+    torch.testing.assert_close(want.cpu(), dense.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
 def test_keys_past_the_live_length_are_never_read(kernel_device):
     """NaNs beyond each request's cache_lens + T (stale scratch, another request's tokens) do not
     reach the output: the kernel stops at the live length."""

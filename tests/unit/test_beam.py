@@ -19,7 +19,7 @@ def make_step(topk: int, on_host: bool, ties: bool):
     its token, its depth and the state it carries (which adds up its ancestors' tokens)."""
 
     def step(beam_tokens, parent_state, positions, write_pos, mask, key_len):  # noqa: ANN001, ANN202
-        assert mask.shape[-1] == key_len
+        assert mask.dense(beam_tokens.shape[1], key_len).shape[-1] == key_len
         seed = (beam_tokens * 31 + positions * 7 + parent_state[..., 0].long()) % 97  # (B, k)
         logits = torch.sin(seed[..., None].double() * (torch.arange(VOCAB) + 1) * 0.37) * 3
         if ties:  # coarse logits: many equal probabilities, so the index tie-break decides

@@ -191,7 +191,7 @@ def test_compiled_head_matches_eager(tmp_path, tiny_target_dir, compile_dir, alg
     FEW_ROWS rows run the head's program, the beam's run its few-row program."""
     from test_eagle import write_checkpoint
 
-    from specserve.models.llama import causal_extend_mask, prefix_mask
+    from specserve.models.llama import KeyMask
 
     spec = dict(drafter_path=str(write_checkpoint(tmp_path / algorithm, algorithm)), num_steps=3, topk=2,
                 num_draft_tokens=6)
@@ -212,13 +212,13 @@ def test_compiled_head_matches_eager(tmp_path, tiny_target_dir, compile_dir, alg
     steps = [(tokens[:, :first], feats[:, :first], positions[:, :first], positions[:, :first], None, first)]
     start = torch.tensor([first, first])  # the catch-up over the rest, after a prefix
     steps.append((tokens[:, first:], feats[:, first:], positions[:, first:], positions[:, first:],
-                  causal_extend_mask(start, t - first, t), t))
+                  KeyMask(start), t))
     base = torch.tensor([t, t])
     visible = torch.eye(2, dtype=torch.bool).expand(b, 2, 2)
     beam_pos = torch.tensor([[t + 1, t + 2], [t + 1, t + 2]])  # after a scratch entry nobody sees
     steps.append((torch.randint(3, VOCAB, (b, 2), generator=g), torch.randn(b, 2, cfg.hidden_size, generator=g),
-                   base[:, None].expand(b, 2), beam_pos, prefix_mask(base, torch.cat(
-                       [torch.zeros(b, 2, 1, dtype=torch.bool), visible], -1), t + 3), t + 3))
+                   base[:, None].expand(b, 2), beam_pos, KeyMask(base, torch.cat(
+                       [torch.zeros(b, 2, 1, dtype=torch.bool), visible], -1)), t + 3))
     with torch.inference_mode():
         for tok, hid, pos, wpos, mask, key_len in steps:
             got = compiled._forward(tok, hid, pos, wpos, mask, key_len, [0, 1])

@@ -163,8 +163,8 @@ def test_the_gpu_step_is_lossless_on_cpu(tmp_path, tiny_target_dir, monkeypatch,
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     prompts = _prompts(3)
     ref = _engine(tiny_target_dir, "off").generate(prompts, params)
-    eng = Engine(EngineConfig(model_dir=str(tiny_target_dir), dtype="float32", max_batch_size=4, max_seq_len=256,
-                              graph_mode="static", attention_backend="triton",
+    eng = Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", max_batch_size=4,
+                              max_seq_len=256, graph_mode="static", attention_backend="triton",
                               spec=SpecConfig(algorithm=algorithm, **spec)))
     eng.model.use_fused_kernels()
     outs = eng.generate(prompts, params)

@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 import specserve_kernels as K
-from specserve.models.llama import prefix_mask
+from specserve.models.llama import KeyMask
 from specserve.tree import DraftTree, DynamicTreeBuilder, TreeBatch
 
-# (beam tokens (B, k), parent states (B, k, ...), positions (B, k), write_pos (B, k), mask (B, 1, k, S), key_len)
+# (beam tokens (B, k), parent states (B, k, ...), positions (B, k), write_pos (B, k), mask (KeyMask), key_len)
 #   -> (states (B, k, ...), child probs (B, k, k), child tokens (B, k, k)); probs and tokens on the host
 #   for `grow_trees`, on the device for `grow_trees_on_device`
 DraftStep = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -54,7 +54,7 @@ def grow_trees(
         first = (s - 1) * k  # this step's scratch entries: [first, first + k)
         visible = visible | own_entries(k, first, visible.shape[-1], dev)
         key_len = int(base.max()) + first + k
-        mask = prefix_mask(base, visible[:, :, : first + k], key_len)
+        mask = KeyMask(base, visible[:, :, : first + k])
         states, probs, tokens = step(beam_tokens.to(dev), parent_state, (base + s - 1)[:, None].expand(b, k),
                                      base[:, None] + first + own, mask, key_len)
         picks = []
@@ -99,7 +99,7 @@ def grow_trees_on_device(
     for s in range(1, num_steps):
         first = (s - 1) * k
         visible = visible | own_entries(k, first, visible.shape[-1], dev)
-        mask = prefix_mask(base, visible, key_len)  # entries after this step's are not written yet: hidden
+        mask = KeyMask(base, visible)  # entries after this step's are not written yet: hidden
         states, probs, tokens = step(beam_tokens, parent_state, (base + s - 1)[:, None].expand(b, k),
                                      base[:, None] + first + own, mask, key_len)
         start = 1 + k + (s - 1) * k * k

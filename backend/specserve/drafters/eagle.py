@@ -37,7 +37,7 @@ from specserve.drafters.beam import grow_trees, grow_trees_on_device
 from specserve.drafters.eagle_model import load_eagle
 from specserve.drafters.mtp_model import load_mtp
 from specserve.models.kv_cache import KVCache
-from specserve.models.llama import ForwardOutput, causal_extend_mask, rope_table
+from specserve.models.llama import ForwardOutput, KeyMask, rope_table
 from specserve.runtime.head import HeadRunner
 from specserve.tree import DraftShape, DraftTree, TreeBatch
 
@@ -94,9 +94,9 @@ class EagleDrafter(Drafter):
     # ---- one head forward over the draft cache ------------------------------------------------
 
     def _forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
-                 mask: torch.Tensor | None, key_len: int, slots: list[int] | torch.Tensor) -> torch.Tensor:
-        """tokens, positions, write_pos (B, T); hidden (B, T, F); mask (B, 1, T, S) or None for a
-        causal fresh prefill -> h (B, T, H)."""
+                 mask: KeyMask | None, key_len: int, slots: list[int] | torch.Tensor) -> torch.Tensor:
+        """tokens, positions, write_pos (B, T); hidden (B, T, F); mask: the keys each token sees, None
+        for a causal fresh prefill -> h (B, T, H)."""
         with self.model_forward():
             return self.runner.forward(tokens, hidden, positions, write_pos, mask, key_len, slots)
 
@@ -118,7 +118,7 @@ class EagleDrafter(Drafter):
         hs = []
         for a, z in self.runner.chunks(b, t):  # columns [a, z): each chunk sees the ones before it in the cache
             key_len = max(starts) + z
-            mask = None if max(starts) + a == 0 else causal_extend_mask(start_t + a, z - a, key_len)
+            mask = None if max(starts) + a == 0 else KeyMask(start_t + a)  # after the prefix, causal
             pos = positions[:, a:z].contiguous()  # the programs take dense inputs
             hs.append(self._forward(tokens[:, a:z].contiguous(), feats[:, a:z].contiguous(), pos, pos, mask, key_len,
                                     slots))

@@ -23,7 +23,7 @@ from specserve.drafters.base import DraftContext, Drafter, SequenceView
 from specserve.drafters.beam import grow_trees
 from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.kv_cache import KVCache
-from specserve.models.llama import ForwardOutput, LlamaModel, causal_extend_mask, scattered_attention_inputs
+from specserve.models.llama import ForwardOutput, KeyMask, LlamaModel, scattered_attention_inputs
 from specserve.models.weights import load_llama
 from specserve.tree import DraftShape, DraftTree
 
@@ -84,7 +84,7 @@ class StandaloneDrafter(Drafter):
         start_t = torch.tensor(starts, device=self.device)
         positions = start_t[:, None] + torch.arange(t, device=self.device)
         key_len = max(starts) + t
-        mask = None if max(starts) == 0 else causal_extend_mask(start_t, t, key_len)
+        mask = None if max(starts) == 0 else KeyMask(start_t)
         a = scattered_attention_inputs(self.model.rope, positions, positions, host_slots, mask, key_len)
         last = torch.tensor([len(n) - 1 for n in news], device=self.device)[:, None]
         with self.model_forward():

@@ -52,9 +52,6 @@ from specserve.engine.sampling import (
     token_logprobs,
 )
 from specserve.host_memory import keep_freed_memory
-from specserve.models.attention import (
-    resolve_attention,
-)
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput
 from specserve.models.weights import load_llama
@@ -206,9 +203,7 @@ class Engine:
             runtime=self.plan,
         ))
         self.runner = TargetRunner(
-            self.model, self.cache, config, self.plan,
-            attention=resolve_attention(config.attention_backend, self.device, config.torch_dtype),
-            aux_layers=self.drafter.aux_layers, tree_tokens=min(self.spec.num_draft_tokens, MAX_TREE_NODES),
+            self.model, self.cache, config, self.plan, aux_layers=self.drafter.aux_layers, tree_tokens=min(self.spec.num_draft_tokens, MAX_TREE_NODES),
         )
         self._default_generator = torch.Generator().manual_seed(0)
         self._forced_shape: DraftShape | None = None  # warm-up runs each shape in turn

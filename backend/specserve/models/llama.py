@@ -71,12 +71,32 @@ def prefix_mask(cache_lens: torch.Tensor, new_mask: torch.Tensor, key_len: int) 
     return (in_prefix[:, None, :] | (in_new[:, None, :] & gathered)).unsqueeze(1)
 
 
+@dataclass(frozen=True)
+class KeyMask:
+    """Which keys of its cache slot each of T new tokens sees: the request's prefix [0, prefix[b]),
+    and of the N entries after it those `new[b, t]` marks (None: causal among the new tokens, N = T).
+    A drafter's beam writes its nodes into a scratch area after the prefix (N >= T).
+
+    Shape: prefix (B,) int64; new (B, T, N) bool or None."""
+
+    prefix: torch.Tensor
+    new: torch.Tensor | None = None
+
+    def dense(self, t: int, key_len: int) -> torch.Tensor:
+        """(B, 1, T, S) bool over keys [0, key_len) (`prefix_mask`)."""
+        new = self.new
+        if new is None:
+            new = torch.ones(t, t, dtype=torch.bool, device=self.prefix.device).tril().expand(len(self.prefix), t, t)
+        return prefix_mask(self.prefix, new, key_len)
+
+
 def scattered_attention_inputs(
     rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, write_pos: torch.Tensor,
-    slots: list[int] | torch.Tensor, mask: torch.Tensor | None, key_len: int,
+    slots: list[int] | torch.Tensor, mask: KeyMask | None, key_len: int, backend: AttentionBackend = TORCH_ATTENTION,
 ) -> AttentionInputs:
     """AttentionInputs for tokens written at arbitrary cache entries `write_pos` (B, T) of their
-    slots, with rope `positions` (B, T) and an explicit mask (None: causal over a fresh prefill).
+    slots, with rope `positions` (B, T), the keys `mask` says (None: causal over a fresh prefill),
+    for `backend` (a dense mask only if it reads one).
 
     slots: host ints (consecutive slots are read as a cache view), or a (B,) device tensor for a
     static, capturable forward (keys gathered per slot)."""
@@ -88,16 +108,12 @@ def scattered_attention_inputs(
         slots = torch.tensor(slots, device=positions.device)
     cos, sin = rope
     return AttentionInputs(
-        slots=slots, cache_lens=write_pos[:, 0], write_slots=slots[:, None].expand(b, t), write_pos=write_pos,
-        key_len=key_len, mask=mask, is_causal=mask is None, slot_range=slot_range,
-        cos=cos[positions].unsqueeze(2), sin=sin[positions].unsqueeze(2),
+        slots=slots, cache_lens=write_pos[:, 0] if mask is None else mask.prefix,
+        write_slots=slots[:, None].expand(b, t), write_pos=write_pos, key_len=key_len,
+        mask=mask.dense(t, key_len) if mask is not None and backend.reads_mask else None, is_causal=mask is None,
+        slot_range=slot_range, cos=cos[positions].unsqueeze(2), sin=sin[positions].unsqueeze(2), backend=backend,
+        new_mask=None if mask is None else mask.new,
     )
-
-
-def causal_extend_mask(starts: torch.Tensor, t: int, key_len: int) -> torch.Tensor:
-    """(B, 1, T, S): T new tokens after each row's prefix [0, starts[b]), causal among themselves."""
-    causal = torch.ones(t, t, dtype=torch.bool, device=starts.device).tril().expand(len(starts), t, t)
-    return prefix_mask(starts, causal, key_len)
 
 
 class Attention(nn.Module):

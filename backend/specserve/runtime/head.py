@@ -18,9 +18,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from specserve.models.attention import TORCH_ATTENTION, TRITON_ATTENTION
 from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.kv_cache import KVCache
-from specserve.models.llama import causal_extend_mask, scattered_attention_inputs
+from specserve.models.llama import KeyMask, scattered_attention_inputs
 from specserve.runtime.compiled import CompiledHead, compiled_or_none
 from specserve.runtime.cuda_graph import DraftGraphs
 from specserve.runtime.few_row_head import FEW_ROWS, FewRowHead
@@ -45,6 +46,8 @@ class HeadRunner:
         catch-up, its own states in the beam)."""
         self.name, self.head, self.rope, self.cache, self.plan = name, head, rope, cache, plan
         self.device = plan.device
+        # the head's attention: our Triton kernel where the target's runs it (the GPU), else torch
+        self.attention = TRITON_ATTENTION if plan.attention == "triton" else TORCH_ATTENTION
         cache_dir = plan.compile_cache_dir
         # the head's forwards compiled from the plain weights, so before they are prepacked
         self.compiled = None if cache_dir is None else compiled_or_none(f"{name} head", lambda: CompiledHead(
@@ -60,18 +63,18 @@ class HeadRunner:
         self._captured_shape: object = None
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
-                mask: torch.Tensor | None, key_len: int, slots: list[int] | torch.Tensor) -> torch.Tensor:
-        """tokens, positions, write_pos (B, T); hidden (B, T, F); mask (B, 1, T, S) or None for a
-        causal fresh prefill; slots: host ints or a (B,) device tensor -> h (B, T, H)."""
+                mask: KeyMask | None, key_len: int, slots: list[int] | torch.Tensor) -> torch.Tensor:
+        """tokens, positions, write_pos (B, T); hidden (B, T, F); mask: the keys each token sees,
+        None for a causal fresh prefill; slots: host ints or a (B,) device tensor -> h (B, T, H)."""
+        b, t = tokens.shape
         if self.compiled is not None and self.compiled.fits(key_len):
             if mask is None:
-                mask = causal_extend_mask(torch.zeros(len(tokens), dtype=torch.int64, device=self.device),
-                                          tokens.shape[1], key_len)
+                mask = KeyMask(torch.zeros(b, dtype=torch.int64, device=self.device))
             slots_t = slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, device=self.device)
             few = self.few_rows is not None and self.few_rows.covers(tokens, hidden, key_len)
             program = self.few_rows if few else self.compiled
-            return program.forward(tokens, hidden, positions, write_pos, mask, slots_t)
-        a = scattered_attention_inputs(self.rope, positions, write_pos, slots, mask, key_len)
+            return program.forward(tokens, hidden, positions, write_pos, mask.dense(t, key_len), slots_t)
+        a = scattered_attention_inputs(self.rope, positions, write_pos, slots, mask, key_len, self.attention)
         layer_cache = self.cache.layer(0)
         return self.head(tokens, hidden, lambda attn, x: attn(x, layer_cache, a))
 
@@ -99,7 +102,7 @@ class HeadRunner:
             start = time.perf_counter()
             for a in range(0, rows, width):
                 z = min(a + width, rows)
-                mask = causal_extend_mask(torch.tensor([a], device=self.device), z - a, z)
+                mask = KeyMask(torch.tensor([a], device=self.device)).dense(z - a, z)
                 program.forward(tokens[:, a:z], feats[:, a:z], positions[:, a:z], positions[:, a:z], mask, slots)
             return time.perf_counter() - start
 

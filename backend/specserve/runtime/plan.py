@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from specserve.config import EngineConfig
+from specserve.models.attention import resolve_attention
 from specserve.runtime.compiled import can_compile
 from specserve.runtime.cuda_graph import default_batch_sizes
 
@@ -35,6 +36,7 @@ class RuntimePlan:
     compile_cache_dir: Path | None = None
     step_matmul: str = "auto"
     fused_kernels: bool = False
+    attention: str = "torch"  # the resolved attention backend (`models.attention.resolve_attention`)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> RuntimePlan:
@@ -51,6 +53,7 @@ class RuntimePlan:
             compile_cache_dir=config.compile_cache_path if compile_cpu else None,
             step_matmul=config.step_matmul,
             fused_kernels=device.type in ("cuda", "meta"),
+            attention=resolve_attention(config.attention_backend, device, config.torch_dtype),
         )
 
     @property

@@ -39,11 +39,11 @@ class TargetRunner:
     program (None unless the plan compiles and it built); `paths`: compiled vs eager per step key.
     """
 
-    def __init__(self, model: LlamaModel, cache: KVCache, config: EngineConfig, plan: RuntimePlan, attention: str,
+    def __init__(self, model: LlamaModel, cache: KVCache, config: EngineConfig, plan: RuntimePlan,
                  aux_layers: tuple[int, ...], tree_tokens: int) -> None:
         """tree_tokens: the largest tree a step verifies (the verify buckets' token count)."""
         self.model, self.cache, self.plan, self.aux_layers = model, cache, plan, aux_layers
-        self.attention = attention
+        self.attention = plan.attention
         self.model.attention_backend = self.make_backend()
         model.use_fused_kernels(plan.fused_kernels)
         self.buckets = default_batch_sizes(config.max_batch_size)
