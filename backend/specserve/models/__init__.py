@@ -1,1 +1,1 @@
-"""The target model in plain torch: weights, KV cache, attention backends, CPU linears, static-shape / CUDA-graph runners."""
+"""The target model in plain torch: weights, KV cache, attention backends, CPU linears."""
