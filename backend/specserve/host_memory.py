@@ -7,8 +7,8 @@ fresh mapping, and hands freed memory at the top of its heap back to the kernel 
 threshold; by default both thresholds move with what the process freed before. So the same step
 either reuses heap memory or maps, zero-fills and unmaps every buffer anew, depending on the
 process's history: one engine's decode runs at twice another's for the same work, and a tree
-size can stay slow for a whole run (docs/benchmarks.md has the figures: 2x at batch 8 and 256
-cached tokens, measured with `perf` as page faults and zeroing).
+size can stay slow for a whole run (docs/performance.md has the figures, measured with `perf` as
+page faults and zeroing).
 
 `keep_freed_memory` fixes the thresholds (`mallopt`): blocks up to `MMAP_THRESHOLD` come from the
 heap, and freed memory stays there for the next step until more than `TRIM_THRESHOLD` is free at

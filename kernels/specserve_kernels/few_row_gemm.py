@@ -11,7 +11,7 @@ over k: a row's result is the same bit for bit whatever other rows it is multipl
 
 On a 2-core AVX2 EPYC (`bench/cpu_linear.py --kernel`, SmolLM2-135M's 121 matrices): float32
 storage takes about as long at 6 rows as at 1 (memory-bound) and 1.7x that at 16 rows; bf16
-storage halves the 1-2 row time. Inside the step program (`bench/cpu_step.py`, docs/benchmarks.md)
+storage halves the 1-2 row time. Inside the step program (`bench/cpu_step.py`, docs/performance.md)
 12 tokens verify in 1.4x a decode's time with float32 storage, against 2.7x with inductor's
 autotuned matmuls.
 

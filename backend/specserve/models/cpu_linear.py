@@ -2,7 +2,7 @@
 
 `F.linear` on a plain bf16 weight reads its weights more slowly at one token than the same weights
 prepacked with `mkldnn._reorder_linear_weight` and multiplied by `mkldnn._linear_pointwise`
-(`bench/cpu_linear.py` measures both; figures in `docs/benchmarks.md`). The result is
+(`bench/cpu_linear.py` measures both; figures in `docs/performance.md`). The result is
 bit-identical to `F.linear`.
 
 This module packs inference-only weights: a packed linear has no autograd and is never saved.

@@ -4,15 +4,14 @@ A compiled program covers every batch size up to the engine's, every token count
 context length: `torch.export` with dynamic batch, token and key dimensions, compiled by
 AOTInductor (inductor's C++ backend) with the weights frozen and prepacked for oneDNN. Eager
 PyTorch spends a good part of a small model's step between the matmuls (dispatch, small ops); the
-compiled program does not (docs/benchmarks.md has the figures).
+compiled program does not (docs/performance.md has the figures).
 
 `CompiledTarget` is the target's forward in two programs: one for steps of at most `STEP_ROWS`
 rows (batch x tokens: decode and tree verification) and one for prefills, which keeps oneDNN's
 prepacked matmuls. In float32 on an AVX2 CPU the step program's matmuls are the few-row kernel
 (`specserve_kernels.few_row_gemm`: each weight panel streamed once per step, in bf16 where the
-checkpoint's values are bf16 numbers, so the products stay float32's; on a 2-core AVX2 EPYC a
-decode takes 0.65x and a 6-16 token verification 0.55-0.6x the time of inductor's matmuls, in a
-program compiled in half the time and a third of the size); elsewhere inductor autotunes
+checkpoint's values are bf16 numbers, so the products stay float32's; faster there than
+inductor's matmuls, in a smaller program compiled sooner: docs/performance.md); elsewhere inductor autotunes
 them between its C++ micro-kernel template and oneDNN (`STEP_CONFIGS`: the template wins at a few
 rows, where oneDNN's small-M kernels are far from the memory bound). `CompiledHead` is
 one forward of a one-layer draft head (EAGLE-2/3, MTP) over its own cache. Each package is stored
