@@ -242,7 +242,7 @@ def test_a_catch_up_in_few_row_chunks_matches_one_forward(tmp_path, tiny_target_
     two requests, one with a longer backlog than the other, after a prefix each."""
     from test_eagle import write_checkpoint
 
-    from specserve.drafters.eagle import CHUNKED_CATCH_UP_ROWS
+    from specserve.runtime.head import CHUNKED_CATCH_UP_ROWS
 
     spec = dict(drafter_path=str(write_checkpoint(tmp_path / algorithm, algorithm)), num_steps=3, topk=2,
                 num_draft_tokens=6)
