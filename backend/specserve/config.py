@@ -299,6 +299,11 @@ class EngineConfig:
                                help="with compiled forwards on CPU, which decode / verify steps run the compiled step "
                                     "program: auto = per batch size and tree size, the faster of it and the eager "
                                     "forward, timed at start-up and while serving; always = every step it covers")
+    serve_while_compiling: bool = knob(True, help="served on CPU with compiled forwards: answer at once with the "
+                                       "eager engine (the configured tree, no start-up timings) while a background "
+                                       "process compiles or loads the programs; the model then switches, at its "
+                                       "first idle moment, to an engine that runs them (the log says when)",
+                                       no_flag="generate and bench build their programs before the first request")
     step_matmul: str = knob("auto", choices=STEP_MATMULS,
                             help="the compiled few-row programs' matmuls: auto = the AVX2 few-row kernel in float32 "
                                  "where it runs (specserve_kernels.few_row_gemm), else inductor's autotuned ones; "

@@ -100,15 +100,21 @@ def loaded() -> bool:
 
 
 def _build(build_root: Path | None) -> bool:
+    from filelock import FileLock
     from torch.utils.cpp_extension import load as build_extension
 
     root = build_root or Path.home() / ".cache/specserve/kernels"
     build_dir = root / f"few_row_gemm-{source_digest()}-torch{torch.__version__}"
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        build_extension(name="specserve_few_row_gemm", sources=[str(SOURCE)], build_directory=str(build_dir),
-                        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                        is_python_module=False, verbose=False)
+        # torch's own build lock (`lock`, a file that exists) outlives a process killed mid-build, and
+        # every later build then waits on it forever; ours is released with its holder, so whoever
+        # holds it may remove a `lock` left behind
+        with FileLock(str(build_dir / "specserve.lock")):
+            (build_dir / "lock").unlink(missing_ok=True)
+            build_extension(name="specserve_few_row_gemm", sources=[str(SOURCE)], build_directory=str(build_dir),
+                            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                            is_python_module=False, verbose=False)
     except Exception as e:  # the C++ toolchain: the op is an optimisation, so fall back
         log.warning("few-row matmul kernel not built, keeping the default matmuls (%s: %s)", type(e).__name__, e)
         return False

@@ -19,7 +19,9 @@ SLOTS = 4
 MAX_SEQ_LEN = 512
 DTYPE = "float32"
 QUEUE = 16  # more than the 16 concurrent streams of one test minus the 4 slots
-ENGINE_PARAMS = {"max_batch_size": str(SLOTS), "max_seq_len": str(MAX_SEQ_LEN), "dtype": DTYPE, "max_queue_size": str(QUEUE)}
+# the compiled programs from the first request on (tests/e2e/test_startup.py serves while they build)
+ENGINE_PARAMS = {"max_batch_size": str(SLOTS), "max_seq_len": str(MAX_SEQ_LEN), "dtype": DTYPE, "max_queue_size": str(QUEUE),
+                 "serve_while_compiling": "false"}
 VARIANTS = ("base", "ngram", "eagle2", "eagle3", "mtp", "standalone")
 
 

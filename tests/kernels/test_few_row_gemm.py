@@ -5,6 +5,9 @@ AOTInductor program. Skipped where the kernel cannot run (no AVX2 / FMA, no g++ 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -130,3 +133,15 @@ def test_the_op_compiles_into_an_aoti_program(tmp_path):
         for t in (1, 5):
             x = torch.randint(0, 50, (2, t))
             torch.testing.assert_close(runner(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load(tmp_path):
+    """torch leaves its build directory's `lock` behind when the building process is killed; the
+    next process to load the op must not wait on it forever."""
+    code = "import sys; from pathlib import Path; from specserve_kernels import few_row_gemm; " \
+           "sys.exit(0 if few_row_gemm.load(Path(sys.argv[1])) else 1)"
+    run = [sys.executable, "-c", code, str(tmp_path)]
+    subprocess.run(run, check=True, timeout=600)  # builds
+    (build_dir,) = tmp_path.glob("few_row_gemm-*")
+    (build_dir / "lock").touch()  # as a build killed midway leaves it
+    subprocess.run(run, check=True, timeout=120)

@@ -1,5 +1,5 @@
 """EngineLoop with a fake engine: built on its own thread, startup errors re-raised, deltas routed,
-a failing step ends only that step's requests."""
+a failing step ends only that step's requests, an upgraded engine takes over only when idle."""
 
 from __future__ import annotations
 
@@ -67,6 +67,45 @@ def test_startup_error_is_raised_to_the_caller():
 
     with pytest.raises(FileNotFoundError, match="model_dir"):
         EngineLoop(broken)
+
+
+def test_an_upgrade_is_built_when_ready_and_takes_over_at_an_idle_moment():
+    state: list[bool | None] = [None]
+    building, release = threading.Event(), threading.Event()
+
+    def upgraded() -> FakeEngine:
+        building.set()
+        assert release.wait(5)  # requests arrive while the new engine builds
+        return FakeEngine()
+
+    loop = EngineLoop(FakeEngine)
+    first = loop.engine
+    try:
+        loop.upgrade_when_ready(lambda: state[0], upgraded)
+        assert _run(loop, [1]).finish_reason == FINISH_LENGTH and loop.engine is first  # not ready yet
+        state[0] = True
+        assert building.wait(5)
+        done = threading.Event()
+        loop.submit([2], SamplingParams(max_tokens=1), lambda out: done.set())
+        release.set()
+        assert done.wait(5) and loop.upgraded.wait(5)  # the old engine served it, then the new one took over
+        assert loop.engine is not first and first.pending == []
+        assert _run(loop, [3]).finish_reason == FINISH_LENGTH and loop.engine.built_on == "specserve-engine"
+    finally:
+        loop.shutdown()
+
+
+def test_an_upgrade_that_is_never_ready_or_fails_keeps_the_engine():
+    for ready, factory in ((lambda: False, FakeEngine), (lambda: True, lambda: 1 / 0)):
+        loop = EngineLoop(FakeEngine)
+        first = loop.engine
+        try:
+            loop.upgrade_when_ready(ready, factory)
+            assert _run(loop, [1]).finish_reason == FINISH_LENGTH
+            assert not loop.upgraded.wait(0.3) and loop.engine is first
+            assert _run(loop, [2]).finish_reason == FINISH_LENGTH
+        finally:
+            loop.shutdown()
 
 
 def test_a_failing_step_errors_its_requests_and_the_loop_keeps_serving():

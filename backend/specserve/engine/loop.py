@@ -11,6 +11,11 @@ and the aborts and timeouts the step had already ended still go out) and the loo
 request gets a final error output, `submit` refuses with `EngineStopped`, and `on_stopped` tells
 the server (which marks the model not ready).
 
+Upgrade. `upgrade_when_ready(ready, factory)` replaces the engine by a better-built one (a server
+starts on an eager engine while its compiled programs build elsewhere): once `ready()` says so and
+the engine is idle, the loop thread builds `factory()`'s engine; requests that arrive meanwhile
+wait in the running engine, which serves them, and the new one takes over at its next idle moment.
+
 Cancellation is the caller's: `abort(request_id)` from any thread ends the request within a
 step. `on_step` receives the engine's load whenever it changes (the serving gauges); a caller
 whose gauges are slow to set hands the value to a thread of its own. This module knows nothing
@@ -61,6 +66,9 @@ class EngineLoop:
         self.max_failed_steps = max_failed_steps
         self.stopped_reason: str | None = None  # set when the loop stopped by failure
         self._last_load: EngineLoad | None = None
+        self._upgrade: tuple[Callable[[], bool | None], Callable[[], Engine]] | None = None
+        self._next_engine: Engine | None = None
+        self.upgraded = threading.Event()  # set once the engine was replaced
         self._thread = threading.Thread(target=self._start, args=(engine_factory,), name="specserve-engine",
                                         daemon=True)
         self._thread.start()
@@ -100,7 +108,15 @@ class EngineLoop:
         return rid
 
     def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+        with self._lock:  # the engine holding the request: not one being swapped out
+            engine = self.engine
+        engine.abort(request_id)
+        self._wake.set()
+
+    def upgrade_when_ready(self, ready: Callable[[], bool | None], factory: Callable[[], Engine]) -> None:
+        """Replace the engine by `factory()`'s once `ready()` is True (polled on the loop thread
+        while idle; False: never, None: not yet), at an idle moment (see the module's docstring)."""
+        self._upgrade = (ready, factory)
         self._wake.set()
 
     @property
@@ -125,6 +141,8 @@ class EngineLoop:
                 self._report_load()  # back to idle: the gauges read zero
                 if self._stop.is_set():
                     return
+                if self._swap_engine() or self._build_upgrade():
+                    continue
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
                 continue
@@ -141,6 +159,35 @@ class EngineLoop:
             # the load first: a client that has a response then reads gauges that count its request
             self._report_load()
             self._deliver(outputs)
+
+    def _build_upgrade(self) -> bool:
+        """Build the upgraded engine if it is due; True if the loop should look at its work again."""
+        if self._upgrade is None:
+            return False
+        ready, factory = self._upgrade
+        state = ready()
+        if state is None:
+            return False
+        self._upgrade = None
+        if state:
+            try:
+                self._next_engine = factory()
+            except Exception:  # noqa: BLE001 - the running engine keeps serving
+                log.error("engine upgrade failed; the running engine keeps serving:\n%s", traceback.format_exc())
+        return True
+
+    def _swap_engine(self) -> bool:
+        """Put the upgraded engine in place if one is built and the running one is idle."""
+        if self._next_engine is None:
+            return False
+        with self._lock:  # no request enters the old engine between the check and the swap
+            if self.engine.has_work():
+                return True
+            self.engine, self._next_engine = self._next_engine, None
+        self._last_load = None
+        self.upgraded.set()
+        log.info("engine upgraded: the new engine serves from now on")
+        return True
 
     def _report_load(self) -> None:
         """`on_step` with the engine's load, only when it changed (the gauges are an IPC each)."""

@@ -1,7 +1,9 @@
 """The decoupled Triton Python model behind every `llm_<variant>` (vLLM-backend style).
 
 auto_complete_config declares the tensors, the decoupled policy and max_batch_size 0, so config.pbtxt
-holds only parameters; initialize builds the engine from them and starts its loop thread; execute only
+holds only parameters; initialize builds the engine from them and starts its loop thread (on a CPU,
+an eager engine that answers at once, replaced by one running the compiled programs once a process
+of their own has built them: `engine.precompile`); execute only
 parses and submits; the engine thread hands each `RequestOutput` delta to the model's Triton
 thread, the one thread that calls into Triton after `execute`: it sends each delta through the
 request's response sender, polls the open requests' cancellation and sets the load gauges (so the
@@ -36,7 +38,8 @@ from typing import Any
 import torch
 import triton_python_backend_utils as pb_utils
 
-from specserve.config import SamplingParams
+from specserve.config import EngineConfig, SamplingParams
+from specserve.engine import precompile
 from specserve.engine.engine import Engine, QueueFull
 from specserve.engine.loop import EngineLoop, EngineStopped
 from specserve.engine.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_TIMEOUT, EngineLoad, RequestOutput
@@ -291,6 +294,7 @@ class TritonPythonModel:
         return auto_complete_model_config
 
     def initialize(self, args: dict[str, str]) -> None:
+        self.compiling = None  # the process building the compiled programs, while it runs
         utf8_text_files()
         faulthandler.enable(all_threads=True)  # a crash in the stub logs every thread's Python stack
         config = json.loads(args["model_config"])
@@ -306,20 +310,35 @@ class TritonPythonModel:
         self.tokenizer = PromptTokenizer(engine_config.model_dir)
         warmup_ids = self.tokenizer.encode("Hello", False)
 
-        def build_engine() -> Engine:  # runs on the engine thread (see specserve.engine.loop)
-            engine = Engine(engine_config)
+        def build_engine(config: EngineConfig) -> Engine:  # runs on the engine thread (see specserve.engine.loop)
+            engine = Engine(config)
             engine.generate([warmup_ids], SamplingParams(max_tokens=2))  # warm-up
             return engine
 
         self.model_name = args["model_name"]
         self.closing = threading.Event()
         self.triton_thread = _TritonThread(abort=lambda request_id: self.loop.abort(request_id), set_load=self.metrics.set_load)
-        self.loop = EngineLoop(build_engine, on_step=self.triton_thread.load, on_stopped=self._unload)
+        # on CPU: serve at once eagerly; the compiled programs build in a process of their own
+        background = precompile.wanted(engine_config)
+        first = precompile.eager_config(engine_config) if background else engine_config
+        self.loop = EngineLoop(lambda: build_engine(first), on_step=self.triton_thread.load, on_stopped=self._unload)
         pb_utils.Logger.log_info(
             f"{args['model_name']}: {engine_config.spec.algorithm} on {engine_config.device}, "
             f"{engine_config.max_batch_size} slots x {engine_config.max_seq_len} tokens, "
             f"{engine_config.dtype}, {torch.get_num_threads()} torch threads"
+            + (": serving eagerly while its compiled programs build in the background" if background else "")
         )
+        self.compiling = precompile.start(engine_config) if background else None
+        if self.compiling is not None:
+            started = time.monotonic()
+
+            def upgraded() -> Engine:
+                engine = build_engine(engine_config)
+                pb_utils.Logger.log_info(f"{self.model_name}: switched to its compiled programs "
+                                         f"{time.monotonic() - started:.0f} s after it began serving")
+                return engine
+
+            self.loop.upgrade_when_ready(lambda: precompile.finished(self.compiling), upgraded)
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -358,5 +377,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.closing.set()
+        if self.compiling is not None and self.compiling.poll() is None:
+            self.compiling.kill()
         self.loop.shutdown()  # aborts what is left; their FINALs go through the Triton thread
         self.triton_thread.close()

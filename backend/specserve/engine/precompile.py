@@ -1,0 +1,95 @@
+"""An engine's CPU programs compiled (or loaded) by a process of its own, so that a server answers
+at once with an eager engine meanwhile (`EngineConfig.serve_while_compiling`).
+
+`start(config)` launches `python -m specserve.engine.precompile` at the lowest CPU priority. It
+builds the engine `config` describes with its step programs pinned and its tree fixed, so no
+start-up timing runs: building it compiles each program into the compile cache, or finds it
+there, and the process exits. An engine the server builds afterwards from the same
+config loads every program from the cache. `eager_config` is the engine that serves meanwhile.
+
+This module does not switch engines (`loop.EngineLoop.upgrade_when_ready` does) and does
+nothing where the plan compiles nothing (CUDA, `cpu_compile` off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+
+from specserve.config import EngineConfig, engine_config
+from specserve.engine.engine import Engine
+from specserve.runtime.compiled import can_compile
+
+log = logging.getLogger(__name__)
+
+
+def wanted(config: EngineConfig) -> bool:
+    """Whether the config asks to serve while compiling and there is something to compile."""
+    import torch
+
+    return config.serve_while_compiling and config.cpu_compile and config.graph_mode != "static" and \
+        can_compile(torch.device(config.device))
+
+
+def eager_config(config: EngineConfig) -> EngineConfig:
+    """The engine that serves while the programs compile: eager forwards, the configured tree."""
+    return replace(config, cpu_compile=False, spec=replace(config.spec, adaptive=False))
+
+
+def program_config(config: EngineConfig) -> EngineConfig:
+    """The engine whose building compiles `config`'s programs and times nothing."""
+    return replace(config, compiled_steps="always", spec=replace(config.spec, adaptive=False), max_queue_size=0)
+
+
+def _python() -> str:
+    """This interpreter, or the `python3` on PATH where this runs embedded (a Triton stub)."""
+    if os.path.basename(sys.executable).startswith("python"):
+        return sys.executable
+    return shutil.which("python3") or "python3"
+
+
+def start(config: EngineConfig) -> subprocess.Popen:
+    """The compiling process, started in the background (its log goes where this process's does)."""
+    values = dataclasses.asdict(program_config(config))
+    spec = values.pop("spec")
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen([_python(), "-m", "specserve.engine.precompile", json.dumps(values | spec)], env=env,
+                            stdin=subprocess.DEVNULL)
+    os.setpriority(os.PRIO_PROCESS, proc.pid, 19)  # the servers' own work comes first
+    return proc
+
+
+def finished(proc: subprocess.Popen) -> bool | None:
+    """None while it runs; then whether it succeeded."""
+    rc = proc.poll()
+    if rc is None:
+        return None
+    if rc != 0:
+        log.warning("precompile: the compiling process exited with %d; the eager engine keeps serving", rc)
+    return rc == 0
+
+
+def main(argv: list[str]) -> int:
+    parent = os.getppid()
+
+    def orphaned() -> None:  # a server that died (or was killed) takes its compiling process with it
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(1)
+
+    threading.Thread(target=orphaned, daemon=True).start()
+    Engine(engine_config(json.loads(argv[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s precompile %(levelname)s %(message)s")
+    sys.exit(main(sys.argv[1:]))

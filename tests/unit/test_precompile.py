@@ -1,0 +1,37 @@
+"""The compiling process a served CPU model starts beside its eager engine: it fills the compile
+cache with exactly the programs the model's own engine then loads, and it times nothing."""
+
+from __future__ import annotations
+
+import time
+
+from specserve.config import EngineConfig, SpecConfig
+from specserve.engine import precompile
+from specserve.engine.engine import Engine
+
+
+def test_the_eager_and_program_configs_differ_from_the_served_one_only_where_they_must(tiny_target_dir):
+    config = EngineConfig(model_dir=str(tiny_target_dir), device="cpu", spec=SpecConfig(algorithm="ngram"))
+    assert precompile.wanted(config)
+    eager = precompile.eager_config(config)
+    assert not eager.cpu_compile and not eager.spec.adaptive and eager.max_queue_size == config.max_queue_size
+    programs = precompile.program_config(config)
+    assert programs.cpu_compile and programs.compiled_steps == "always" and not programs.spec.adaptive
+    assert not precompile.wanted(EngineConfig(model_dir="m", device="cpu", serve_while_compiling=False))
+    assert not precompile.wanted(EngineConfig(model_dir="m", device="cpu", cpu_compile=False))
+
+
+def test_the_process_fills_the_cache_the_served_engine_loads(tmp_path, tiny_target_dir):
+    config = EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", max_batch_size=2,
+                          max_seq_len=128, compile_cache_dir=str(tmp_path / "cache"))
+    proc = precompile.start(config)
+    assert precompile.finished(proc) is None  # running
+    proc.wait(timeout=900)
+    assert precompile.finished(proc) is True
+    programs = {p.name: p.stat().st_ino for p in (tmp_path / "cache").glob("*.pt2")}  # a compile writes a new file
+    assert programs
+    start = time.perf_counter()
+    engine = Engine(config)
+    assert engine.runner.compiled is not None
+    assert {p.name: p.stat().st_ino for p in (tmp_path / "cache").glob("*.pt2")} == programs  # loaded, not compiled
+    assert time.perf_counter() - start < 60
