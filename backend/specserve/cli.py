@@ -23,9 +23,8 @@ from specserve.config import (
 )
 from specserve.prepare import repo_root
 from specserve.serving.repository import VARIANT_ALGORITHM, served_drafter
-from specserve.training.features import DumpConfig
+from specserve.training.configs import DumpConfig, HeadsConfig, TrainConfig
 from specserve.training.regenerate import RegenerateConfig
-from specserve.training.train_drafter import TrainConfig
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -164,7 +163,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 def cmd_train_drafters(args: argparse.Namespace) -> int:
     from specserve.prepare import default_model_dir
-    from specserve.training.train_heads import HeadsConfig, train_drafters
+    from specserve.training.train_heads import train_drafters
 
     try:
         hc = HeadsConfig(
@@ -299,8 +298,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the frozen target's dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.set_defaults(func=cmd_train_drafter)
-
-    from specserve.training.train_heads import HeadsConfig
 
     p = sub.add_parser("train-drafters", help="train the EAGLE-3, EAGLE-2 and MTP heads together from a "
                        "regenerate-data corpus, inside a time limit (one GPU command)")

@@ -20,9 +20,10 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from specserve.hardware import auto_dtype
+
+if typing.TYPE_CHECKING:
+    import torch
 
 ALGORITHMS = ("none", "ngram", "eagle", "eagle3", "mtp", "standalone")
 GRAPH_MODES = ("auto", "off", "static")
@@ -30,12 +31,14 @@ STEP_MATMULS = ("auto", "inductor")
 COMPILED_STEPS = ("auto", "always")
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DTYPES = ("bfloat16", "float32", "float16")  # torch dtypes by name (torch is imported where one is used)
 
 
 def resolve_device(device: str) -> str:
     """'auto' (or empty) -> 'cuda' when torch sees a GPU, else 'cpu'; anything else unchanged."""
     if device in ("", "auto"):
+        import torch
+
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
 
@@ -331,7 +334,9 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def compile_cache_path(self) -> Path:

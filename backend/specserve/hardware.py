@@ -11,8 +11,6 @@ import functools
 import os
 from pathlib import Path
 
-import torch
-
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
 
 
@@ -49,6 +47,8 @@ def auto_dtype(device: str) -> str:
 
 def describe() -> dict:
     """The machine as the bench JSON records it."""
+    import torch
+
     return {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),

@@ -123,6 +123,10 @@ def build_tree(parents: torch.Tensor) -> TreeTensors:
     """
     check_tensor("parents", parents, torch.int64, 2)
     check_num_nodes("parents", parents.shape[1])
+    if not use_triton(parents) and not torch.compiler.is_compiling():
+        # the reference, called as it is: a custom op's first call imports torch's compiler stack
+        # (seconds of a CPU server's start), and eager CPU code has nothing to trace or capture
+        return build_tree_reference(parents)
     return TreeTensors(*torch.ops.specserve.build_tree(parents))
 
 

@@ -35,7 +35,7 @@ from specserve.models.cpu_linear import (
     few_row_linear,
 )
 from specserve.models.llama import MLP, Attend, Attention, LlamaModel, RMSNorm
-from specserve.models.weights import read_safetensors, take
+from specserve.models.weights import empty_modules, read_safetensors, take
 
 HEAD_ALGORITHMS = ("eagle", "eagle3")
 
@@ -303,7 +303,7 @@ def load_eagle(path: str | Path, target: LlamaModel, dtype: torch.dtype, device:
     if cfg.algorithm == "eagle3" and max(cfg.aux_layer_ids) >= target.cfg.num_layers:
         raise ValueError(f"eagle_aux_hidden_state_layer_ids: {cfg.aux_layer_ids} outside the target's layers")
     state = eagle_state_dict(tensors, cfg)
-    with torch.device("meta"):
+    with empty_modules():
         head = EagleHead(cfg, target)
     head.load_state_dict({k: v.to(device) if k == "d2t" else v.to(device=device, dtype=dtype)
                           for k, v in state.items()}, strict=True, assign=True)

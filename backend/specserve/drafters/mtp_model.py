@@ -28,7 +28,7 @@ from specserve.config import ModelConfig
 from specserve.drafters.eagle_model import SharedLmHead
 from specserve.models.cpu_linear import apply_few_rows, fastest_logits_layer
 from specserve.models.llama import Attend, DecoderLayer, LlamaModel, RMSNorm
-from specserve.models.weights import read_safetensors, take
+from specserve.models.weights import empty_modules, read_safetensors, take
 
 LAYOUTS = ("deepseek", "mimo")
 
@@ -152,7 +152,7 @@ def load_mtp(path: str | Path, target: LlamaModel, dtype: torch.dtype, device: s
     own_head = layout == "deepseek" and f"{prefix}shared_head.head.weight" in tensors
     cfg = MtpConfig(layout=layout, target=target.cfg, prefix=prefix, own_head=own_head)
     state = mtp_state_dict(tensors, cfg)
-    with torch.device("meta"):
+    with empty_modules():
         head = MtpHead(cfg, target)
     head.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=True, assign=True)
     return head.eval().requires_grad_(False)  # loaded onto the device

@@ -24,7 +24,7 @@ from specserve.drafters.beam import grow_trees
 from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, KeyMask, LlamaModel, scattered_attention_inputs
-from specserve.models.weights import load_llama
+from specserve.models.weights import empty_modules, load_llama
 from specserve.tree import DraftShape, DraftTree
 
 
@@ -32,7 +32,7 @@ def first_layers(target: LlamaModel, k: int) -> LlamaModel:
     """A LlamaModel made of the target's embedding, first k layers, final norm and lm_head (shared)."""
     if not 0 < k < target.cfg.num_layers:
         raise ValueError(f"standalone_num_layers: must be in [1, {target.cfg.num_layers - 1}], got {k}")
-    with torch.device("meta"):
+    with empty_modules():
         model = LlamaModel(replace(target.cfg, num_layers=k))
     model.embed_tokens, model.norm, model.lm_head = target.embed_tokens, target.norm, target.lm_head
     model.layers = nn.ModuleList(list(target.layers[:k]))

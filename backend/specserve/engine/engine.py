@@ -42,6 +42,7 @@ from specserve.engine.outputs import (
     FINISH_STOP,
     FINISH_TIMEOUT,
     EngineLoad,
+    QueueFull,  # noqa: F401 - callers import it from here too
     RequestOutput,
 )
 from specserve.engine.sampling import (
@@ -80,10 +81,6 @@ class Verified:
     logprobs: list[list[dict[int, tuple[float, int]]] | None]
     accepted: list[list[int]]
     tree_sizes: list[int]
-
-
-class QueueFull(RuntimeError):
-    """`add_request` while `max_queue_size` requests already wait: try again later."""
 
 
 @dataclass

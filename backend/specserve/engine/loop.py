@@ -28,10 +28,13 @@ import logging
 import threading
 import traceback
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from specserve.config import SamplingParams
-from specserve.engine.engine import Engine
 from specserve.engine.outputs import FINISH_ERROR, EngineLoad, RequestOutput
+
+if TYPE_CHECKING:  # importing the engine imports torch: this module is imported before a server needs it
+    from specserve.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 

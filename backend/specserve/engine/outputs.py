@@ -51,3 +51,7 @@ class RequestOutput:
     def accept_length(self) -> float:
         """Mean tokens per verify step so far (1.0 = no speed-up)."""
         return (self.num_accepted_tokens + self.num_verify_steps) / max(self.num_verify_steps, 1)
+
+
+class QueueFull(RuntimeError):
+    """`add_request` while `max_queue_size` requests already wait: try again later."""

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from specserve.config import ModelConfig
 
@@ -75,11 +78,30 @@ def llama_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig, prefix:
     return out
 
 
+INITIALISERS = ("kaiming_uniform_", "uniform_", "normal_", "trunc_normal_", "ones_", "zeros_", "constant_")
+
+
+@contextmanager
+def empty_modules() -> Iterator[None]:
+    """Modules built in here get shape-only parameters on the meta device and no initial values:
+    the checkpoint's weights replace them. (Initialising a meta tensor runs torch's Python meta
+    kernels, whose first call imports its compiler stack: seconds of every server's start.)"""
+    saved = {name: getattr(nn.init, name) for name in INITIALISERS}
+    try:
+        for name in INITIALISERS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
 def load_llama(model_dir: str | Path, dtype: torch.dtype, device: str = "cpu") -> LlamaModel:  # noqa: F821
     from specserve.models.llama import LlamaModel
 
     cfg = ModelConfig.from_dir(model_dir)
-    with torch.device("meta"):
+    with empty_modules():
         model = LlamaModel(cfg)
     state = {k: v.to(device=device, dtype=dtype) for k, v in llama_state_dict(read_safetensors(model_dir), cfg).items()}
     missing = model.load_state_dict(state, strict=False, assign=True).missing_keys

@@ -174,6 +174,8 @@ class TritonProcess:
             f"--grpc-port={self.grpc_port}",
             f"--metrics-port={self.metrics_port}",
             f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+            # every model starts loading at once (Triton's default is 4 at a time)
+            f"--model-load-thread-count={max(4, len(self.models))}",
             # two servers on one host must not share the Python backend's shared-memory regions
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]

