@@ -15,7 +15,7 @@ MODEL := models/SmolLM2-135M-Instruct/model.safetensors
 VARIANTS ?= base,ngram,eagle2,eagle3,mtp
 PYTEST_ARGS ?=
 
-.PHONY: setup prepare serve test lint bench bench-gpu gpu-check loadtest profile soak clean
+.PHONY: setup prepare serve test lint bench bench-gpu gpu-check gpu-train corpus loadtest profile soak clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,13 @@ bench: setup prepare
 
 gpu-check:  # on a CUDA machine with the model prepared (docs/gpu.md); no set-up of its own
 	bench/gpu/check.sh results/gpu-check
+
+gpu-train:  # on a CUDA machine, after gpu-check: the three drafters in 6 minutes from runs/corpus.tar (docs/training.md)
+	bench/gpu/train.sh results/gpu-train runs/corpus.tar
+
+corpus: setup prepare  # the target's own answers for drafter training: hours on a CPU; run again to go on
+	$(VENV)/bin/specserve regenerate-data --out runs/corpus --batch-size 128
+	tar -cf runs/corpus.tar -C runs corpus
 
 bench-gpu: setup prepare  # on a CUDA machine; see bench/gpu/README.md
 	$(PY) bench/gpu/run.py --out results/gpu
