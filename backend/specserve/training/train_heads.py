@@ -41,7 +41,13 @@ from specserve.models.weights import load_llama
 from specserve.training.configs import RECIPES, HeadsConfig
 from specserve.training.corpus import Corpus
 from specserve.training.features import target_features
-from specserve.training.train_drafter import head_objective, label_probs, new_head, saved_head
+from specserve.training.train_drafter import (
+    expected_accepted,
+    head_objective,
+    label_probs,
+    new_head,
+    saved_head,
+)
 
 log = logging.getLogger(__name__)
 
@@ -216,8 +222,8 @@ def train_drafters(hc: HeadsConfig) -> dict:
         "token_passes": token_passes, "train_minutes": round(train_minutes, 2),
         "heads": {a: {"heldout_agreement": final[a], "initial_heldout_agreement": initial[a],
                       "served_heldout_agreement": served.get(a),
-                      "expected_accepted": expected_accepted(final[a]),
-                      "served_expected_accepted": expected_accepted(served[a]) if served.get(a) else None,
+                      "expected_accepted": round(expected_accepted(final[a]), 4),
+                      "served_expected_accepted": round(expected_accepted(served[a]), 4) if served.get(a) else None,
                       "loss_every_50_steps": losses[a]} for a in heads},
     }
     for a, head in heads.items():
@@ -248,15 +254,6 @@ def served_agreement(hc: HeadsConfig, target, batcher: Batcher, held: list[list[
             continue
         served[a] = (head.to(device=hc.device).eval().requires_grad_(False), batcher.label_head(ids))
     return agreement(served, batcher, held, rope, bf16) if served else {}
-
-
-def expected_accepted(agreement_by_step: list[float]) -> float:
-    """Draft tokens a chain would get accepted per step if each step's agreement held independently."""
-    total, chain = 0.0, 1.0
-    for a in agreement_by_step:
-        chain *= a
-        total += chain
-    return round(total, 4)
 
 
 def device_name(device: str) -> str:
