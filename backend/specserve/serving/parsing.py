@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from specserve.config import SamplingParams
-from specserve.prompts import hf_tokenizer, render_chat  # transformers is imported on first use
+from specserve.prompts import NoChatTemplate, render_chat
 from specserve.serving.contract import (
     CONTRACT_INPUTS,
     INTERNAL_INPUTS,
@@ -352,23 +352,27 @@ def parse_prompt_ids(inputs: Mapping[str, np.ndarray]) -> list[int]:
 
 
 class PromptTokenizer:
-    """transformers' AutoTokenizer: raw prompts tokenized as-is (like vLLM's backend), or wrapped
-    in the model's chat template as one user turn."""
+    """The model's `tokenizer.json` (the `tokenizers` library, as transformers' fast tokenizers run
+    it): raw prompts tokenized as-is with the tokenizer's special tokens (like vLLM's backend), or
+    wrapped in the model's chat template as one user turn (`prompts.render_chat`)."""
 
     def __init__(self, model_dir: str | Path) -> None:
+        from tokenizers import Tokenizer as FastTokenizer
+
         self._model_dir = str(model_dir)
-        self._tok = hf_tokenizer(self._model_dir)
+        self._tok = FastTokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
 
     def decode_token(self, token_id: int) -> str:
-        return self._tok.decode([token_id])
+        return self._tok.decode([token_id], skip_special_tokens=False)
 
     def encode(self, text: str, apply_chat_template: bool) -> list[int]:
         if not apply_chat_template:
-            return list(self._tok(text)["input_ids"])
-        if not getattr(self._tok, "chat_template", None):
-            raise RequestError("apply_chat_template: the model has no chat template")
-        return list(self._tok(render_chat(self._model_dir, text), add_special_tokens=False)["input_ids"])
-
+            return self._tok.encode(text).ids
+        try:
+            text = render_chat(self._model_dir, text)
+        except NoChatTemplate:
+            raise RequestError("apply_chat_template: the model has no chat template") from None
+        return self._tok.encode(text, add_special_tokens=False).ids
 
 
 class Tokenizer(Protocol):

@@ -1,7 +1,7 @@
 """The `preprocessing` Triton Python model: contract inputs -> `input_ids` + `request_config`.
 
 It validates the request (`parsing.parse_request`), applies the chat template when asked,
-tokenizes with the model's AutoTokenizer and checks the prompt fits the context. A bad request
+tokenizes with the model's `tokenizer.json` (`parsing.PromptTokenizer`) and checks the prompt fits the context. A bad request
 gets an INVALID_ARG error naming the field; the ensemble then ends the client's stream with it.
 Not decoupled: one response per request.
 """
