@@ -20,6 +20,7 @@ from tqdm import tqdm
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.engine import Engine, StepProfile
 from specserve.hardware import describe
+from specserve.methods import method
 from specserve.models.cpu_linear import PackedLinear
 from specserve.models.llama import RMSNorm
 from specserve.prompts import load_questions, render_chat
@@ -141,7 +142,7 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
     The runs are interleaved: each chunk of `batch_size` prompts goes through HF, `none` and every
     algorithm in turn, so a slow spell of a shared machine weighs on all of them alike; the turn
     rotates from one chunk to the next, so no run always follows the same other one."""
-    specs = [s for s in (specs or [config.spec]) if s.algorithm != "none"]
+    specs = [s for s in (specs or [config.spec]) if method(s.algorithm).drafts]
     questions = load_questions(dataset, num_prompts)
     base_engine = Engine(replace(config, spec=SpecConfig(algorithm="none")))
     prompts = [base_engine.tokenizer.encode(render_chat(config.model_dir, q), add_special_tokens=False).ids

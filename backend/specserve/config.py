@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from specserve.hardware import auto_dtype
+from specserve.methods import ALGORITHMS, canonical, method
 
 if typing.TYPE_CHECKING:
     import torch
 
-ALGORITHMS = ("none", "ngram", "eagle", "eagle3", "mtp", "standalone")
 GRAPH_MODES = ("auto", "off", "static")
 STEP_MATMULS = ("auto", "inductor")
 COMPILED_STEPS = ("auto", "always")
@@ -247,28 +247,19 @@ class SpecConfig:
     ngram_capacity: int = knob(1_000_000, help="n-gram trie nodes per request; the least recent leaves go first")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "algorithm", canonical(self.algorithm))  # "eagle2" -> "eagle", ...
         _check_choices(self)
         for name in ("num_steps", "topk", "num_draft_tokens", "disable_by_batch_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
 
     def resolved(self) -> SpecConfig:
-        """Fill unset (0) values with SGLang's defaults: Llama (5, 4, 8); NGRAM 12 draft tokens;
-        MTP with nothing set: one step with its two likeliest tokens (1, 2, 3)."""
-        if self.algorithm == "none":
-            return SpecConfig(algorithm="none", num_steps=0, topk=1, num_draft_tokens=1)
-        if self.algorithm == "ngram":
-            n = self.num_draft_tokens or 12
-            return replace(self, num_draft_tokens=n, num_steps=self.num_steps or n - 1, topk=self.topk or 1)
-        if self.algorithm == "mtp" and not (self.num_steps or self.topk or self.num_draft_tokens):
-            # one MTP step, as DeepSeek-V3 is usually served, with its two likeliest tokens: adaptive
-            # speculation then chooses per step between none, the top token (1/2/2) and both (1/2/3)
-            return replace(self, num_steps=1, topk=2, num_draft_tokens=3)
-        steps, topk = self.num_steps or 5, self.topk or 4
-        n = self.num_draft_tokens or (steps + 1 if topk == 1 else 8)
-        if topk == 1:
-            n = steps + 1
-        return replace(self, num_steps=steps, topk=topk, num_draft_tokens=n)
+        """Fill unset (0) values with the method's default shape (`methods.Method.shape`)."""
+        m = method(self.algorithm)
+        steps, topk, tokens = m.shape(self.num_steps, self.topk, self.num_draft_tokens)
+        if not m.drafts:  # nothing else applies to plain decoding
+            return SpecConfig(algorithm=m.name, num_steps=steps, topk=topk, num_draft_tokens=tokens)
+        return replace(self, num_steps=steps, topk=topk, num_draft_tokens=tokens)
 
 
 @dataclass(frozen=True)

@@ -125,11 +125,12 @@ def test_benchmark_prompts_stay_out_of_training_data(tmp_path):
 def test_the_loss_counts_exactly_the_labelled_positions(tiny_target_dir, algorithm):
     """Logits are computed only where the mask has a label; the loss equals the dense masked one."""
     from specserve.models.llama import rope_table
-    from specserve.training.train_drafter import new_head, ttt_losses
+    from specserve.drafters.heads import HEADS
+    from specserve.training.train_drafter import ttt_losses
 
     target = load_llama(tiny_target_dir, torch.float32)
     draft_ids = torch.arange(16)
-    head = new_head(algorithm, target, draft_ids)
+    head = HEADS[algorithm].new(target, draft_ids)
     torch.manual_seed(0)
     b, t = 2, 12
     tokens = torch.randint(0, 16, (b, t))

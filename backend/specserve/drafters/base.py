@@ -20,6 +20,7 @@ from specserve.runtime.plan import RuntimePlan
 from specserve.tree import DraftTree, TreeBatch
 
 if TYPE_CHECKING:
+    from specserve.config import SpecConfig
     from specserve.models.llama import ForwardOutput, LlamaModel
     from specserve.tree import DraftShape
 
@@ -82,6 +83,11 @@ class Drafter:
     # top-k): the rest of the draft phase is the beam's tensor ops and Python (on CUDA: launches only)
     forward_seconds: float = 0.0
 
+    @classmethod
+    def build(cls, spec: SpecConfig, ctx: DraftContext) -> Drafter:
+        """The drafter for a resolved config (`drafters.factory` calls this)."""
+        return cls(spec, ctx)
+
     @contextmanager
     def model_forward(self, count: bool = True) -> Iterator[None]:
         """Times a draft model forward (count=False: its output layer, which is no new forward)."""
@@ -118,6 +124,10 @@ class Drafter:
 
 class NoDrafter(Drafter):
     """algorithm=none: every tree is the root alone, so verify is plain decoding."""
+
+    @classmethod
+    def build(cls, spec: SpecConfig, ctx: DraftContext) -> Drafter:
+        return cls()
 
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree]:
         return [DraftTree.root_only(s.token_ids[-1]) for s in seqs]

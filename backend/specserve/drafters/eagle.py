@@ -27,15 +27,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 from specserve.config import SpecConfig
 from specserve.drafters.base import DraftContext, Drafter, SequenceView
 from specserve.drafters.beam import grow_trees, grow_trees_on_device
-from specserve.drafters.eagle_model import load_eagle
-from specserve.drafters.mtp_model import load_mtp
+from specserve.drafters.heads import HEADS, load_token_map
+from specserve.methods import method
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, KeyMask, rope_table
 from specserve.runtime.head import HeadRunner
@@ -45,29 +44,17 @@ log = logging.getLogger(__name__)
 
 
 
-def load_token_map(path: str | Path) -> torch.Tensor:
-    """FR-Spec hot token ids: a torch-saved 1-D tensor or list (SGLang's --speculative-token-map)."""
-    ids = torch.load(path, map_location="cpu", weights_only=True)
-    return torch.as_tensor(ids, dtype=torch.int64)
-
-
 class EagleDrafter(Drafter):
     nested_trees = True  # trees come out in rank order (`grow_trees_on_device`)
     catches_up = True
 
     def __init__(self, spec: SpecConfig, ctx: DraftContext) -> None:
         self.spec = spec
-        if spec.algorithm == "mtp":  # heads ship inside the target's checkpoint unless a path is given
-            self.head = load_mtp(spec.drafter_path or ctx.model_dir, ctx.target, ctx.dtype, ctx.device)
-        elif spec.drafter_path:
-            self.head = load_eagle(spec.drafter_path, ctx.target, ctx.dtype, ctx.device)
-        else:
+        self.method = method(spec.algorithm)
+        path = spec.drafter_path or (ctx.model_dir if self.method.head_in_target else None)
+        if not path:
             raise ValueError(f"drafter_path: algorithm {spec.algorithm} needs a drafter directory")
-        if self.head.cfg.algorithm != spec.algorithm:
-            raise ValueError(
-                f"drafter_path: {spec.drafter_path} holds an {self.head.cfg.algorithm} drafter, "
-                f"not {spec.algorithm} (set algorithm={self.head.cfg.algorithm})"
-            )
+        self.head = HEADS[spec.algorithm].load(path, ctx.target, ctx.dtype, ctx.device)
         if spec.token_map:
             self.head.set_hot_ids(load_token_map(spec.token_map))
         self.aux_layers = self.head.cfg.aux_layer_ids
@@ -102,7 +89,7 @@ class EagleDrafter(Drafter):
 
     def _features(self, out: ForwardOutput) -> torch.Tensor:
         """(B, T, F): the target's final-norm hidden (EAGLE-1/2) or fused aux layer inputs (EAGLE-3)."""
-        return out.aux_hidden if self.head.cfg.algorithm == "eagle3" else out.hidden
+        return getattr(out, self.method.head_features)
 
     def _extend(self, seqs: Sequence[SequenceView], feats: torch.Tensor, starts: list[int], lens: list[int]) -> None:
         """Run the head over each seq's tokens [start+1, start+1+len) paired with feats[i, :len],

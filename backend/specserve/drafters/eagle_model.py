@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -37,14 +38,12 @@ from specserve.models.cpu_linear import (
 from specserve.models.llama import MLP, Attend, Attention, LlamaModel, RMSNorm
 from specserve.models.weights import empty_modules, read_safetensors, take
 
-HEAD_ALGORITHMS = ("eagle", "eagle3")
-
 
 @dataclass(frozen=True)
 class EagleConfig:
     """A draft head's shape, read from its HF-style config.json."""
 
-    algorithm: str  # "eagle" (EAGLE-1/2) or "eagle3"
+    algorithm: str  # "eagle" (EAGLE-1/2) or "eagle3": the key of its class in HEADS
     hidden_size: int
     intermediate_size: int
     num_heads: int
@@ -59,19 +58,25 @@ class EagleConfig:
     aux_layer_ids: tuple[int, ...] = field(default=())  # EAGLE-3: target layers whose inputs are fused
 
     def __post_init__(self) -> None:
-        if self.algorithm not in HEAD_ALGORITHMS:
-            raise ValueError(f"algorithm: must be one of {HEAD_ALGORITHMS}, got {self.algorithm!r}")
-        if self.algorithm == "eagle3" and len(self.aux_layer_ids) != 3:
-            raise ValueError(f"eagle_aux_hidden_state_layer_ids: EAGLE-3 fuses 3 layers, got {self.aux_layer_ids}")
+        if self.algorithm not in HEADS:
+            raise ValueError(f"algorithm: must be one of {tuple(HEADS)}, got {self.algorithm!r}")
+        fused = self.head_class.fused_layers
+        if fused > 1 and len(self.aux_layer_ids) != fused:
+            raise ValueError(f"eagle_aux_hidden_state_layer_ids: {self.head_class.title} fuses {fused} layers, "
+                             f"got {self.aux_layer_ids}")
+
+    @property
+    def head_class(self) -> type[EagleHead]:
+        return HEADS[self.algorithm]
 
     @property
     def feature_size(self) -> int:
         """F: the target features one position reads (final hidden, or 3 fused layer inputs)."""
-        return self.target_hidden_size * (3 if self.algorithm == "eagle3" else 1)
+        return self.target_hidden_size * self.head_class.fused_layers
 
     @property
     def fc_in(self) -> int:
-        return self.hidden_size + self.target_hidden_size if self.algorithm == "eagle" else 3 * self.target_hidden_size
+        return self.head_class.fc_in(self)
 
     def layer_config(self) -> ModelConfig:
         """The draft decoder layer as a one-layer ModelConfig (for rope and the KV cache)."""
@@ -85,14 +90,14 @@ class EagleConfig:
     @classmethod
     def from_hf(cls, cfg: dict, target: ModelConfig, has_fc_bias: bool = False) -> EagleConfig:
         arch = " ".join(cfg.get("architectures") or [])
-        algorithm = "eagle3" if "Eagle3" in arch or "draft_vocab_size" in cfg else "eagle"
+        head = Eagle3Head if Eagle3Head.architecture in arch or "draft_vocab_size" in cfg else Eagle2Head
         hidden = cfg.get("hidden_size", target.hidden_size)
         heads = cfg.get("num_attention_heads", target.num_heads)
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         eagle_cfg = cfg.get("eagle_config") or {}
         aux = eagle_cfg.get("eagle_aux_hidden_state_layer_ids") or target.default_aux_layers()
         return cls(
-            algorithm=algorithm,
+            algorithm=head.algorithm,
             hidden_size=hidden,
             intermediate_size=cfg.get("intermediate_size", target.intermediate_size),
             num_heads=heads,
@@ -103,14 +108,14 @@ class EagleConfig:
             vocab_size=cfg.get("vocab_size", target.vocab_size),
             draft_vocab_size=cfg.get("draft_vocab_size", cfg.get("vocab_size", target.vocab_size)),
             target_hidden_size=cfg.get("target_hidden_size") or target.hidden_size,
-            fc_bias=bool(cfg.get("bias", has_fc_bias)) if algorithm == "eagle" else False,
-            aux_layer_ids=tuple(aux) if algorithm == "eagle3" else (),
+            fc_bias=bool(cfg.get("bias", has_fc_bias)) and head.fc_may_have_bias,
+            aux_layer_ids=tuple(aux) if head.fused_layers > 1 else (),
         )
 
     def to_hf(self) -> dict:
-        """The config.json SGLang / SafeAILab read (plus our `specserve` block for provenance)."""
-        out = {
-            "architectures": ["LlamaForCausalLMEagle3" if self.algorithm == "eagle3" else "LlamaForCausalLMEagle"],
+        """The config.json SGLang / SafeAILab read."""
+        return {
+            "architectures": [self.head_class.architecture],
             "model_type": "llama",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -123,21 +128,25 @@ class EagleConfig:
             "vocab_size": self.vocab_size,
             "hidden_act": "silu",
             "torch_dtype": "bfloat16",
-        }
-        if self.algorithm == "eagle3":
-            out |= {"draft_vocab_size": self.draft_vocab_size, "target_hidden_size": self.target_hidden_size,
-                    "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}}
-        else:
-            out["bias"] = self.fc_bias
-        return out
+        } | self.head_class.hf_fields(self)
 
 
 class EagleHead(nn.Module):
-    """One draft decoder layer plus its input fusion and output head (see the module docstring).
+    """One draft decoder layer plus its input fusion and output head (see the module docstring);
+    `Eagle2Head` and `Eagle3Head` say how features enter and logits leave.
 
     Shapes: tokens (B, T); hidden (B, T, fc_in) target features or (B, T, H) carried draft states;
     returns h (B, T, H). `logits(h)` -> (..., V') over the draft vocabulary (or the hot ids).
     """
+
+    algorithm: ClassVar[str]  # EagleConfig.algorithm, the method's name
+    title: ClassVar[str]
+    architecture: ClassVar[str]  # config.json `architectures`
+    layer_prefix: ClassVar[str]  # the decoder layer's published key prefix
+    fused_layers: ClassVar[int]  # target layers whose states a position reads
+    attn_in: ClassVar[int]  # the attention's input width in draft hidden sizes
+    fc_may_have_bias: ClassVar[bool] = False
+    own_embedding: ClassVar[bool] = False  # its checkpoint may ship `embed_tokens`
 
     def __init__(self, cfg: EagleConfig, target: LlamaModel) -> None:
         super().__init__()
@@ -145,19 +154,27 @@ class EagleHead(nn.Module):
         h = cfg.hidden_size
         layer_cfg = cfg.layer_config()
         self.fc = nn.Linear(cfg.fc_in, h, bias=cfg.fc_bias)
-        self.attn = Attention(layer_cfg, in_features=2 * h if cfg.algorithm == "eagle3" else h)
+        self.attn = Attention(layer_cfg, in_features=self.attn_in * h)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = MLP(layer_cfg)
-        if cfg.algorithm == "eagle3":
-            self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-            self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-            self.norm = RMSNorm(h, cfg.rms_norm_eps)
-            self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
-            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-        self.own_embed: nn.Embedding | None = None  # EAGLE-3 checkpoints may ship `embed_tokens`
+        self.own_embed: nn.Embedding | None = None  # see `own_embedding`
         # Shared with the target, not parameters of this module (never saved, never trained).
         self._target_embed = target.embed_tokens.weight.detach()
         self.target_head = SharedLmHead(target.lm_head.weight)  # EAGLE-1/2's output head
+
+    @classmethod
+    def fc_in(cls, cfg: EagleConfig) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def hf_fields(cls, cfg: EagleConfig) -> dict:
+        """config.json fields beyond the decoder layer's."""
+        return {}
+
+    @classmethod
+    def published_extras(cls, tensors: dict[str, torch.Tensor], cfg: EagleConfig) -> dict[str, torch.Tensor]:
+        """Tensors beyond the shared decoder layer and fc, published keys -> this module's."""
+        return {}
 
     @property
     def embed_weight(self) -> torch.Tensor:
@@ -168,40 +185,117 @@ class EagleHead(nn.Module):
         return self.own_embed(tokens) if self.own_embed is not None else F.embedding(tokens, self._target_embed)
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, attend: Attend) -> torch.Tensor:
-        e = self.embed(tokens).to(hidden.dtype)  # (B, T, H)
-        if self.cfg.algorithm == "eagle":
-            x = residual = self.fc(torch.cat([e, hidden], dim=-1))
-        else:
-            residual = self.fc(hidden) if hidden.shape[-1] != self.cfg.hidden_size else hidden
-            x = torch.cat([self.input_layernorm(e), self.hidden_norm(residual)], dim=-1)  # (B, T, 2H)
+        residual, x = self.layer_input(self.embed(tokens).to(hidden.dtype), hidden)
         h = residual + attend(self.attn, x)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def layer_input(self, e: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embeddings e (B, T, H) and features -> (residual, attention input)."""
+        raise NotImplementedError
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """(..., H) -> (..., V') float32; V' = draft vocab (EAGLE-3), hot ids, or the target vocab."""
-        if self.cfg.algorithm == "eagle3":
-            return apply_few_rows(self.lm_head, self.norm(h)).float()
+        """(..., H) -> (..., V') float32; V' = hot ids or the target vocab (EAGLE-3: its draft vocab)."""
         return self.target_head.logits(h)
 
     def pack_logits(self) -> None:
-        """Inference only: the output layer made fast for this CPU (`SharedLmHead.pack`; EAGLE-3's
-        own float32 lm_head likewise: `fastest_logits_layer`). Call after `set_hot_ids`."""
-        if self.cfg.algorithm != "eagle3":
-            self.target_head.pack()
-        elif type(self.lm_head) is nn.Linear:
-            self.lm_head = fastest_logits_layer(self.lm_head.weight) or self.lm_head
+        """Inference only: the output layer made fast for this CPU (`SharedLmHead.pack`). Call
+        after `set_hot_ids`."""
+        self.target_head.pack()
 
     def set_hot_ids(self, hot_ids: torch.Tensor) -> None:
-        """FR-Spec: restrict EAGLE-1/2's lm_head to these target token ids (a 1-D int tensor)."""
-        if self.cfg.algorithm != "eagle":
-            raise ValueError("token_map: FR-Spec applies to EAGLE-1/2; EAGLE-3 has its own draft vocabulary")
+        """FR-Spec: restrict the lm_head to these target token ids (a 1-D int tensor)."""
         self.target_head.restrict(hot_ids)
 
     def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
         """Indices into `logits`' last dim -> target token ids."""
-        if self.cfg.algorithm == "eagle3":
-            return idx + self.d2t[idx]
         return self.target_head.to_target_ids(idx)
+
+    def published_tensors(self) -> dict[str, torch.Tensor]:
+        """Tensors a release carries that the module does not hold."""
+        return {}
+
+
+class Eagle2Head(EagleHead):
+    """EAGLE-1/2: x = fc(cat(embed(token), f)) over the target's final hidden; the target's lm_head."""
+
+    algorithm, title, architecture, layer_prefix = "eagle", "EAGLE-2", "LlamaForCausalLMEagle", "layers.0."
+    fused_layers, attn_in, fc_may_have_bias = 1, 1, True
+
+    @classmethod
+    def fc_in(cls, cfg: EagleConfig) -> int:
+        return cfg.hidden_size + cfg.target_hidden_size
+
+    @classmethod
+    def hf_fields(cls, cfg: EagleConfig) -> dict:
+        return {"bias": cfg.fc_bias}
+
+    def layer_input(self, e: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.fc(torch.cat([e, hidden], dim=-1))
+        return x, x
+
+
+class Eagle3Head(EagleHead):
+    """EAGLE-3: 3 target layers' inputs fused by fc (first step only), cat(embedding, state) into
+    the attention, its own norm and lm_head over a draft vocabulary (d2t maps it to target ids)."""
+
+    algorithm, title, architecture, layer_prefix = "eagle3", "EAGLE-3", "LlamaForCausalLMEagle3", "midlayer."
+    fused_layers, attn_in, own_embedding = 3, 2, True
+
+    def __init__(self, cfg: EagleConfig, target: LlamaModel) -> None:
+        super().__init__(cfg, target)
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+
+    @classmethod
+    def fc_in(cls, cfg: EagleConfig) -> int:
+        return cls.fused_layers * cfg.target_hidden_size
+
+    @classmethod
+    def hf_fields(cls, cfg: EagleConfig) -> dict:
+        return {"draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids)}}
+
+    @classmethod
+    def published_extras(cls, tensors: dict[str, torch.Tensor], cfg: EagleConfig) -> dict[str, torch.Tensor]:
+        h, src = cfg.hidden_size, cls.layer_prefix
+        return {
+            "input_layernorm.weight": take(tensors, f"{src}input_layernorm.weight", (h,)),
+            "hidden_norm.weight": take(tensors, f"{src}hidden_norm.weight", (h,)),
+            "norm.weight": take(tensors, "norm.weight", (h,)),
+            "lm_head.weight": take(tensors, "lm_head.weight", (cfg.draft_vocab_size, h)),
+            "d2t": take(tensors, "d2t", (cfg.draft_vocab_size,)).to(torch.int64),
+        }
+
+    def layer_input(self, e: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = self.fc(hidden) if hidden.shape[-1] != self.cfg.hidden_size else hidden
+        return residual, torch.cat([self.input_layernorm(e), self.hidden_norm(residual)], dim=-1)  # (B, T, 2H)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return apply_few_rows(self.lm_head, self.norm(h)).float()
+
+    def pack_logits(self) -> None:
+        """Its own float32 lm_head: `fastest_logits_layer`."""
+        if type(self.lm_head) is nn.Linear:
+            self.lm_head = fastest_logits_layer(self.lm_head.weight) or self.lm_head
+
+    def set_hot_ids(self, hot_ids: torch.Tensor) -> None:
+        raise ValueError("token_map: FR-Spec applies to EAGLE-1/2; EAGLE-3 has its own draft vocabulary")
+
+    def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx + self.d2t[idx]
+
+    def published_tensors(self) -> dict[str, torch.Tensor]:
+        """t2d: which target ids the draft vocabulary holds."""
+        t2d = torch.zeros(self.cfg.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(self.cfg.draft_vocab_size) + self.d2t.cpu()] = True
+        return {"t2d": t2d}
+
+
+HEADS: dict[str, type[EagleHead]] = {c.algorithm: c for c in (Eagle2Head, Eagle3Head)}
 
 
 class SharedLmHead:
@@ -242,10 +336,6 @@ class SharedLmHead:
 
 # ---- published key names ------------------------------------------------------------------------
 
-def _layer_prefix(algorithm: str) -> str:
-    return "midlayer." if algorithm == "eagle3" else "layers.0."
-
-
 def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
         tensors = read_safetensors(path)
@@ -259,9 +349,9 @@ def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
 def eagle_state_dict(tensors: dict[str, torch.Tensor], cfg: EagleConfig) -> dict[str, torch.Tensor]:
     """Published keys -> EagleHead's (fused qkv and gate_up); missing or misshapen keys are named."""
     h, d, hi = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    attn_in = 2 * h if cfg.algorithm == "eagle3" else h
+    attn_in = cfg.head_class.attn_in * h
     q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
-    src = _layer_prefix(cfg.algorithm)
+    src = cfg.head_class.layer_prefix
     out = {
         "fc.weight": take(tensors, "fc.weight", (h, cfg.fc_in)),
         "attn.qkv_proj.weight": torch.cat([
@@ -279,13 +369,7 @@ def eagle_state_dict(tensors: dict[str, torch.Tensor], cfg: EagleConfig) -> dict
     }
     if cfg.fc_bias:
         out["fc.bias"] = take(tensors, "fc.bias", (h,))
-    if cfg.algorithm == "eagle3":
-        out["input_layernorm.weight"] = take(tensors, f"{src}input_layernorm.weight", (h,))
-        out["hidden_norm.weight"] = take(tensors, f"{src}hidden_norm.weight", (h,))
-        out["norm.weight"] = take(tensors, "norm.weight", (h,))
-        out["lm_head.weight"] = take(tensors, "lm_head.weight", (cfg.draft_vocab_size, h))
-        out["d2t"] = take(tensors, "d2t", (cfg.draft_vocab_size,)).to(torch.int64)
-    return out
+    return out | cfg.head_class.published_extras(tensors, cfg)
 
 
 def load_eagle(path: str | Path, target: LlamaModel, dtype: torch.dtype, device: str = "cpu") -> EagleHead:
@@ -300,14 +384,14 @@ def load_eagle(path: str | Path, target: LlamaModel, dtype: torch.dtype, device:
             f"drafter_path: drafter expects target hidden {cfg.target_hidden_size} / vocab {cfg.vocab_size}, "
             f"target has {target.cfg.hidden_size} / {target.cfg.vocab_size}"
         )
-    if cfg.algorithm == "eagle3" and max(cfg.aux_layer_ids) >= target.cfg.num_layers:
+    if cfg.aux_layer_ids and max(cfg.aux_layer_ids) >= target.cfg.num_layers:
         raise ValueError(f"eagle_aux_hidden_state_layer_ids: {cfg.aux_layer_ids} outside the target's layers")
     state = eagle_state_dict(tensors, cfg)
     with empty_modules():
-        head = EagleHead(cfg, target)
+        head = cfg.head_class(cfg, target)
     head.load_state_dict({k: v.to(device) if k == "d2t" else v.to(device=device, dtype=dtype)
                           for k, v in state.items()}, strict=True, assign=True)
-    if cfg.algorithm == "eagle3" and "embed_tokens.weight" in tensors:
+    if head.own_embedding and "embed_tokens.weight" in tensors:
         head.own_embed = nn.Embedding.from_pretrained(
             take(tensors, "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)).to(device=device, dtype=dtype))
     return head.eval().requires_grad_(False)  # loaded onto the device
@@ -318,7 +402,7 @@ def save_eagle(head: EagleHead, out_dir: str | Path, dtype: torch.dtype = torch.
     """Write config.json + model.safetensors under the published key names (unfused q/k/v, gate/up)."""
     cfg, out_dir = head.cfg, Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    src = _layer_prefix(cfg.algorithm)
+    src = cfg.head_class.layer_prefix
     q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     sd = {k: v.detach() for k, v in head.state_dict().items()}
     q, k, v = sd.pop("attn.qkv_proj.weight").split([q_out, kv_out, kv_out])
@@ -334,11 +418,7 @@ def save_eagle(head: EagleHead, out_dir: str | Path, dtype: torch.dtype = torch.
         if f"{name}.weight" in sd:
             tensors[f"{src}{name}.weight"] = sd.pop(f"{name}.weight")
     tensors |= sd  # fc.*, norm, lm_head, d2t: already under their published names
-    if cfg.algorithm == "eagle3":
-        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-        t2d[torch.arange(cfg.draft_vocab_size) + tensors["d2t"].cpu()] = True
-        tensors["t2d"] = t2d
-    tensors |= extra_tensors or {}
+    tensors |= head.published_tensors() | (extra_tensors or {})
     tensors = {k: (t.to(dtype) if t.is_floating_point() else t).contiguous().cpu() for k, t in tensors.items()}
     save_file(tensors, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")

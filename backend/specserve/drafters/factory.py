@@ -1,24 +1,23 @@
-"""Pick the drafter for a resolved SpecConfig."""
+"""Build the drafter of a resolved SpecConfig: the class its method names (`methods.Method.drafter`)."""
 
 from __future__ import annotations
 
+import importlib
+
 from specserve.config import SpecConfig
-from specserve.drafters.base import DraftContext, Drafter, NoDrafter
+from specserve.drafters.base import DraftContext, Drafter
+from specserve.methods import method
+
+# Method.drafter -> the class that runs it (imported when first built: each pulls in its own models)
+DRAFTERS = {
+    "none": "specserve.drafters.base:NoDrafter",
+    "ngram": "specserve.drafters.ngram:NgramDrafter",
+    "head": "specserve.drafters.eagle:EagleDrafter",
+    "model": "specserve.drafters.standalone:StandaloneDrafter",
+}
 
 
 def build_drafter(spec: SpecConfig, ctx: DraftContext) -> Drafter:
-    if spec.algorithm == "none":
-        return NoDrafter()
-    if spec.algorithm == "ngram":
-        from specserve.drafters.ngram import NgramDrafter
-
-        return NgramDrafter(spec)
-    if spec.algorithm in ("eagle", "eagle3", "mtp"):
-        from specserve.drafters.eagle import EagleDrafter
-
-        return EagleDrafter(spec, ctx)
-    if spec.algorithm == "standalone":
-        from specserve.drafters.standalone import StandaloneDrafter
-
-        return StandaloneDrafter(spec, ctx)
-    raise NotImplementedError(f"algorithm: {spec.algorithm!r} is not implemented yet (see README, Status)")
+    module, name = DRAFTERS[method(spec.algorithm).drafter].split(":")
+    drafter: type[Drafter] = getattr(importlib.import_module(module), name)
+    return drafter.build(spec, ctx)

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from itertools import islice
 
 from specserve.config import SpecConfig
-from specserve.drafters.base import Drafter, SequenceView
+from specserve.drafters.base import DraftContext, Drafter, SequenceView
 from specserve.tree import DraftShape, DraftTree
 
 # The lazy leaf heap is rebuilt when it holds more than 2 * num_nodes + this many entries.
@@ -261,6 +261,10 @@ class NgramDrafter(Drafter):
 
     propose() first inserts the tokens appended since the last call, so on_accept has nothing to do.
     """
+
+    @classmethod
+    def build(cls, spec: SpecConfig, ctx: DraftContext) -> Drafter:
+        return cls(spec)  # drafts from the request's tokens alone
 
     def __init__(self, spec: SpecConfig) -> None:
         _check(spec)

@@ -53,6 +53,7 @@ from specserve.engine.sampling import (
     token_logprobs,
 )
 from specserve.host_memory import keep_freed_memory
+from specserve.methods import method
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput
 from specserve.models.weights import load_llama
@@ -217,7 +218,7 @@ class Engine:
         spec = self.spec
         full = DraftShape.configured(spec)
         pinned = not config.spec.adaptive or bool(config.spec.num_steps or config.spec.topk or config.spec.num_draft_tokens)
-        menu = (full,) if pinned or spec.algorithm == "none" else shape_menu(spec.num_steps, spec.topk, spec.num_draft_tokens)
+        menu = (full,) if pinned or not method(spec.algorithm).drafts else shape_menu(spec.num_steps, spec.topk, spec.num_draft_tokens)
         self.chooser = ShapeChooser(menu, self.runner.buckets, drafts_catch_up=self.drafter.catches_up)
         # seeding every tree size of the menu lets the warm-up's shape timings run on the faster path
         self.runner.seed_paths([1, *(min(s.num_draft_tokens, MAX_TREE_NODES) for s in menu)], self.cache.num_free,

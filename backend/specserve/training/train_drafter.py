@@ -38,13 +38,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specserve.drafters.eagle import load_token_map
-from specserve.drafters.eagle_model import EagleConfig, EagleHead, load_eagle, save_eagle
-from specserve.drafters.mtp_model import MtpConfig, MtpHead, load_mtp, save_mtp
+from specserve.drafters.eagle_model import EagleHead
+from specserve.drafters.heads import HEADS, DraftHead
+from specserve.methods import method
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel, rope_table
 from specserve.models.weights import load_llama
-from specserve.training.configs import TrainConfig
+from specserve.training.configs import RECIPES, TrainConfig
 from specserve.training.data import training_samples
 from specserve.training.features import FeatureStore, target_features
 
@@ -71,52 +71,15 @@ def batches(samples: list, batch_size: int, seed: int) -> list[list[int]]:
 
 # ---- the model pieces --------------------------------------------------------------------------
 
-def new_head(algorithm: str, target: LlamaModel, draft_ids: torch.Tensor) -> EagleHead | MtpHead:
-    """A freshly initialised head with the target's shapes. EAGLE-3's lm_head and norm start from
-    the target's rows for the draft vocabulary (d2t maps them back); EAGLE-2 and MTP heads read the
-    target's lm_head restricted to the draft vocabulary (FR-Spec), in training as in serving."""
-    tc = target.cfg
-    if algorithm == "mtp":
-        head = MtpHead(MtpConfig(layout="deepseek", target=tc, prefix=f"model.layers.{tc.num_layers}."), target)
-        with torch.no_grad():
-            head.final_norm.weight.copy_(target.norm.weight)
-        head.set_hot_ids(draft_ids)
-        return head
-    cfg = EagleConfig(
-        algorithm=algorithm, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_heads=tc.num_heads,
-        num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim, rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta,
-        vocab_size=tc.vocab_size, draft_vocab_size=len(draft_ids) if algorithm == "eagle3" else tc.vocab_size,
-        target_hidden_size=tc.hidden_size, aux_layer_ids=tc.default_aux_layers() if algorithm == "eagle3" else (),
-    )
-    head = EagleHead(cfg, target)
-    if algorithm == "eagle3":
-        with torch.no_grad():
-            head.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
-            head.norm.weight.copy_(target.norm.weight)
-            head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
-    else:
-        head.set_hot_ids(draft_ids)
-    return head
-
-
-def saved_head(algorithm: str, path: str | Path, target: LlamaModel) -> tuple[EagleHead | MtpHead, torch.Tensor]:
-    """A drafter saved by `save_eagle` / `save_mtp` (published format), trainable in float32, and
-    the draft vocabulary it was trained over (EAGLE-3's d2t, or token_map.pt next to the weights)."""
-    path = Path(path)
+def saved_head(algorithm: str, path: str | Path, target: LlamaModel) -> tuple[DraftHead, torch.Tensor]:
+    """A drafter saved in its published format, trainable in float32, and the draft vocabulary it
+    was trained over (`HeadFormat.draft_ids`)."""
+    heads = HEADS[algorithm]
     try:
-        head = load_mtp(path, target, torch.float32) if algorithm == "mtp" else load_eagle(path, target, torch.float32)
+        head = heads.load(path, target, torch.float32, field="init_from")
     except KeyError as e:
         raise ValueError(f"init_from: {path} is not a saved {algorithm} drafter ({e.args[0]})") from e
-    if algorithm != "mtp" and head.cfg.algorithm != algorithm:
-        raise ValueError(f"init_from: {path} holds an {head.cfg.algorithm} drafter, not {algorithm}")
-    if algorithm == "eagle3":
-        draft_ids = torch.arange(head.cfg.draft_vocab_size) + head.d2t
-    else:
-        if not (path / "token_map.pt").is_file():
-            raise FileNotFoundError(f"init_from: no token_map.pt in {path}")
-        draft_ids = load_token_map(path / "token_map.pt")
-        head.set_hot_ids(draft_ids)
-    return head.requires_grad_(True), draft_ids
+    return head.requires_grad_(True), heads.draft_ids(head, path)
 
 
 def ttt_losses(head: EagleHead, tokens: torch.Tensor, feats: torch.Tensor, label_probs: torch.Tensor,
@@ -171,23 +134,24 @@ def label_probs(hidden: torch.Tensor, label_head: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, label_head).float().softmax(-1)
 
 
-def head_objective(algorithm: str, head: EagleHead | MtpHead, tokens: torch.Tensor, mask: torch.Tensor,
+def head_objective(algorithm: str, head: DraftHead, tokens: torch.Tensor, mask: torch.Tensor,
                    hidden: torch.Tensor, aux_hidden: torch.Tensor | None, probs: torch.Tensor, steps: int,
                    rope: tuple[torch.Tensor, torch.Tensor], bf16: bool, feature_noise: float = 0.0,
                    ) -> tuple[torch.Tensor, list[tuple]]:
     """One batch's training loss for a head and its per-step results (`ttt_losses`).
 
     tokens, mask (B, T); hidden (B, T, H) the target's final-norm features; aux_hidden (B, T, 3H)
-    EAGLE-3's inputs; probs (B, T, V') `label_probs`. Steps are weighted 0.8^i. EAGLE-2 adds EAGLE's
-    feature regression (smooth L1 of step 0's output to feature j+1) with the token loss at 0.1;
-    `feature_noise` adds EAGLE's uniform noise of that width to the features a head reads."""
-    feats = aux_hidden if algorithm == "eagle3" else hidden
+    EAGLE-3's inputs; probs (B, T, V') `label_probs`. Steps are weighted 0.8^i. A recipe with
+    `feature_regression` (EAGLE-2) adds EAGLE's smooth L1 of step 0's output to feature j+1 with the
+    token loss at 0.1; `feature_noise` adds EAGLE's uniform noise of that width to the features a
+    head reads."""
+    feats = aux_hidden if method(algorithm).fuses_layers else hidden
     if feature_noise:
         feats = feats + (torch.rand_like(feats) - 0.5) * feature_noise
     with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
         out = ttt_losses(head, tokens, feats, probs, mask, steps, rope)
         loss = sum(0.8**i * s[1] for i, s in enumerate(out))
-        if algorithm == "eagle":  # EAGLE's feature regression: h_j ~ target feature j+1
+        if RECIPES[algorithm].feature_regression:  # h_j ~ target feature j+1
             m = mask[:, 1:].float()[..., None]
             feat_loss = (F.smooth_l1_loss(out[0][0].float(), hidden[:, 1:].float(), reduction="none") * m).sum() \
                 / (m.sum().clamp(min=1) * hidden.shape[-1])
@@ -278,12 +242,12 @@ def train(tc: TrainConfig) -> Path:
         head, draft_ids = saved_head(tc.algorithm, tc.init_from, target)
     else:
         draft_ids = draft_vocabulary(samples, tc.draft_vocab_size, target.cfg.eos_token_ids)
-        head = new_head(tc.algorithm, target, draft_ids)
+        head = HEADS[tc.algorithm].new(target, draft_ids)
     head = head.to(dev)
     label_head = target.lm_head.weight[draft_ids.to(dev)]  # (V', H): the target's logits over the draft vocab
     aux = head.cfg.aux_layer_ids
     if store is not None:
-        if tc.algorithm == "eagle3" and store.aux_layer_ids != aux:
+        if aux and store.aux_layer_ids != aux:
             raise ValueError(f"features: dumped auxiliary layers {store.aux_layer_ids}, the head reads {aux}")
         cache = None
     else:
@@ -323,7 +287,7 @@ def train(tc: TrainConfig) -> Path:
 
     def features(ids: list[int], t: int, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if store is not None:
-            return tuple(x if x is None else x.to(dev) for x in store.features(ids, t, tc.algorithm == "eagle3"))
+            return tuple(x if x is None else x.to(dev) for x in store.features(ids, t, bool(aux)))
         return target_features(target, cache, tokens, aux)
 
     def objective(ids: list[int]) -> tuple[torch.Tensor, list[tuple]]:
@@ -345,10 +309,7 @@ def train(tc: TrainConfig) -> Path:
         return [round(h / c, 4) if c else 0.0 for h, c in zip(hits, counts)]
 
     def save_head() -> None:
-        if tc.algorithm == "mtp":
-            save_mtp(head, out_dir)
-        else:
-            save_eagle(head, out_dir)
+        HEADS[tc.algorithm].save(head, out_dir, draft_ids)
 
     def checkpoint_agreement() -> None:
         nonlocal eval_seconds, best
@@ -396,8 +357,6 @@ def train(tc: TrainConfig) -> Path:
     bar.close()
     if not tc.holdout:  # with a held-out split the best head evaluated was saved
         save_head()
-    if tc.algorithm != "eagle3":  # the FR-Spec vocabulary it was trained over
-        torch.save(draft_ids, out_dir / "token_map.pt")
     recent = history[-20:]
     record = {
         "config": asdict(tc), "conversations": len(samples), "steps": step, "planned_steps": total, "minutes": round((time.time() - start) / 60, 2),
@@ -422,15 +381,12 @@ def train(tc: TrainConfig) -> Path:
     return out_dir
 
 
-ALGORITHM_NAMES = {"eagle": "EAGLE-2 (EAGLE-1/2 format, FR-Spec token map)", "eagle3": "EAGLE-3", "mtp": "MTP (DeepSeek-V3 NextN layout)"}
-
-
 def write_model_card(out_dir: str | Path) -> Path:
     """README.md next to the weights, from the run's train.json: what it is, how it was made."""
     out_dir = Path(out_dir)
     rec = json.loads((out_dir / "train.json").read_text())
     cfg = rec["config"]
-    algorithm = cfg.get("algorithm") or cfg["method"]  # records written before the rename say "method"
+    algorithm = method(cfg.get("algorithm") or cfg["method"]).name  # older records say "method", "eagle2"
     files = sorted(p.name for p in out_dir.iterdir() if p.suffix in (".safetensors", ".json", ".pt") and p.name not in
                    ("checkpoint.pt", "train.json"))
     size_mb = sum((out_dir / f).stat().st_size for f in files) / 1e6
@@ -464,7 +420,8 @@ def write_model_card(out_dir: str | Path) -> Path:
             prev = prev.get("init_record")
     dtype = cfg.get("dtype", "bfloat16")
     how = f"{dtype} target, {'bf16 autocast' if dtype == 'bfloat16' else 'float32'} head, {cfg.get('device', 'cpu')}"
-    text = f"""# {ALGORITHM_NAMES[algorithm]} drafter for SmolLM2-135M-Instruct
+    token_map = " --token-map <this dir>/token_map.pt" if method(algorithm).token_map else ""
+    text = f"""# {RECIPES[algorithm].name} drafter for SmolLM2-135M-Instruct
 
 Trained by `specserve train-drafter` against the frozen target ({how}).
 
@@ -473,14 +430,14 @@ Trained by `specserve train-drafter` against the frozen target ({how}).
 | command | `{rec.get("command") or "specserve train-drafter --algorithm " + algorithm}` |
 | data | {data} |
 | draft vocabulary | {vocab} |
-| unrolled steps | {cfg["ttt_steps"] or {"eagle3": 5, "eagle": 1, "mtp": 3}[algorithm]} (weights 0.8^i) |
+| unrolled steps | {cfg["ttt_steps"] or RECIPES[algorithm].alone_steps} (weights 0.8^i) |
 | optimisation | AdamW, lr {cfg["lr"]}, warm-up {cfg["warmup_steps"]} steps, cosine to 5 % over the run, grad clip 0.5, batch {cfg["batch_size"]} |
 | steps / tokens seen | {rec["steps"]} of {rec["planned_steps"]} planned ({cfg.get("epochs", 1)} epoch(s)) / {rec["tokens_seen"]:,} |
 | wall time | {rec["minutes"]} min (limit {cfg["max_minutes"] or "none"}; {cfg["num_threads"] or "all"} CPU thread(s)) |
 {started}| top-1 agreement with the target, last 20 training steps, per unrolled step | {accs} |
 {heldout}| files | {", ".join(files)} ({size_mb:.1f} MB) |
 
-Load it with `--algorithm {algorithm} --drafter-path <this dir>{" --token-map <this dir>/token_map.pt" if algorithm in ("eagle", "mtp") else ""}`.
+Load it with `--algorithm {algorithm} --drafter-path <this dir>{token_map}`.
 Agreement is teacher-forced (the target's features and tokens as inputs); the README's benchmark
 table has the accept lengths the drafter gives when serving.
 """

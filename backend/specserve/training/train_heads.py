@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specserve.drafters.eagle_model import EagleHead, save_eagle
-from specserve.drafters.mtp_model import MtpHead, save_mtp
+from specserve.drafters.heads import HEADS, DraftHead
+from specserve.methods import method
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import rope_table
 from specserve.models.weights import load_llama
@@ -45,7 +45,6 @@ from specserve.training.train_drafter import (
     expected_accepted,
     head_objective,
     label_probs,
-    new_head,
     saved_head,
 )
 
@@ -121,7 +120,7 @@ def learning_rate(hc: HeadsConfig, step: int, progress: float) -> float:
 
 
 @torch.no_grad()
-def agreement(heads: dict[str, tuple[EagleHead | MtpHead, torch.Tensor]], batcher: Batcher, held: list[list[int]],
+def agreement(heads: dict[str, tuple[DraftHead, torch.Tensor]], batcher: Batcher, held: list[list[int]],
               rope, bf16: bool) -> dict[str, list[float]]:  # noqa: ANN001
     """Teacher-forced top-1 agreement with the target per unrolled step, per head, on `held`.
     heads: algorithm -> (head, its label head `Batcher.label_head`)."""
@@ -169,7 +168,7 @@ def train_drafters(hc: HeadsConfig) -> dict:
     train_rows, held_rows = samples[: -hc.holdout], samples[-hc.holdout :]
     target = load_llama(hc.model_dir, dtype, dev).requires_grad_(False)
     draft_ids = draft_vocabulary(train_rows, hc.draft_vocab_size, target.cfg.vocab_size, target.cfg.eos_token_ids)
-    heads = {a: new_head(a, target, draft_ids).to(dev).train() for a in hc.algorithms}
+    heads = {a: HEADS[a].new(target, draft_ids).to(dev).train() for a in hc.algorithms}
     batcher = Batcher(target, samples, hc)
     label_head = batcher.label_head(draft_ids)
     new = {a: (h, label_head) for a, h in heads.items()}
@@ -244,7 +243,7 @@ def served_agreement(hc: HeadsConfig, target, batcher: Batcher, held: list[list[
     """Held-out agreement of the drafters served today, each over its own draft vocabulary."""
     served = {}
     for a in hc.algorithms if hc.served_repository else ():
-        path = Path(hc.served_repository, RECIPES[a].served, "drafter")
+        path = Path(hc.served_repository, f"llm_{a}", "drafter")
         if not (path / "model.safetensors").is_file():
             continue
         try:
@@ -262,15 +261,10 @@ def device_name(device: str) -> str:
     return "cpu"
 
 
-def write_head(algorithm: str, head: EagleHead | MtpHead, draft_ids: torch.Tensor, out: Path, record: dict) -> None:
+def write_head(algorithm: str, head: DraftHead, draft_ids: torch.Tensor, out: Path, record: dict) -> None:
     """The head in its published format, its token map (EAGLE-2, MTP) and a model card."""
     out.mkdir(parents=True, exist_ok=True)
-    if algorithm == "mtp":
-        save_mtp(head, out)
-    else:
-        save_eagle(head, out)
-    if algorithm != "eagle3":  # EAGLE-3 carries its vocabulary as d2t
-        torch.save(draft_ids.cpu(), out / "token_map.pt")
+    HEADS[algorithm].save(head, out, draft_ids)
     r, h, c = RECIPES[algorithm], record["heads"][algorithm], record["corpus"]
     served = h["served_heldout_agreement"]
     card = f"""# {r.name} drafter for {Path(record['config']['model_dir']).name}
@@ -281,13 +275,13 @@ Trained by `specserve train-drafters` with the EAGLE-3, EAGLE-2 and MTP heads of
 |---|---|
 | data | the target's own answers (`specserve regenerate-data`): {c['rows']:,} rows, {c['answer_tokens']:,} answer tokens ({c['meta']['dtype']} target, greedy); the last {c['heldout_rows']} rows held out |
 | draft vocabulary | the {record['config']['draft_vocab_size']} most frequent answer tokens |
-| recipe | {r.steps} unrolled steps weighted 0.8^i{', feature regression, uniform feature noise ' + str(r.feature_noise) if algorithm == 'eagle' else ''}; AdamW lr {record['config']['lr']}, cosine over the time |
+| recipe | {r.steps} unrolled steps weighted 0.8^i{', feature regression' if r.feature_regression else ''}{', uniform feature noise ' + str(r.feature_noise) if r.feature_noise else ''}; AdamW lr {record['config']['lr']}, cosine over the time |
 | token-passes | {record['token_passes']:,} ({record['steps']} steps, {record['epochs']} epochs) |
 | time, device | {record['train_minutes']} min of training on {record['device']} |
 | held-out top-1 agreement by depth | {', '.join(f'{a:.3f}' for a in h['heldout_agreement'])} (expected accepted {h['expected_accepted']}) |
 | the served drafter, same rows | {', '.join(f'{a:.3f}' for a in served) if served else 'not measured'} |
 
-Load it with `--algorithm {algorithm} --drafter-path <this dir>{' --token-map <this dir>/token_map.pt' if algorithm != 'eagle3' else ''}`.
+Load it with `--algorithm {algorithm} --drafter-path <this dir>{' --token-map <this dir>/token_map.pt' if method(algorithm).token_map else ''}`.
 """
     (out / "README.md").write_text(card)
 
