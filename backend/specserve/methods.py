@@ -77,7 +77,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("eagle3", "EAGLE-3", "EAGLE-3", "head", sglang_tree, head_features="aux_hidden"),
     Method("mtp", "MTP", "a DeepSeek-layout MTP head with its hot-vocabulary token map", "head", one_mtp_step,
            head_features="hidden", token_map=True, head_in_target=True),
-    Method("standalone", "standalone draft model", "a small draft model (or the target's first layers)", "model",
+    Method("standalone", "standalone draft model", "a small draft model at drafter_path, else the target's first layers", "model",
            sglang_tree),
 )}
 ALGORITHMS = tuple(METHODS)

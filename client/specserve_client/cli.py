@@ -10,6 +10,7 @@ import sys
 import time
 
 from specserve_client.stream import Delta, GenerateError, stream
+from specserve_client.variants import variant_name
 
 DEFAULT_URLS = {"grpc": "localhost:8001", "http": "localhost:8000"}
 
@@ -17,7 +18,7 @@ DEFAULT_URLS = {"grpc": "localhost:8001", "http": "localhost:8000"}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="specserve-client", description=__doc__.splitlines()[0])
     p.add_argument("--prompt", required=True)
-    p.add_argument("--variant", default="base", help="streams from llm_<variant> (default: base)")
+    p.add_argument("--variant", type=variant_name, default="none", help="streams from llm_<variant> (default: none)")
     p.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     p.add_argument("--url", help="host:port (default: localhost:8001 for grpc, localhost:8000 for http)")
     p.add_argument("--max-tokens", type=int, default=128)

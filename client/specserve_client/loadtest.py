@@ -1,6 +1,6 @@
 """Load-test `llm_<variant>` with perf_analyzer (gRPC streaming) over a range of concurrencies.
 
-    python -m specserve_client.loadtest --variant base --concurrency 1,2,4,8 \\
+    python -m specserve_client.loadtest --variant none --concurrency 1,2,4,8 \\
         --num-prompts 16 --max-tokens 64 --out results/loadtest
 
 Builds a perf_analyzer input-data JSON from MT-bench first turns (chat template on, greedy,
@@ -27,6 +27,7 @@ from typing import Any
 
 from specserve_client.datasets import load_prompts
 from specserve_client.local_server import add_server_arguments, server_for
+from specserve_client.variants import variant_name
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,7 @@ def plot(points: list[LoadPoint], title: str, path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specserve_client.loadtest", description=__doc__.splitlines()[0])
-    p.add_argument("--variant", default="base")
+    p.add_argument("--variant", type=variant_name, default="none")
     p.add_argument("--concurrency", default="1,2,4,8", help="comma-separated levels")
     p.add_argument("--dataset", default="mtbench", help="mtbench or a JSONL file")
     p.add_argument("--num-prompts", type=int, default=16, help="requests per concurrency level (at least the level)")

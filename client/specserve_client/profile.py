@@ -1,6 +1,6 @@
 """Profile a served variant with genai-perf over a range of concurrencies (`make profile`).
 
-    python -m specserve_client.profile --variant base --concurrency 1,2,4,8 --out results/profile
+    python -m specserve_client.profile --variant none --concurrency 1,2,4,8 --out results/profile
 
 Runs `genai-perf profile --endpoint-type kserve --backend vllm --streaming` against `llm_<variant>`
 (or `--backend tensorrtllm` against the ensemble `ensemble_<variant>`, in its [1, 1] format) (synthetic prompts
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from specserve_client.loadtest import find_perf_analyzer, perf_analyzer_env
 from specserve_client.local_server import add_server_arguments, server_for
+from specserve_client.variants import variant_name
 
 GENAI_PERF = Path(".venv-genai-perf/bin/genai-perf")
 # (column, genai-perf metric, statistic)
@@ -91,7 +92,7 @@ def write_report(out: Path, rows: list[dict], meta: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variant", default="base")
+    p.add_argument("--variant", type=variant_name, default="none")
     p.add_argument("--backend", choices=sorted(MODEL_PREFIX), default="vllm",
                    help="genai-perf's request format: vllm (llm_<variant>) or tensorrtllm (ensemble_<variant>)")
     p.add_argument("--concurrency", default="1,2,4,8", help="comma-separated")

@@ -1,7 +1,7 @@
 """How much does serving through Triton cost? Streamed tokens/s through `llm_<variant>` vs the same
 engine in-process, on the same MT-bench prompts (chat template, greedy, same max tokens).
 
-    python -m specserve_client.servebench --variant base --num-prompts 8 --max-tokens 64 \\
+    python -m specserve_client.servebench --variant none --num-prompts 8 --max-tokens 64 \\
         --json results/servebench.json
 
 1. in-process: `Engine` built from llm_<variant>'s config.pbtxt parameters, run by its
@@ -27,6 +27,7 @@ from typing import Any
 from specserve_client.datasets import load_prompts
 from specserve_client.local_server import add_server_arguments, server_for
 from specserve_client.stream import collect, grpc_stream
+from specserve_client.variants import variant_name
 
 
 def in_process(variant_params: dict[str, str], prompt_ids: list[list[int]], max_tokens: int) -> dict[str, Any]:
@@ -105,7 +106,7 @@ def through_triton(url: str, model: str, prompts: list[str], max_tokens: int, co
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specserve_client.servebench", description=__doc__.splitlines()[0])
-    p.add_argument("--variant", default="base")
+    p.add_argument("--variant", type=variant_name, default="none")
     p.add_argument("--dataset", default="mtbench")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)

@@ -1,6 +1,6 @@
 """Soak a served variant: minutes of concurrent streams with cancellations and bad requests mixed in.
 
-    python -m specserve_client.soak --variant base --minutes 10 --concurrency 8 --out results/soak
+    python -m specserve_client.soak --variant none --minutes 10 --concurrency 8 --out results/soak
 
 Each worker is one client (one gRPC connection, or with `--connection-per-request` a new one for
 every request) and loops until the time is up, drawing per request a stream of its own, of one of
@@ -35,6 +35,7 @@ import tritonclient.grpc as grpcclient
 
 from specserve_client.local_server import server_module
 from specserve_client.stream import grpc_inputs, request_inputs
+from specserve_client.variants import variant_name
 
 TIMEOUT_S = 120.0
 KIND_WEIGHTS = {"normal": 0.56, "ensemble": 0.14, "cancel": 0.15, "bad": 0.15}  # a request's kind, drawn
@@ -215,7 +216,7 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variant", default="base")
+    p.add_argument("--variant", type=variant_name, default="none")
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--sample-s", type=float, default=15.0, help="seconds between memory samples")

@@ -8,7 +8,7 @@ one carries the finish reason and the request's cumulative counters. `collect` f
 into a `Generation`. A server-side error (bad input, cancellation, ...) raises `GenerateError`
 with the server's message, which names the offending field.
 
-    for delta in grpc_stream("localhost:8001", "llm_base", "Hello"):
+    for delta in grpc_stream("localhost:8001", "llm_none", "Hello"):
         print(delta.text, end="", flush=True)
 """
 

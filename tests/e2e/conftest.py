@@ -22,7 +22,7 @@ QUEUE = 16  # more than the 16 concurrent streams of one test minus the 4 slots
 # the compiled programs from the first request on (tests/e2e/test_startup.py serves while they build)
 ENGINE_PARAMS = {"max_batch_size": str(SLOTS), "max_seq_len": str(MAX_SEQ_LEN), "dtype": DTYPE, "max_queue_size": str(QUEUE),
                  "serve_while_compiling": "false"}
-VARIANTS = ("base", "ngram", "eagle2", "eagle3", "mtp", "standalone")
+VARIANTS = ("none", "ngram", "eagle", "eagle3", "mtp", "standalone")
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path, e2e: E2E
     chosen = list(e2e.variants)
     # drafting variants draft their configured tree on every step here, so the tests see drafts served;
     # the adaptive choice of shapes is tested on the engine (tests/model, tests/unit)
-    overrides = {f"llm_{v}": ENGINE_PARAMS | ({"adaptive": "false"} if v != "base" else {}) for v in chosen}
+    overrides = {f"llm_{v}": ENGINE_PARAMS | ({"adaptive": "false"} if v != "none" else {}) for v in chosen}
     overrides["preprocessing"] = {"max_seq_len": str(MAX_SEQ_LEN)}
     repo = copy_repository(default_repository(), root / "model_repository", overrides)
     ports = [free_port() for _ in range(3)]

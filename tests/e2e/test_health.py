@@ -1,6 +1,6 @@
 """End-to-end health: faults injected into the engine of a real tritonserver's model.
 
-The server runs llm_base and two copies of it whose engine fails on demand (see fault_model.py):
+The server runs llm_none and two copies of it whose engine fails on demand (see fault_model.py):
 one whose steps fail, one whose engine thread dies outside a step. Each must end every open
 request with an error FINAL, unload itself (Triton then reports it not ready), and leave the
 other models serving.
@@ -36,14 +36,14 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path, engine_params: dict[str, str],
            faults: Path) -> Iterator[TritonProcess]:
     root = tmp_path_factory.mktemp("triton-health")
-    repo = copy_repository(default_repository(), root / "model_repository", {"llm_base": engine_params})
+    repo = copy_repository(default_repository(), root / "model_repository", {"llm_none": engine_params})
     for model, fault_in in FAULTY.items():
         (repo / model / "1").mkdir(parents=True)
         shutil.copy(Path(__file__).with_name("fault_model.py"), repo / model / "1" / "model.py")
         fault = {"fault_file": str(faults / f"{model}.fault"), "fault_in": fault_in}
-        (repo / model / "config.pbtxt").write_text((repo / "llm_base" / "config.pbtxt").read_text() + "".join(
+        (repo / model / "config.pbtxt").write_text((repo / "llm_none" / "config.pbtxt").read_text() + "".join(
             f'parameters: {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in fault.items()))
-    process = TritonProcess(repo, ["llm_base", *FAULTY], free_port(), free_port(), free_port(),
+    process = TritonProcess(repo, ["llm_none", *FAULTY], free_port(), free_port(), free_port(),
                             log=root / "tritonserver.log")
     with process:
         yield process
@@ -84,7 +84,7 @@ def _not_ready_within(server: TritonProcess, model: str, timeout_s: float) -> bo
 
 
 def _base_still_serves(server: TritonProcess) -> None:
-    g = collect(grpc_stream(server.grpc_url, "llm_base", "Hi", max_tokens=4, timeout_s=TIMEOUT_S))
+    g = collect(grpc_stream(server.grpc_url, "llm_none", "Hi", max_tokens=4, timeout_s=TIMEOUT_S))
     assert len(g.token_ids) >= 1 and g.finish_reason in ("stop", "length")
 
 

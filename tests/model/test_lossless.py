@@ -47,7 +47,7 @@ def test_ngram_greedy_is_lossless(engine_factory, mtbench_prompts, reference, ba
         ("mtp", dict(num_steps=1, topk=1, num_draft_tokens=2)),  # its default shape, pinned
         ("mtp", dict(num_steps=3, topk=2, num_draft_tokens=6)),  # the head reused for later steps
     ],
-    ids=["eagle2-5x4x8", "eagle2-chain4", "eagle3-5x4x8", "eagle3-3x2x6", "mtp-1x1x2", "mtp-3x2x6"],
+    ids=["eagle-5x4x8", "eagle-chain4", "eagle3-5x4x8", "eagle3-3x2x6", "mtp-1x1x2", "mtp-3x2x6"],
 )
 def test_model_drafter_greedy_is_lossless(engine_factory, mtbench_prompts, reference, batch_size, algorithm, spec):
     """The committed drafters for SmolLM2 (EAGLE-2 and MTP with their FR-Spec token maps, EAGLE-3)."""

@@ -49,7 +49,7 @@ def test_llm_configs_are_short_and_set_only_what_differs_from_the_defaults():
         assert list(params)[:2] == ["model_dir", "algorithm"]
         assert all(value != defaults[key] for key, value in params.items() if key not in IDENTIFYING)
     with pytest.raises(ValueError, match="^max_batch_sise:"):
-        llm_parameters(Variant("typo", "none", "", {"max_batch_sise": "4"}))
+        llm_parameters(Variant("none", {"max_batch_sise": "4"}))
 
 
 def test_the_readme_table_is_regenerated_and_checked(tmp_path):

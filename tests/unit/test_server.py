@@ -17,17 +17,17 @@ from specserve.serving.server import (
 
 def test_variants_and_models():
     variants = list_variants(default_repository())
-    assert "base" in variants
-    assert models_for(["base", "ngram"]) == ["preprocessing", "llm_base", "ensemble_base", "llm_ngram", "ensemble_ngram"]
+    assert "none" in variants
+    assert models_for(["none", "ngram"]) == ["preprocessing", "llm_none", "ensemble_none", "llm_ngram", "ensemble_ngram"]
 
 
 def test_command_line():
-    p = TritonProcess(Path("/repo"), ["preprocessing", "llm_base", "ensemble_base"], 1, 2, 3)
+    p = TritonProcess(Path("/repo"), ["preprocessing", "llm_none", "ensemble_none"], 1, 2, 3)
     cmd = p.command(TritonInstall(Path("/bin/tritonserver"), Path("/cache/backends"), {}))
     assert cmd[0] == "/bin/tritonserver"
     assert "--model-control-mode=explicit" in cmd
     assert [c for c in cmd if c.startswith("--load-model=")] == [
-        "--load-model=preprocessing", "--load-model=llm_base", "--load-model=ensemble_base"
+        "--load-model=preprocessing", "--load-model=llm_none", "--load-model=ensemble_none"
     ]
     assert {"--http-port=1", "--grpc-port=2", "--metrics-port=3", "--backend-directory=/cache/backends"} <= set(cmd)
     assert any(c.startswith("--exit-timeout-secs=") for c in cmd)
@@ -40,12 +40,12 @@ def test_command_line():
 def test_copy_repository_overrides_parameters(tmp_path: Path):
     dst = copy_repository(
         default_repository(), tmp_path / "repo",
-        {"llm_base": {"max_batch_size": "2", "dtype": "float32", "ngram_capacity": "100"}},
+        {"llm_none": {"max_batch_size": "2", "dtype": "float32", "ngram_capacity": "100"}},
     )
-    params = read_parameters(dst / "llm_base" / "config.pbtxt")
+    params = read_parameters(dst / "llm_none" / "config.pbtxt")
     assert (params["max_batch_size"], params["dtype"], params["ngram_capacity"]) == ("2", "float32", "100")
-    assert "max_batch_size" not in read_parameters(default_repository() / "llm_base" / "config.pbtxt")
-    assert (dst / "llm_base" / "1" / "model.py").is_file()
+    assert "max_batch_size" not in read_parameters(default_repository() / "llm_none" / "config.pbtxt")
+    assert (dst / "llm_none" / "1" / "model.py").is_file()
 
 
 def test_every_model_has_a_version_folder_in_the_checkout():

@@ -31,7 +31,7 @@ def _run_worker(monkeypatch, kinds, answer):
     monkeypatch.setattr(soak.grpcclient, "InferenceServerClient", _Client)
     monkeypatch.setattr(soak, "one_request", one_request)
     outcomes, failures = Counter(), []
-    soak.worker("url", "base", time.monotonic() + 0.2, 0, outcomes, failures, threading.Lock(), kinds=kinds)
+    soak.worker("url", "none", time.monotonic() + 0.2, 0, outcomes, failures, threading.Lock(), kinds=kinds)
     return calls, outcomes, failures
 
 
@@ -39,13 +39,13 @@ def test_only_the_kinds_asked_for_are_drawn(monkeypatch):
     calls, outcomes, failures = _run_worker(monkeypatch, ("normal",), lambda model, cancel_after: "ok")
     assert calls and not failures
     assert set(outcomes) == {"normal:ok"}
-    assert all(model == "llm_base" and cancel_after is None and not trtllm for model, cancel_after, trtllm in calls)
+    assert all(model == "llm_none" and cancel_after is None and not trtllm for model, cancel_after, trtllm in calls)
 
 
 def test_every_kind_is_drawn_and_a_wrong_outcome_is_a_failure(monkeypatch):
     calls, outcomes, failures = _run_worker(monkeypatch, tuple(soak.KIND_WEIGHTS), lambda model, cancel_after: "ok")
     assert {key.split(":")[0] for key in outcomes} == {"normal", "ensemble", "cancel", "bad"}
-    assert any(model == "ensemble_base" and trtllm for model, _, trtllm in calls)
+    assert any(model == "ensemble_none" and trtllm for model, _, trtllm in calls)
     # a cancelled stream or a bad request answered "ok" did not do what it must
     assert failures and all(f.startswith(("cancel ", "bad ")) for f in failures)
     assert outcomes["cancel:ok"] + outcomes["bad:ok"] == len(failures)
@@ -103,8 +103,8 @@ def test_a_finished_stream_is_closed_and_an_abandoned_one_cancelled():
     # shipped keeps such streams' state): only a stream left before its FINAL is cancelled
     values = {"text_input": "Hi", "max_tokens": 4}
     done = _StreamingClient(tokens=3)
-    assert soak.one_request(done, "llm_base", values, "r1", cancel_after=None) == "ok"
+    assert soak.one_request(done, "llm_none", values, "r1", cancel_after=None) == "ok"
     assert done.stops == [False]
     left = _StreamingClient(tokens=3)
-    assert soak.one_request(left, "llm_base", values, "r2", cancel_after=1) == "cancelled"
+    assert soak.one_request(left, "llm_none", values, "r2", cancel_after=1) == "cancelled"
     assert left.stops and all(left.stops)

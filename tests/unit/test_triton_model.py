@@ -411,7 +411,7 @@ def _backend_model_config(config: dict[str, Any]) -> Any:
 def test_auto_complete_declares_the_tensors_and_the_decoupled_policy(triton_model):
     from specserve.serving.repository import llm_inputs, llm_outputs
 
-    bare = {"name": "llm_base", "max_batch_size": 0, "input": [], "output": [], "parameters": {}}
+    bare = {"name": "llm_none", "max_batch_size": 0, "input": [], "output": [], "parameters": {}}
     config = triton_model.TritonPythonModel.auto_complete_config(_backend_model_config(bare)).as_dict()
     assert config["input"] == llm_inputs() and config["output"] == llm_outputs()
     assert config["model_transaction_policy"] == {"decoupled": True} and config["max_batch_size"] == 0

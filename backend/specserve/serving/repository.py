@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve.config import knobs
+from specserve.methods import canonical, method
 from specserve.prepare import repo_root
 from specserve.serving.contract import CONTRACT_INPUTS, INTERNAL_INPUTS, OUTPUTS, RequestLimits
 from specserve.serving.parameters import SERVING_PARAMETERS, default_text, engine_parameters, parameter_text
@@ -41,40 +42,43 @@ def parameter_defaults() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Variant:
-    """One served variant: `llm_<name>` runs `algorithm`; `parameters` are its config.pbtxt
-    parameters besides (drafter paths are relative to the project root)."""
+    """One served variant: `llm_<name>` runs the drafting method of that name (`methods.METHODS`);
+    `parameters` are its config.pbtxt parameters besides (drafter paths are relative to the project
+    root)."""
 
     name: str
-    algorithm: str
-    description: str
     parameters: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def algorithm(self) -> str:
+        return self.name
+
+    @property
+    def description(self) -> str:
+        return method(self.name).description
 
 
 VARIANTS: tuple[Variant, ...] = (
-    Variant("base", "none", "plain decoding, the baseline"),
-    Variant("ngram", "ngram", "n-gram drafts from the request's own tokens"),
-    Variant("eagle2", "eagle", "EAGLE-2 with an FR-Spec token map", {
-        "drafter_path": "model_repository/llm_eagle2/drafter",
-        "token_map": "model_repository/llm_eagle2/drafter/token_map.pt",
+    Variant("none"),
+    Variant("ngram"),
+    Variant("eagle", {
+        "drafter_path": "model_repository/llm_eagle/drafter",
+        "token_map": "model_repository/llm_eagle/drafter/token_map.pt",
     }),
-    Variant("eagle3", "eagle3", "EAGLE-3", {"drafter_path": "model_repository/llm_eagle3/drafter"}),
-    Variant("mtp", "mtp", "a DeepSeek-layout MTP head trained for SmolLM2, with its hot-vocabulary token map", {
+    Variant("eagle3", {"drafter_path": "model_repository/llm_eagle3/drafter"}),
+    Variant("mtp", {
         "drafter_path": "model_repository/llm_mtp/drafter",
         "token_map": "model_repository/llm_mtp/drafter/token_map.pt",
     }),
-    Variant("standalone", "standalone",
-            "empty drafter_path = the target's first standalone_num_layers layers (0 = a quarter)"),
+    Variant("standalone"),
 )
-
-
-VARIANT_ALGORITHM = {v.name: v.algorithm for v in VARIANTS}  # the one table from served names to algorithms
 
 
 def served_drafter(algorithm: str) -> dict[str, str]:
     """The SpecConfig fields (`drafter_path`, `token_map`, absolute) of the committed drafter the
     served variant of this algorithm uses; empty for algorithms without one."""
     for v in VARIANTS:
-        if v.algorithm == algorithm:
+        if v.name == canonical(algorithm):
             return {k: str(repo_root() / v.parameters[k]) for k in ("drafter_path", "token_map") if k in v.parameters}
     return {}
 
