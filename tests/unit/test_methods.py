@@ -12,7 +12,7 @@ from specserve.cli import build_parser
 from specserve.config import SpecConfig
 from specserve.drafters.eagle_model import HEADS as HEAD_CLASSES
 from specserve.drafters.heads import HEADS
-from specserve.methods import ALIASES, ALGORITHMS, HEAD_METHODS, METHODS, canonical, method
+from specserve.methods import ALGORITHMS, ALIASES, HEAD_METHODS, METHODS, canonical, method
 from specserve.serving.repository import VARIANTS, served_drafter
 from specserve.serving.server import list_variants
 from specserve.training.configs import RECIPES, HeadsConfig, TrainConfig

@@ -124,8 +124,8 @@ def test_benchmark_prompts_stay_out_of_training_data(tmp_path):
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
 def test_the_loss_counts_exactly_the_labelled_positions(tiny_target_dir, algorithm):
     """Logits are computed only where the mask has a label; the loss equals the dense masked one."""
-    from specserve.models.llama import rope_table
     from specserve.drafters.heads import HEADS
+    from specserve.models.llama import rope_table
     from specserve.training.train_drafter import ttt_losses
 
     target = load_llama(tiny_target_dir, torch.float32)
