@@ -231,7 +231,7 @@ class SpecConfig:
     disable_by_batch_size: int = knob(0, help="plain decoding for a step whose batch has at least this many requests, "
                                       "where a verify forward of many trees is no longer free (0 = never; vLLM's "
                                       "--speculative-disable-by-batch-size)")
-    adaptive: bool = knob(True, help="each step drafts the tree (or none) among smaller budgets of the configured one "
+    adaptive: bool = knob(True, help="each step drafts the tree (or none) among smaller num_draft_tokens than the configured one "
                           "that measured step costs and acceptance say is fastest; setting num_steps, topk or "
                           "num_draft_tokens pins one shape")
     # NGRAM: SGLang's names and defaults

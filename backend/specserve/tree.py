@@ -46,7 +46,8 @@ class DraftTree:
     next_sibling: torch.Tensor
 
     @property
-    def num_nodes(self) -> int:
+    def num_draft_tokens(self) -> int:
+        """The tokens one verify checks for this tree, root included (SGLang's num_draft_tokens)."""
         return self.tokens.shape[0]
 
     @classmethod
@@ -102,7 +103,7 @@ class TreeBatch:
     Shape:
         tokens, parents, depth, first_child, next_sibling: (B, N) int64
         mask: (B, N, N) bool
-        num_nodes: (B,) int64
+        num_draft_tokens: (B,) int64, each tree's own (<= N)
     """
 
     tokens: torch.Tensor
@@ -111,7 +112,7 @@ class TreeBatch:
     mask: torch.Tensor
     first_child: torch.Tensor
     next_sibling: torch.Tensor
-    num_nodes: torch.Tensor
+    num_draft_tokens: torch.Tensor
 
     @property
     def is_root_only(self) -> bool:
@@ -127,7 +128,7 @@ class TreeBatch:
             DraftTree(tokens=host.tokens[i, :n], parents=host.parents[i, :n], depth=host.depth[i, :n],
                       mask=host.mask[i, :n, :n], first_child=host.first_child[i, :n],
                       next_sibling=host.next_sibling[i, :n])
-            for i, n in enumerate(host.num_nodes.tolist())
+            for i, n in enumerate(host.num_draft_tokens.tolist())
         ]
 
     @classmethod
@@ -143,7 +144,7 @@ class TreeBatch:
 
     @classmethod
     def from_trees(cls, trees: Sequence[DraftTree]) -> TreeBatch:
-        b, n = len(trees), max(t.num_nodes for t in trees)
+        b, n = len(trees), max(t.num_draft_tokens for t in trees)
         tokens = torch.zeros(b, n, dtype=torch.int64)
         parents = torch.full((b, n), -1, dtype=torch.int64)
         depth = torch.zeros(b, n, dtype=torch.int64)
@@ -151,15 +152,15 @@ class TreeBatch:
         next_sibling = torch.full((b, n), -1, dtype=torch.int64)
         mask = torch.eye(n, dtype=torch.bool).repeat(b, 1, 1)
         for i, t in enumerate(trees):
-            k = t.num_nodes
+            k = t.num_draft_tokens
             tokens[i, :k] = t.tokens
             parents[i, :k] = t.parents
             depth[i, :k] = t.depth
             first_child[i, :k] = t.first_child
             next_sibling[i, :k] = t.next_sibling
             mask[i, :k, :k] = t.mask
-        num_nodes = torch.tensor([t.num_nodes for t in trees], dtype=torch.int64)
-        return cls(tokens, parents, depth, mask, first_child, next_sibling, num_nodes)
+        sizes = torch.tensor([t.num_draft_tokens for t in trees], dtype=torch.int64)
+        return cls(tokens, parents, depth, mask, first_child, next_sibling, sizes)
 
 
 class DynamicTreeBuilder:
@@ -199,7 +200,7 @@ class DynamicTreeBuilder:
     def build(self, num_draft_tokens: int) -> DraftTree:
         """Top (num_draft_tokens - 1) nodes by score (ties: older first, so parents win), root first,
         in rank order: a parent outranks its children, so it precedes them, and the tree for a
-        smaller budget is a prefix of this one."""
+        smaller num_draft_tokens is a prefix of this one."""
         ranked = sorted(range(1, len(self.tokens)), key=lambda i: (-self.scores[i], i))
         kept = ranked[: num_draft_tokens - 1]
         index = {0: 0, **{old: new + 1 for new, old in enumerate(kept)}}

@@ -29,9 +29,9 @@ part() {  # part NAME SECONDS CMD...: run, log, record its exit status and the t
 
 part tests 110 $PY -m pytest -q -p no:cacheprovider tests/kernels tests/gpu --junitxml="$OUT/tests.xml"
 part steps-smollm2 30 $PY bench/gpu/run.py --shape smollm2-135m --context 1024 --batch-sizes 1,8,64 \
-  --tree-tokens 8,16,32,64 --skip-variants --json "$OUT/steps_smollm2.json"
+  --num-draft-tokens 8,16,32,64 --skip-variants --json "$OUT/steps_smollm2.json"
 part steps-llama8b 45 $PY bench/gpu/run.py --shape llama-3.1-8b --context 1024 --batch-sizes 1,16,64 \
-  --tree-tokens 8,16,32 --skip-variants --json "$OUT/steps_llama8b.json"
+  --num-draft-tokens 8,16,32 --skip-variants --json "$OUT/steps_llama8b.json"
 part variants 100 $PY bench/gpu/run.py --skip-steps --algorithms none,ngram,eagle,eagle3,mtp,standalone \
   --num-prompts 8 --max-new-tokens 128 --graphs-only --json "$OUT/variants.json"
 part hf-static 60 $PY bench/gpu/run.py --skip-steps --algorithms none --no-adaptive --graphs-only \

@@ -104,12 +104,12 @@ def weight_bytes_per_step(model: LlamaModel) -> int:
 
 
 @torch.inference_mode()
-def bench_steps(cfg: ModelConfig, device: torch.device, batch_sizes: list[int], tree_tokens: list[int],
+def bench_steps(cfg: ModelConfig, device: torch.device, batch_sizes: list[int], num_draft_tokens: list[int],
                 context: int, iters: int, graphs: bool, attention: str = "auto") -> dict:
     dtype = torch.bfloat16
     model = random_model(cfg, dtype, device)
     max_bs = max(batch_sizes)
-    cache = KVCache(cfg, max_bs + 1, context + max(tree_tokens) + 1, dtype, str(device))
+    cache = KVCache(cfg, max_bs + 1, context + max(num_draft_tokens) + 1, dtype, str(device))
     model.init_rope(cache.max_len)
     bandwidth = copy_bandwidth(device, 2**30 if device.type == "cuda" else 2**26)
     floor = weight_bytes_per_step(model) / bandwidth
@@ -145,8 +145,8 @@ def bench_steps(cfg: ModelConfig, device: torch.device, batch_sizes: list[int], 
         report["decode"].append(row)
         log.info("decode bs=%d %s", bs, row)
     decode_bs1 = report["decode"][0]
-    for t in tree_tokens:
-        row = {"batch_size": 1, "tree_tokens": t}
+    for t in num_draft_tokens:
+        row = {"batch_size": 1, "num_draft_tokens": t}
         for name, capture in modes:
             row[f"{name}_ms"] = timer(device, step_fn(1, t, capture), iters) * 1e3
             row[f"{name}_vs_decode"] = row[f"{name}_ms"] / decode_bs1[f"{name}_ms"]
@@ -230,9 +230,9 @@ def markdown(report: dict) -> str:
         cols = [c for c in s["decode"][0] if c != "batch_size"]
         lines += ["| batch | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
         lines += [f"| {r['batch_size']} | " + " | ".join(f"{r[c]:.3f}" for c in cols) + " |" for r in s["decode"]]
-        cols = [c for c in s["verify"][0] if c not in ("batch_size", "tree_tokens")]
+        cols = [c for c in s["verify"][0] if c not in ("batch_size", "num_draft_tokens")]
         lines += ["", "| tree tokens | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-        lines += [f"| {r['tree_tokens']} | " + " | ".join(f"{r[c]:.3f}" for c in cols) + " |" for r in s["verify"]]
+        lines += [f"| {r['num_draft_tokens']} | " + " | ".join(f"{r[c]:.3f}" for c in cols) + " |" for r in s["verify"]]
     if "variants" in report:
         lines += ["", "| algorithm | CUDA graph | attention | tok/s | accept length |", "|---|---|---|---:|---:|"]
         lines += [f"| {r['algorithm']} | {r['cuda_graph']} | {r['attention']} | {r['tokens_per_s']:.1f} | "
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
-    p.add_argument("--tree-tokens", default="8,16,32,64")
+    p.add_argument("--num-draft-tokens", default="8,16,32,64")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--model-dir", default=None, help="for the variants part (default: the prepared SmolLM2)")
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"device": name, "torch": torch.__version__}
     if not args.skip_steps:
         report["steps"] = bench_steps(SHAPES[args.shape], device, [int(b) for b in args.batch_sizes.split(",")],
-                                      [int(t) for t in args.tree_tokens.split(",")], args.context, args.iters, graphs,
+                                      [int(t) for t in args.num_draft_tokens.split(",")], args.context, args.iters, graphs,
                                       args.attention)
     if not args.skip_variants:
         from specserve.prepare import default_model_dir

@@ -51,11 +51,11 @@ def node_probs(tree: DraftTree, seed: int) -> torch.Tensor:
     """A fixed target distribution after each node (N, V): each node's children's tokens are
     favoured so that walks go deep, and one other token gets exactly 0 (as after a top-k cut)."""
     gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(tree.num_nodes, V, generator=gen)
+    logits = torch.randn(tree.num_draft_tokens, V, generator=gen)
     child = tree.parents >= 0
     logits[tree.parents[child], tree.tokens[child]] += 2.0
     probs = torch.softmax(logits, dim=-1)
-    for i in range(tree.num_nodes):
+    for i in range(tree.num_draft_tokens):
         others = [v for v in range(V) if v not in tree.tokens[tree.parents == i].tolist()]
         probs[i, others[-1]] = 0.0
     return probs / probs.sum(dim=-1, keepdim=True)
@@ -79,7 +79,7 @@ def exact_joint(tree: DraftTree, probs: torch.Tensor) -> torch.Tensor:
 def draw(tree: DraftTree, probs: torch.Tensor, seed: int) -> SamplerInputs:
     """NUM_SAMPLES independent rows of the same tree and target, each with its own coins."""
     gen = torch.Generator().manual_seed(seed)
-    n = tree.num_nodes
+    n = tree.num_draft_tokens
     return SamplerInputs(
         *(t.expand(NUM_SAMPLES, n) for t in (tree.tokens, tree.first_child, tree.next_sibling)),
         target_probs=probs.expand(NUM_SAMPLES, n, V),
@@ -92,8 +92,8 @@ def first_two(tree: DraftTree, result: VerifyResult) -> tuple[torch.Tensor, torc
     """Per row, the first two emitted tokens (t2 = NONE if the step emitted only one)."""
     path = tree.tokens[result.accepted_nodes.clamp(min=0)]  # (rows, N) tokens along the path
     length, bonus = result.accept_length, result.bonus_tokens
-    t1 = torch.where(length >= 2, path[:, min(1, tree.num_nodes - 1)], bonus)
-    t2 = torch.where(length >= 3, path[:, min(2, tree.num_nodes - 1)], torch.where(length == 2, bonus, NONE))
+    t1 = torch.where(length >= 2, path[:, min(1, tree.num_draft_tokens - 1)], bonus)
+    t2 = torch.where(length >= 3, path[:, min(2, tree.num_draft_tokens - 1)], torch.where(length == 2, bonus, NONE))
     return t1, t2
 
 

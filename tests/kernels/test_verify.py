@@ -53,7 +53,7 @@ def sample(request):
     ],
 )
 def test_greedy_hand_cases(greedy, name: str, targets: dict, accepted: list[int], bonus: int) -> None:
-    target_tokens = torch.zeros(1, HAND.num_nodes, dtype=torch.int64)
+    target_tokens = torch.zeros(1, HAND.num_draft_tokens, dtype=torch.int64)
     for node, token in targets.items():
         target_tokens[0, node] = token
     assert_result(greedy(*as_batch(HAND), target_tokens), accepted, bonus)

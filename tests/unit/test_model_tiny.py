@@ -89,7 +89,7 @@ def test_tree_attention_equals_each_branch_alone(tmp_path):
     with torch.inference_mode():
         _forward(model, cache, prefix, 0, 0)
         tree_logits = _forward(model, cache, batch.tokens, 0, 8, positions=8 + batch.depth, mask=batch.mask).logits
-        for node in range(tree.num_nodes):
+        for node in range(tree.num_draft_tokens):
             path = [node]
             while tree.parents[path[-1]] >= 0:
                 path.append(int(tree.parents[path[-1]]))

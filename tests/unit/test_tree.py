@@ -38,7 +38,7 @@ def test_chain_and_root_only():
     assert chain.parents.tolist() == [-1, 0, 1]
     assert torch.equal(chain.mask, torch.ones(3, 3, dtype=torch.bool).tril())
     root = DraftTree.root_only(9)
-    assert root.num_nodes == 1 and root.first_child.tolist() == [-1]
+    assert root.num_draft_tokens == 1 and root.first_child.tolist() == [-1]
 
 
 @pytest.mark.parametrize("parents", [[0], [-1, 1], [-1, 0, 3, 1], []])
@@ -50,7 +50,7 @@ def test_bad_parents_are_rejected(parents):
 def test_batch_padding_sees_only_itself():
     batch = TreeBatch.from_trees([DraftTree.chain(1, [2, 3]), DraftTree.root_only(4)])
     assert batch.tokens.shape == (2, 3)
-    assert batch.num_nodes.tolist() == [3, 1]
+    assert batch.num_draft_tokens.tolist() == [3, 1]
     assert torch.equal(batch.mask[1], torch.eye(3, dtype=torch.bool))
     assert batch.first_child[1].tolist() == [-1, -1, -1]
 
@@ -84,7 +84,7 @@ def test_dynamic_tree_keeps_parents_of_kept_nodes():
         beam = builder.expand(torch.stack([torch.randperm(50)[:4] for _ in beam]), torch.rand(len(beam), 4), topk=4)
     for n in (2, 5, 8, 16):
         tree = builder.build(num_draft_tokens=n)
-        assert tree.num_nodes == n
+        assert tree.num_draft_tokens == n
         assert all(0 <= p < i for i, p in enumerate(tree.parents.tolist()) if i > 0)
 
 
@@ -105,7 +105,7 @@ def test_a_smaller_budget_keeps_a_prefix_of_a_larger_budgets_tree():
 def test_unbatch_gives_back_the_trees_without_padding():
     trees = [DraftTree.from_parents([5, 6, 7, 8], [-1, 0, 0, 1]), DraftTree.chain(9, [1]), DraftTree.root_only(4)]
     back = TreeBatch.from_trees(trees).unbatch()
-    assert [t.num_nodes for t in back] == [4, 2, 1]
+    assert [t.num_draft_tokens for t in back] == [4, 2, 1]
     for a, b in zip(trees, back):
         for name in ("tokens", "parents", "depth", "mask", "first_child", "next_sibling"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name

@@ -70,7 +70,7 @@ class Drafter:
     """Base class: the hooks default to doing nothing; `propose` must be written."""
 
     aux_layers: tuple[int, ...] = ()  # target layers whose inputs the drafter needs (EAGLE-3)
-    # whether the tree for a smaller token budget (same topk) is always a prefix of the tree for a
+    # whether the tree for a smaller num_draft_tokens (same topk) is always a prefix of the tree for a
     # larger one, so one verify also tells the accept length every smaller shape would have had
     nested_trees: bool = False
     # whether `propose` runs a model over the tokens a request gained since its last draft (its

@@ -114,7 +114,7 @@ def grow_trees_on_device(
         parent_state = states[batch_rows, rows]
         visible = torch.gather(visible, 1, rows[:, :, None].expand(-1, -1, visible.shape[-1]))
     # rerank: best n - 1 nodes in rank order (a parent outranks its children, so it precedes them:
-    # the tree for a smaller budget is a prefix of this one)
+    # the tree for a smaller num_draft_tokens is a prefix of this one)
     n = min(num_draft_tokens, num)
     kept = torch.sort(all_scores[:, 1:], dim=1, descending=True, stable=True).indices[:, : n - 1] + 1  # (B, n - 1)
     new_index = torch.zeros(b, num, dtype=torch.int64, device=dev)  # old node -> tree node (the root stays 0)
@@ -124,4 +124,4 @@ def grow_trees_on_device(
                               new_index.gather(1, all_parents.gather(1, kept))], dim=1)
     t = K.build_tree(tree_parents)
     return TreeBatch(tree_tokens, tree_parents, t.depth, t.mask, t.first_child, t.next_sibling,
-                     num_nodes=torch.full((b,), n, dtype=torch.int64, device=dev))
+                     num_draft_tokens=torch.full((b,), n, dtype=torch.int64, device=dev))

@@ -1,6 +1,6 @@
 """Cost-aware speculation: every step, the draft shape that maximises expected tokens per second.
 
-A shape is the drafter's tree at a token budget: `num_draft_tokens` n verified (root included),
+A shape is the drafter's tree of `num_draft_tokens` n verified (root included),
 grown for min(num_steps, n - 1) draft steps at the configured topk (EAGLE-2's dynamic tree keeps
 the n - 1 likeliest nodes). n = 1 is plain decoding: no draft forward at all, and model-based
 drafters defer their catch-up until they draft again. The menu is n = 1, 2, 3, 4, 6, 8, 12, ...
@@ -10,8 +10,8 @@ up to the configured num_draft_tokens.
 (measured at warm-up, then on every step: the median of the first samples, then a moving average
 that one slow step moves by a tenth at most) and, per shape, the mean accept length (tokens a
 request gains per step, the bonus token included; each request of a step is one sample). Where the
-drafter's trees are nested (EAGLE's dynamic tree: a smaller budget keeps a prefix of a larger
-budget's nodes), a step that drafts n tokens also measures the acceptance of every smaller budget.
+drafter's trees are nested (EAGLE's dynamic tree: a smaller tree keeps a prefix of a larger
+one's nodes), a step that drafts n tokens also measures the acceptance of every smaller tree.
 A step runs the shape with the largest accept_length / step_time for its bucket, where a drafting
 shape must beat plain decoding by `margin` (step times on a busy CPU are noisy: a near-tie is not
 worth a draft). A shape's time, and a drafting shape's acceptance, count as unmeasured until
@@ -44,15 +44,15 @@ from collections.abc import Sequence
 from specserve.runtime.paths import RunningAverage
 from specserve.tree import DraftShape
 
-TOKEN_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+MENU_NUM_DRAFT_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def shape_menu(num_steps: int, topk: int, num_draft_tokens: int) -> tuple[DraftShape, ...]:
     """The shapes a step may choose, smallest first; the last is the configured one."""
-    budgets = [n for n in TOKEN_BUDGETS if n < num_draft_tokens] + [num_draft_tokens]
+    sizes = [n for n in MENU_NUM_DRAFT_TOKENS if n < num_draft_tokens] + [num_draft_tokens]
     return tuple(
         DraftShape(n, min(num_steps, n - 1), topk if n > 1 else 1) if n > 1 else DraftShape(1, 0, 1)
-        for n in budgets
+        for n in sizes
     )
 
 
@@ -190,8 +190,8 @@ class ShapeChooser:
         still counts.
 
         accepted_nodes: per request, the accepted node indices (root first), given when the
-        drafter's trees are nested (a smaller budget's tree is a prefix of this one): a request
-        would then have accepted, under budget n, the root and its accepted nodes below n, so every
+        drafter's trees are nested (a smaller tree is a prefix of this one): a request would
+        then have accepted, with num_draft_tokens n, the root and its accepted nodes below n, so every
         smaller drafting shape's acceptance is measured on this step too."""
         if shape not in self.accept:
             return

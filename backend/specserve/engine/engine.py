@@ -201,7 +201,7 @@ class Engine:
             runtime=self.plan,
         ))
         self.runner = TargetRunner(
-            self.model, self.cache, config, self.plan, aux_layers=self.drafter.aux_layers, tree_tokens=min(self.spec.num_draft_tokens, MAX_TREE_NODES),
+            self.model, self.cache, config, self.plan, aux_layers=self.drafter.aux_layers, num_draft_tokens=min(self.spec.num_draft_tokens, MAX_TREE_NODES),
         )
         self._default_generator = torch.Generator().manual_seed(0)
         self._forced_shape: DraftShape | None = None  # warm-up runs each shape in turn
@@ -401,7 +401,7 @@ class Engine:
                 return proposal
             proposal = proposal.unbatch()
         trees = [
-            t if t.num_nodes <= room else DraftTree.from_parents(t.tokens[:room].tolist(), t.parents[:room].tolist())
+            t if t.num_draft_tokens <= room else DraftTree.from_parents(t.tokens[:room].tolist(), t.parents[:room].tolist())
             for t, room in zip(proposal, rooms)
         ]
         return TreeBatch.from_trees(trees).to(self.device)
@@ -447,15 +447,15 @@ class Engine:
         t3 = clock()
         p.verify += t3 - t2
         p.steps += 1
-        for r, num_nodes, tokens, lp in zip(reqs, v.tree_sizes, emitted, logprobs):
+        for r, tree_size, tokens, lp in zip(reqs, v.tree_sizes, emitted, logprobs):
             n = len(tokens)  # accept_length: root + accepted drafts; the bonus is the next root
             r.cache_len += n
             r.num_verify_steps += 1
             r.drafted_last_step = shape.drafts
-            r.num_draft_tokens += num_nodes - 1
+            r.num_draft_tokens += tree_size - 1
             r.num_accepted_tokens += n - 1
             r.pending_accept_lengths.append(n)
-            r.pending_tree_sizes.append(num_nodes)
+            r.pending_tree_sizes.append(tree_size)
             self._append_tokens(r, tokens, lp)
         live = [i for i, r in enumerate(reqs) if r.finish_reason is None]
         if live:
@@ -525,7 +525,7 @@ class Engine:
         accepted = result.accepted_nodes
         path_tokens = torch.gather(batch.tokens, 1, accepted.clamp(min=0))  # (B, N): token of accepted node j
         # one row per request: [path tokens (N), accepted nodes (N), accept length, bonus token, tree size]
-        extra = torch.stack([result.accept_length, result.bonus_tokens, batch.num_nodes], dim=1)
+        extra = torch.stack([result.accept_length, result.bonus_tokens, batch.num_draft_tokens], dim=1)
         read = time.perf_counter()
         rows = torch.cat([path_tokens, accepted, extra], dim=1).tolist()
         if self.device.type != "cpu" and not prefill:  # on a GPU the read waits for the step's queued work

@@ -40,8 +40,8 @@ class TargetRunner:
     """
 
     def __init__(self, model: LlamaModel, cache: KVCache, config: EngineConfig, plan: RuntimePlan,
-                 aux_layers: tuple[int, ...], tree_tokens: int) -> None:
-        """tree_tokens: the largest tree a step verifies (the verify buckets' token count)."""
+                 aux_layers: tuple[int, ...], num_draft_tokens: int) -> None:
+        """num_draft_tokens: the largest tree a step verifies (the verify buckets' token count)."""
         self.model, self.cache, self.plan, self.aux_layers = model, cache, plan, aux_layers
         self.attention = plan.attention
         self.model.attention_backend = self.make_backend()
@@ -50,7 +50,7 @@ class TargetRunner:
         self.graphs = None
         if plan.static:
             self.graphs = GraphRunner(
-                model, cache, batch_sizes=plan.batch_sizes, num_tokens=sorted({1, tree_tokens}),
+                model, cache, batch_sizes=plan.batch_sizes, num_tokens=sorted({1, num_draft_tokens}),
                 aux_layers=aux_layers, padding_slot=cache.reserve(),
                 make_backend=lambda bs, t: self.make_backend(bs if plan.capture else None, t), capture=plan.capture,
             )
