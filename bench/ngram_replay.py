@@ -54,8 +54,8 @@ class StepCosts:
         self.sizes = [r["tokens"] for r in rows]
         self.ms = [r["forward_ms"][program] for r in rows]
 
-    def __call__(self, num_nodes: int) -> float:
-        return self.ms[min(bisect.bisect_left(self.sizes, num_nodes), len(self.ms) - 1)]
+    def __call__(self, num_draft_tokens: int) -> float:
+        return self.ms[min(bisect.bisect_left(self.sizes, num_draft_tokens), len(self.ms) - 1)]
 
 
 def replay(examples: list[tuple[list[int], list[int]]], spec: SpecConfig, costs: StepCosts,
