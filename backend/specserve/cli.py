@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from specserve.config import (
-    ALGORITHMS,
     EngineConfig,
     SamplingParams,
     SpecConfig,
@@ -21,6 +20,7 @@ from specserve.config import (
     resolve_device,
     spec_config,
 )
+from specserve.methods import ALGORITHMS, canonical
 from specserve.prepare import repo_root
 from specserve.serving.repository import VARIANTS, served_drafter
 from specserve.training.configs import DumpConfig, HeadsConfig, TrainConfig
@@ -114,10 +114,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specserve.bench import format_profile, run_bench
 
     try:
-        algorithms = args.algorithm.split(",")
-        unknown = [a for a in algorithms if a not in ALGORITHMS]
-        if unknown:
-            raise ValueError(f"algorithm: {unknown[0]!r} is not one of {', '.join(ALGORITHMS)}")
+        algorithms = [canonical(a) for a in args.algorithm.split(",")]  # "eagle2" -> "eagle"; unknown: ValueError
         report = run_bench(
             config=_engine_config(args, algorithms[0], args.batch_size),
             specs=[_spec(args, a) for a in algorithms],

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.cli import build_parser
+from specserve.cli import build_parser, main
 from specserve.config import SpecConfig
 from specserve.drafters.eagle_model import HEADS as HEAD_CLASSES
 from specserve.drafters.heads import HEADS
@@ -40,6 +40,12 @@ def test_earlier_names_are_aliases_everywhere_a_method_is_named():
     assert build_parser().parse_args(["generate", "--prompt", "x"]).variant == "none"
     with pytest.raises(ValueError, match="^algorithm: must be one of none, ngram, eagle, eagle3, mtp, standalone"):
         canonical("medusa")
+
+
+def test_bench_names_an_unknown_method(capsys):
+    assert main(["bench", "--algorithm", "eagle2,medusa"]) == 2
+    assert "error: algorithm: must be one of none, ngram, eagle, eagle3, mtp, standalone, got 'medusa'" in \
+        capsys.readouterr().err
 
 
 def test_head_methods_have_a_format_a_recipe_and_head_classes_agree():
