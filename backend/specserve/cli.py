@@ -20,7 +20,7 @@ from specserve.config import (
     resolve_device,
     spec_config,
 )
-from specserve.methods import ALGORITHMS, canonical
+from specserve.methods import ALGORITHMS, ALIASES, HEAD_METHODS, canonical
 from specserve.prepare import repo_root
 from specserve.serving.repository import VARIANTS, served_drafter
 from specserve.training.configs import DumpConfig, HeadsConfig, TrainConfig
@@ -270,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("train-drafter", help="train an EAGLE-2 / EAGLE-3 head on ShareGPT (resumes from out/)")
-    p.add_argument("--algorithm", "--method", dest="algorithm", required=True, choices=["eagle", "eagle3", "mtp"],
+    p.add_argument("--algorithm", "--method", dest="algorithm", required=True, choices=HEAD_METHODS,
+                   type=lambda name: ALIASES.get(name, name),
                    help="the drafter to train (--method is the same flag's older name)")
     p.add_argument("--out", required=True, help="output directory (checkpoint.pt there is resumed)")
     p.add_argument("--model-dir", default=None, help="target HF directory (default: the prepared SmolLM2)")
@@ -280,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=TrainConfig.max_len)
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     p.add_argument("--epochs", type=int, default=TrainConfig.epochs)
-    p.add_argument("--ttt-steps", type=int, default=0, help="unrolled steps (0 = 5 for eagle3, 1 for eagle)")
+    p.add_argument("--ttt-steps", type=int, default=0, help="unrolled steps (0 = the method's recipe: 5 for eagle3, 1 for eagle, 3 for mtp)")
     p.add_argument("--draft-vocab-size", type=int, default=TrainConfig.draft_vocab_size)
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--checkpoint-every", type=int, default=TrainConfig.checkpoint_every)

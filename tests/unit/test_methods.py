@@ -38,6 +38,7 @@ def test_earlier_names_are_aliases_everywhere_a_method_is_named():
     assert HeadsConfig(corpus="c", model_dir="m", out_dir="o", algorithms=("eagle2",)).algorithms == ("eagle",)
     assert served_drafter("eagle2") == served_drafter("eagle") != {}
     assert build_parser().parse_args(["generate", "--prompt", "x"]).variant == "none"
+    assert build_parser().parse_args(["train-drafter", "--algorithm", "eagle2", "--out", "o"]).algorithm == "eagle"
     with pytest.raises(ValueError, match="^algorithm: must be one of none, ngram, eagle, eagle3, mtp, standalone"):
         canonical("medusa")
 
