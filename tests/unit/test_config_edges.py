@@ -141,3 +141,28 @@ def test_each_committed_llm_config_is_generated_and_sets_only_its_variant(varian
         if k.field not in set_here and k.field != "model_dir":
             assert _field(config, k) == _field(EngineConfig(model_dir="m"), k), f"{variant.name}: {k.edge}"
     assert config.spec.algorithm == variant.algorithm
+
+
+# ---- instances ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device_id", ["0", "3"])
+def test_a_kind_gpu_instance_runs_on_the_gpu_triton_placed_it_on(device_id):
+    """`instance_group [{kind: KIND_GPU, gpus: [0, 3]}]`: Triton builds one instance per GPU and
+    passes its kind and device id to `initialize`; each engine goes there."""
+    config = engine_config_from_parameters({}, "GPU", device_id)
+    assert (config.device, config.dtype) == (f"cuda:{device_id}", "bfloat16")
+    assert engine_config_from_parameters({"device": "cuda"}, "GPU", device_id).device == f"cuda:{device_id}"
+    assert engine_config_from_parameters({"device": f"cuda:{device_id}"}, "GPU", device_id).device == f"cuda:{device_id}"
+
+
+def test_kind_cpu_and_kind_model_instances_keep_the_device_parameter():
+    assert engine_config_from_parameters({"device": "cpu"}, "CPU", "0").device == "cpu"
+    assert engine_config_from_parameters({"device": "cuda:1"}, "MODEL", "0").device == "cuda:1"
+    assert engine_config_from_parameters({}, "CPU", "0") == engine_config_from_parameters({})
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:1"])
+def test_a_device_parameter_that_contradicts_a_kind_gpu_instance_is_an_error(device):
+    with pytest.raises(ValueError, match=r"^device: .* placed this KIND_GPU instance on cuda:0"):
+        engine_config_from_parameters({"device": device}, "GPU", "0")

@@ -102,12 +102,31 @@ def _parse(k: Knob, text: str) -> Any:
     return text
 
 
-def engine_config_from_parameters(params: Mapping[str, str]) -> EngineConfig:
+def instance_device(configured: str, instance_kind: str, device_id: str) -> str:
+    """The device of one model instance's engine, from the `device` parameter and what Triton passes
+    to `initialize` (`model_instance_kind`, `model_instance_device_id`).
+
+    KIND_GPU: the GPU Triton placed the instance on, so `instance_group [{kind: KIND_GPU, gpus: [0, 1]}]`
+    runs one engine per GPU; a `device` parameter of `auto` or `cuda` follows it, a different device
+    is an error. KIND_CPU and KIND_MODEL: the `device` parameter (auto = the first visible GPU, else the CPU).
+    """
+    configured = configured.strip() or "auto"
+    if instance_kind.upper() != "GPU":
+        return configured
+    placed = f"cuda:{int(device_id or 0)}"
+    if configured not in ("auto", "cuda", placed):
+        raise ValueError(f"device: {configured!r} contradicts the instance group: Triton placed this KIND_GPU "
+                         f"instance on {placed} (leave device auto, or use KIND_MODEL to choose it here)")
+    return placed
+
+
+def engine_config_from_parameters(params: Mapping[str, str], instance_kind: str = "", device_id: str = "") -> EngineConfig:
     """The decoupled model's config.pbtxt parameters -> EngineConfig.
 
     A parameter per engine knob, under the knob's edge name (model_repository/README.md lists them);
     a missing or empty one keeps the default; relative paths are resolved against the project root.
-    Unknown keys are an error (typos should not pass silently).
+    Unknown keys are an error (typos should not pass silently). `instance_kind` and `device_id` are
+    Triton's for the instance being built: they place a KIND_GPU instance (`instance_device`).
     """
     by_name = engine_parameters()
     unknown = sorted(set(params) - set(by_name) - set(SERVING_PARAMETERS))
@@ -115,4 +134,5 @@ def engine_config_from_parameters(params: Mapping[str, str]) -> EngineConfig:
         raise ValueError(f"{unknown[0]}: unknown parameter")
     values = {by_name[key].field: _parse(by_name[key], text.strip())
               for key, text in params.items() if key in by_name and text.strip()}
-    return engine_config({**values, "model_dir": model_dir_from_parameters(params)})
+    device = instance_device(params.get("device", ""), instance_kind, device_id)
+    return engine_config({**values, "device": device, "model_dir": model_dir_from_parameters(params)})

@@ -308,7 +308,8 @@ class TritonPythonModel:
                 "set `model_transaction_policy { decoupled: true }` in config.pbtxt"
             )
         params = parameters.model_parameters(config)
-        engine_config = parameters.engine_config_from_parameters(params)
+        engine_config = parameters.engine_config_from_parameters(
+            params, args.get("model_instance_kind", ""), args.get("model_instance_device_id", ""))
         self.limits = parameters.request_limits_from_parameters(params)
         self.metrics = ServingMetrics(args["model_name"], args["model_version"])
         self.tokenizer = PromptTokenizer(engine_config.model_dir)
