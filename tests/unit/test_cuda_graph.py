@@ -170,3 +170,47 @@ def test_the_gpu_step_is_lossless_on_cpu(tmp_path, tiny_target_dir, monkeypatch,
     outs = eng.generate(prompts, params)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert algorithm == "ngram" or all(o.num_draft_tokens > 0 for o in outs)  # the drafts were verified
+
+
+@pytest.mark.parametrize("algorithm", ["none", "eagle3"])
+def test_a_bucket_whose_capture_fails_runs_eagerly_and_the_engine_serves(tmp_path, tiny_target_dir, monkeypatch,
+                                                                         caplog, algorithm):
+    """With CUDA graphs on (`disable_cuda_graph` unset), every capture failing (as on the GPU where
+    capture crashed): the engine builds, logs the cause once per runner, and its greedy output
+    equals the plain eager engine's."""
+    import dataclasses
+
+    from test_eagle import write_checkpoint
+
+    import specserve.runtime.cuda_graph as cuda_graph
+    from specserve.runtime.plan import RuntimePlan
+
+    attempts = []
+
+    def failing_capture(fn, device, pool):
+        attempts.append(device)
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    plan = RuntimePlan.from_config
+    monkeypatch.setattr(RuntimePlan, "from_config", classmethod(lambda cls, c: dataclasses.replace(plan(c), capture=True)))
+    monkeypatch.setattr(cuda_graph, "capture", failing_capture)
+    monkeypatch.setattr(cuda_graph.torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(cuda_graph.torch.cuda, "memory_allocated", lambda device=None: 0)
+    spec = dict(num_draft_tokens=6)
+    if algorithm == "eagle3":
+        spec |= dict(drafter_path=str(write_checkpoint(tmp_path / "e3", "eagle3")), num_steps=3, topk=2)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = _engine(tiny_target_dir, "off").generate(_prompts(3), params)
+    with caplog.at_level("WARNING", logger=cuda_graph.__name__):
+        eng = _engine(tiny_target_dir, "static", algorithm, **spec)
+    failures = [eng.runner.graphs.failures]
+    if algorithm == "eagle3":
+        failures.append(eng.drafter.runner.graphs.failures)
+    assert len(attempts) == sum(len(f.keys) for f in failures) > 0
+    for f in failures:
+        assert list(f.causes) == ["RuntimeError: CUDA error: operation not permitted when stream is capturing"]
+    warnings = [r.getMessage() for r in caplog.records if "failed, so it runs eagerly" in r.getMessage()]
+    assert len(warnings) == len(failures)  # once per runner and cause, not once per bucket
+    assert all(bk.graph is None for bk in eng.runner.graphs.buckets.values())
+    outs = eng.generate(_prompts(3), params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]

@@ -12,7 +12,9 @@ only themselves, and write K/V beyond the row's cache length (scratch the next s
 
 With `capture=False` the same static forward runs eagerly; that is how the CPU tests check the
 padding and slicing logic, and it is what a bucket does on CPU. Every captured function runs
-under inference mode and, once before its capture, under `capture_guard`. This module does not
+under inference mode and, once before its capture, under `capture_guard`. A bucket whose capture
+fails (the guard, or CUDA) runs the same static forward eagerly: the failure is logged once per
+cause (`CaptureFailures`) and the model serves. This module does not
 decide when graphs are used (the runtime plan does), does not capture prefill, and does not know how a drafter
 drafts (it captures the function it is given).
 """
@@ -79,19 +81,21 @@ class GraphRunner:
         self.device = cache.data.device
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.graph_bytes = 0
+        self.failures = CaptureFailures("target")
         pool = torch.cuda.graph_pool_handle() if capture else None
         before = torch.cuda.memory_allocated(self.device) if capture else 0
         for t in self.num_tokens:
             for bs in reversed(self.batch_sizes):  # largest first, as SGLang: smaller ones reuse its pool
                 bucket = self._new_bucket(bs, t, make_backend(bs, t))
                 if capture:
-                    self._capture(bucket, pool)
+                    self._capture(bucket, pool, (bs, t))
                 self.buckets[(bs, t)] = bucket
         if capture:
             self.graph_bytes = torch.cuda.memory_allocated(self.device) - before
             log.info(
-                "CUDA graphs: %d captured (batch sizes %s x tokens %s), %.1f MiB",
-                len(self.buckets), self.batch_sizes, self.num_tokens, self.graph_bytes / 2**20,
+                "CUDA graphs: %d of %d captured (batch sizes %s x tokens %s), %.1f MiB",
+                len(self.buckets) - len(self.failures.keys), len(self.buckets), self.batch_sizes, self.num_tokens,
+                self.graph_bytes / 2**20,
             )
 
     def bucket_for(self, batch_size: int, num_tokens: int) -> tuple[int, int] | None:
@@ -171,10 +175,10 @@ class GraphRunner:
         """Per bucket, the function its graph captures (what the capture-guard tests run)."""
         return {key: capturable(lambda bk=bk: self._run(bk)) for key, bk in self.buckets.items()}
 
-    def _capture(self, bk: _Bucket, pool: object) -> None:
+    def _capture(self, bk: _Bucket, pool: object, key: tuple[int, int]) -> None:
         if bk.backend.needs_plan:
             self._plan(bk, [0] * bk.tokens.shape[0])  # padding rows only: a valid plan to capture
-        bk.graph, bk.output = capture(capturable(lambda: self._run(bk)), self.device, pool)
+        bk.graph, bk.output = self.failures.capture(key, capturable(lambda: self._run(bk)), self.device, pool)
 
 
 def capturable(fn: Callable[[], T]) -> Callable[[], T]:
@@ -203,6 +207,43 @@ def capture(fn: Callable[[], T], device: torch.device, pool: object) -> tuple[to
     with torch.cuda.graph(graph, pool=pool):
         output = fn()
     return graph, output
+
+
+class CaptureFailures:
+    """The buckets of one runner whose capture failed; each runs its static forward eagerly.
+
+    `capture` returns (None, None) for such a bucket and logs a warning the first time a cause is
+    seen (one line per distinct error, with the buckets counted at the end), so a model whose
+    graphs cannot be captured still loads and serves, more slowly, and says why."""
+
+    def __init__(self, runner: str) -> None:
+        self.runner = runner
+        self.keys: list[object] = []
+        self.causes: dict[str, list[object]] = {}
+
+    def capture(self, key: object, fn: Callable[[], T], device: torch.device,
+                pool: object) -> tuple[torch.cuda.CUDAGraph | None, T | None]:
+        try:
+            return capture(fn, device, pool)
+        except Exception as e:  # noqa: BLE001 - any failure: this bucket runs eagerly
+            cause = f"{type(e).__name__}: {e}".splitlines()[0]
+            if cause not in self.causes:
+                log.warning("CUDA graph capture of the %s's bucket %s failed, so it runs eagerly: %s",
+                            self.runner, key, cause)
+            self.causes.setdefault(cause, []).append(key)
+            self.keys.append(key)
+            _recover(device)
+            return None, None
+
+
+def _recover(device: torch.device) -> None:
+    """After a failed capture: end what the failed capture left queued (errors of its own are the
+    capture's, already reported)."""
+    if device.type == "cuda":
+        try:
+            torch.cuda.synchronize(device)
+        except Exception:  # noqa: BLE001
+            pass
 
 
 @dataclass
@@ -236,18 +277,20 @@ class DraftGraphs:
         self.batch_sizes = sorted(set(batch_sizes))
         self.buckets: dict[int, _DraftBucket] = {}
         self.graph_bytes = 0
+        self.failures = CaptureFailures("drafter")
         pool = torch.cuda.graph_pool_handle() if capture_graphs else None
         before = torch.cuda.memory_allocated(device) if capture_graphs else 0
         for bs in reversed(self.batch_sizes):
             i64 = dict(dtype=torch.int64, device=device)
             bk = _DraftBucket(torch.full((bs,), padding_slot, **i64), torch.zeros(bs, **i64), torch.zeros(bs, **i64))
             if capture_graphs:
-                bk.graph, bk.output = capture(self._captured(bk), device, pool)
+                bk.graph, bk.output = self.failures.capture(bs, self._captured(bk), device, pool)
             self.buckets[bs] = bk
         if capture_graphs:
             self.graph_bytes = torch.cuda.memory_allocated(device) - before
-            log.info("CUDA graphs: %d drafts captured (batch sizes %s), %.1f MiB",
-                     len(self.buckets), self.batch_sizes, self.graph_bytes / 2**20)
+            log.info("CUDA graphs: %d of %d drafts captured (batch sizes %s), %.1f MiB",
+                     len(self.buckets) - len(self.failures.keys), len(self.buckets), self.batch_sizes,
+                     self.graph_bytes / 2**20)
 
     def _captured(self, bk: _DraftBucket) -> Callable[[], TreeBatch]:
         return capturable(lambda: self.draft(bk.slots, bk.base, bk.roots))
