@@ -4,18 +4,33 @@ Neither is faster on every CPU, and on some the program's speed differs from one
 next, so a timing taken at start-up only seeds the choice: each (batch-size bucket, tokens per
 request) key runs its faster measured path and, every `explore_every`-th step, the other, so a
 path that turns slow is left within a few dozen steps. A path measured more than
-`explore_within` times slower is tried that much less often, so exploring costs about
-1/`explore_every` of a step whatever the gap.
+`explore_within` times slower is tried that much less often (at most `max_slowdown` times), so
+exploring costs about 1/`explore_every` of a step whatever the gap.
 
-`RunningAverage` is the estimate both this chooser and the draft-shape chooser keep. This module
-measures nothing itself: the runtime reports each forward's path and time.
+A start-up figure is provisional: the path's first real forward replaces it (it is never
+averaged with real forwards), a figure more than `doubt_ratio` times the other path's is re-timed
+on the key's next step before it is believed, and while a path has fewer than `min_samples` real
+forwards it is explored at least every `provisional_period` steps. So a start-up timing that a
+busy moment skewed costs a few dozen steps, not thousands.
+
+`RunningAverage` is the estimate both this chooser and the draft-shape chooser keep;
+`time_interleaved` times the start-up forwards it is handed and says whether the machine looked
+busy. The chooser measures nothing itself: the runtime reports each forward's path and time.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
+import time
 from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+BUSY_FACTOR = 2.0  # wall time above this many times what the CPU time explains: the process waited for a CPU
 
 
 class RunningAverage:
@@ -23,57 +38,145 @@ class RunningAverage:
 
     robust (for times, whose noise is one-sided: a step is never faster than its work, often
     slower): the median of the first `horizon` samples, then a moving average of samples clipped
-    to twice the estimate. A sample of weight w counts as w equal samples."""
+    to twice the estimate. A sample of weight w counts as w equal samples.
+
+    A start-up figure (`seed`) stands in until the first real sample, which replaces it: `count`
+    counts it as its weight towards being measured, `samples` counts real samples only."""
 
     def __init__(self, horizon: int, robust: bool = False) -> None:
-        self.horizon, self.robust, self.count, self.value = horizon, robust, 0, 0.0
+        self.horizon, self.robust = horizon, robust
+        self.samples, self.value, self.seed_weight = 0, 0.0, 0
         self._first: list[float] = []
 
+    @property
+    def count(self) -> int:
+        """Samples towards being measured: the real ones, or the seed's weight while more."""
+        return max(self.samples, self.seed_weight)
+
+    @property
+    def provisional(self) -> bool:
+        """Whether the value is a start-up figure no real sample has checked yet."""
+        return self.seed_weight > 0 and self.samples == 0
+
     def add(self, x: float, weight: int = 1) -> None:
-        self.count += weight
-        if self.robust and self.count <= self.horizon:
+        self.samples += weight
+        if self.robust and self.samples <= self.horizon:
             self._first += [x] * weight
             self.value = statistics.median(self._first)
             return
         if self.robust:
             x = min(x, 2.0 * self.value)
-        self.value += (x - self.value) * min(1.0, weight / min(self.count, self.horizon))
+        self.value += (x - self.value) * min(1.0, weight / min(self.samples, self.horizon))
 
-    def seed(self, x: float, count: int) -> None:
-        """A start-up measurement: counts as `count` samples towards being measured, but enters the
-        median as one, so the first real samples outvote it (warm-up ran on a synthetic prompt)."""
-        if self.count == 0:
-            self.count, self.value, self._first = count, x, [x]
+    def seed(self, x: float, weight: int) -> None:
+        """A start-up measurement, counted as `weight` samples towards being measured until the first
+        real sample replaces it (warm-up ran on a synthetic prompt, perhaps on a busy machine). A
+        later seed replaces an earlier one; once real samples exist, seeds are ignored."""
+        if self.samples == 0:
+            self.value, self.seed_weight = x, weight
 
     def reset(self) -> None:
-        self.count, self.value, self._first = 0, 0.0, []
+        self.samples, self.value, self.seed_weight, self._first = 0, 0.0, 0, []
+
+
+@dataclass(frozen=True)
+class Clocks:
+    """What a start-up timing reads: wall time, the process's CPU time (every thread's), and the
+    calling thread's CPU time."""
+
+    wall: Callable[[], float] = time.perf_counter
+    process: Callable[[], float] = time.process_time
+    thread: Callable[[], float] = time.thread_time
+
+
+@dataclass(frozen=True)
+class StartupTiming:
+    """One path's start-up timing at one key: each timed repeat's wall time (seconds), and the wall
+    time their CPU time explains (per repeat the larger of the calling thread's CPU time and the
+    process's divided by the threads it computes with)."""
+
+    repeats: tuple[float, ...]
+    explained_s: float
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.repeats)
+
+    @property
+    def busy(self) -> bool:
+        """Wall time more than `BUSY_FACTOR` times what the CPU time explains: the process waited
+        for a CPU (another job ran), so the figure overstates the path's cost."""
+        return sum(self.repeats) > BUSY_FACTOR * self.explained_s
+
+    def summary(self) -> dict:
+        ms = [round(r * 1e3, 2) for r in (min(self.repeats), self.median_s, max(self.repeats))]
+        return {"min_ms": ms[0], "median_ms": ms[1], "max_ms": ms[2], "busy": self.busy}
+
+    def __str__(self) -> str:
+        return (f"{self.median_s * 1e3:.1f} ms ({min(self.repeats) * 1e3:.1f}-{max(self.repeats) * 1e3:.1f})"
+                + (" busy" if self.busy else ""))
+
+
+def time_interleaved(forwards: Mapping[str, Callable[[], object]], repeats: int, untimed: int = 2, threads: int = 1,
+                     clocks: Clocks = Clocks()) -> dict[str, StartupTiming]:
+    """Each forward `untimed` times, then `repeats` timed times, interleaved round by round (a busy
+    spell weighs on every path alike). threads: the threads the forwards compute with."""
+    walls: dict[str, list[float]] = {name: [] for name in forwards}
+    explained = dict.fromkeys(forwards, 0.0)
+    for i in range(untimed + repeats):
+        for name, forward in forwards.items():
+            wall, process, thread = clocks.wall(), clocks.process(), clocks.thread()
+            forward()
+            if i >= untimed:
+                walls[name].append(clocks.wall() - wall)
+                explained[name] += max(clocks.thread() - thread, (clocks.process() - process) / max(threads, 1))
+    return {name: StartupTiming(tuple(walls[name]), explained[name]) for name in forwards}
 
 
 class PathChooser:
     """Per step: `choose(key)` -> "compiled" or "eager"; after the forward: `observe(key, path, seconds)`.
 
     key: (batch-size bucket, tokens per request). A path counts as unmeasured until `min_samples`
-    forwards have run it (`seed` counts as that many); unmeasured paths run first, compiled first.
-    pinned: always the compiled program (no exploring, nothing measured)."""
+    forwards have run it (`seed` counts as that many); unmeasured paths run first, compiled first. pinned: always the compiled program (no exploring, nothing
+    measured). This class keeps no clock: the runtime times each forward."""
 
     PATHS = ("compiled", "eager")
 
     def __init__(self, explore_every: int = 32, min_samples: int = 3, pinned: bool = False,
-                 explore_within: float = 1.5) -> None:
+                 explore_within: float = 1.5, max_slowdown: int = 8, provisional_period: int = 32,
+                 doubt_ratio: float = 4.0) -> None:
         self.explore_every, self.min_samples, self.pinned = explore_every, min_samples, pinned
-        self.explore_within = explore_within
+        self.explore_within, self.max_slowdown = explore_within, max_slowdown
+        self.provisional_period, self.doubt_ratio = provisional_period, doubt_ratio
         self.times: dict[tuple[int, int], dict[str, RunningAverage]] = {}
+        self.startup: dict[tuple[int, int], dict[str, StartupTiming]] = {}
         self.chosen: Counter[str] = Counter()
         self._steps: Counter[tuple[int, int]] = Counter()
+        self._settled: dict[tuple[int, int], str] = {}  # the last path each key settled on (for the log)
 
     def _averages(self, key: tuple[int, int]) -> dict[str, RunningAverage]:
         return self.times.setdefault(key, {p: RunningAverage(horizon=10, robust=True) for p in self.PATHS})
 
-    def seed(self, key: tuple[int, int], path: str, seconds: float) -> None:
-        """A start-up timing (a median of several forwards): counts as `min_samples` samples towards
-        being measured, but as one in the median, so real forwards outvote a start-up timing that a
-        busy moment skewed (`RunningAverage.seed`)."""
-        self._averages(key)[path].seed(seconds, self.min_samples)
+    def seed(self, key: tuple[int, int], path: str, timing: float | StartupTiming) -> None:
+        """A start-up timing (seconds, or a `StartupTiming` whose median counts): it stands for
+        `min_samples` forwards until the path's first real forward replaces it."""
+        if isinstance(timing, StartupTiming):
+            self.startup.setdefault(key, {})[path] = timing
+            timing = timing.median_s
+        self._averages(key)[path].seed(timing, self.min_samples)
+        if self._believed(key):
+            self._settled[key] = self.best(key)
+
+    def _doubted(self, key: tuple[int, int]) -> bool:
+        """Whether the slower-looking path's figure is a start-up one more than `doubt_ratio` times
+        the other's: the next step re-times it before it is believed (the faster-looking path runs
+        anyway, so its own figure is checked by the step after)."""
+        fast, slow = sorted(self._averages(key).values(), key=lambda a: a.value)
+        return slow.provisional and fast.count > 0 and slow.value > self.doubt_ratio * fast.value
+
+    def _believed(self, key: tuple[int, int]) -> bool:
+        """Whether every path of `key` is measured (the choice between them is then by estimate)."""
+        return all(a.count >= self.min_samples for a in self._averages(key).values())
 
     def best(self, key: tuple[int, int]) -> str:
         if self.pinned:
@@ -86,11 +189,19 @@ class PathChooser:
 
     def explore_period(self, key: tuple[int, int]) -> int:
         """Steps between two forwards of the slower path: `explore_every`, times the slowdown (rounded
-        up) once that exceeds `explore_within`, so a far slower path costs as little as a near one."""
+        up, at most `max_slowdown`) once that exceeds `explore_within`, so a far slower path costs as
+        little as a near one; at most `provisional_period` while a path has fewer than `min_samples`
+        real forwards (a start-up figure, or one real forward, may be far off); 1 while the slower
+        path's start-up figure is doubted."""
+        if self._doubted(key):
+            return 1
         avgs = self._averages(key)
         fast, slow = sorted(a.value for a in avgs.values())
         slowdown = slow / fast if fast > 0 else 1.0
-        return self.explore_every * (math.ceil(slowdown) if slowdown > self.explore_within else 1)
+        period = self.explore_every * (min(math.ceil(slowdown), self.max_slowdown) if slowdown > self.explore_within else 1)
+        if any(a.samples < self.min_samples for a in avgs.values()):
+            period = min(period, self.provisional_period)
+        return period
 
     def settled_on(self, key: tuple[int, int], path: str) -> bool:
         """Whether `path` is the one this key's steps run: pinned, or both paths measured and this one
@@ -99,8 +210,7 @@ class PathChooser:
         at 2-4x the program's time, counted there, locked drafting shapes out for good)."""
         if self.pinned:
             return True
-        measured = all(a.count >= self.min_samples for a in self._averages(key).values())
-        return measured and self.best(key) == path
+        return self._believed(key) and self.best(key) == path
 
     def choose(self, key: tuple[int, int]) -> str:
         path = self.best(key)
@@ -115,11 +225,32 @@ class PathChooser:
     def observe(self, key: tuple[int, int], path: str, seconds: float) -> None:
         if not self.pinned:
             self._averages(key)[path].add(seconds)
+            self._log_switch(key)
+
+    def _log_switch(self, key: tuple[int, int]) -> None:
+        """Log a key's change of settled path, with both estimates."""
+        if not self._believed(key):
+            return
+        path, before = self.best(key), self._settled.get(key)
+        if path != before:
+            self._settled[key] = path
+            avgs = self._averages(key)
+            log.info("bs%d:t%d: %s -> %s (%s)", key[0], key[1], before or "unmeasured", path,
+                     ", ".join(f"{p} {avgs[p].value * 1e3:.1f} ms" for p in self.PATHS))
+
+    @property
+    def start_flagged(self) -> bool:
+        """Whether any start-up timing was taken while the machine looked busy."""
+        return any(t.busy for timings in self.startup.values() for t in timings.values())
 
     def summary(self) -> dict:
-        """What the bench JSON reports: forwards per path, and per key each path's estimate (ms)."""
+        """What the bench JSON reports: forwards per path, per key each path's estimate (ms), the
+        start-up timings' spread and busy flags, and whether any was flagged."""
         return {
             "chosen": dict(sorted(self.chosen.items())),
             "forward_ms": {f"bs{b}:t{t}": {p: round(a.value * 1e3, 2) for p, a in avgs.items() if a.count}
                            for (b, t), avgs in sorted(self.times.items())},
+            "startup_ms": {f"bs{b}:t{t}": {p: timing.summary() for p, timing in timings.items()}
+                           for (b, t), timings in sorted(self.startup.items())},
+            "start_flagged": self.start_flagged,
         }

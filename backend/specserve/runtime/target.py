@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -26,7 +25,7 @@ from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, LlamaModel
 from specserve.runtime.compiled import CompiledTarget, compiled_or_none
 from specserve.runtime.cuda_graph import GraphRunner, default_batch_sizes
-from specserve.runtime.paths import PathChooser
+from specserve.runtime.paths import PathChooser, time_interleaved
 from specserve.runtime.plan import RuntimePlan
 
 log = logging.getLogger(__name__)
@@ -132,8 +131,9 @@ class TargetRunner:
     def seed_paths(self, tree_sizes: Sequence[int], num_free: int, max_seq_len: int, repeats: int = 3) -> None:
         """Seed the path choice: each bucket's step at every tree size (1 = decode) timed through
         the compiled program and eagerly, interleaved, on free slots at a mid-length context; the
-        median of `repeats` after two untimed calls. The K/V written land in free slots, which a
-        prefill overwrites. Serving steps keep measuring both paths."""
+        median of `repeats` after two untimed calls, kept with their spread and whether the machine
+        looked busy (`time_interleaved`). The K/V written land in free slots, which a prefill
+        overwrites. Serving steps keep measuring both paths."""
         if self.compiled is None or self.paths.pinned:
             return
         context = min(256, max_seq_len // 2)
@@ -141,19 +141,12 @@ class TargetRunner:
             if b > num_free:
                 continue
             for t in sorted(set(tree_sizes)):
-                run = self._step_forwards(b, t, context)
-                samples: dict[str, list[float]] = {name: [] for name in run}
-                for i in range(repeats + 2):
-                    for name, forward in run.items():
-                        start = time.perf_counter()
-                        forward()
-                        if i >= 2:
-                            samples[name].append(time.perf_counter() - start)
-                for name in run:
-                    self.paths.seed((b, t), name, statistics.median(samples[name]))
-                log.info("target step at batch %d, %d token(s): compiled %.1f ms, eager %.1f ms -> %s", b, t,
-                         statistics.median(samples["compiled"]) * 1e3, statistics.median(samples["eager"]) * 1e3,
-                         self.paths.best((b, t)))
+                timings = time_interleaved(self._step_forwards(b, t, context), repeats,
+                                           threads=torch.get_num_threads())
+                for name, timing in timings.items():
+                    self.paths.seed((b, t), name, timing)
+                log.info("target step at batch %d, %d token(s): compiled %s, eager %s -> %s", b, t,
+                         timings["compiled"], timings["eager"], self.paths.best((b, t)))
 
     def _step_forwards(self, b: int, t: int, context: int) -> dict[str, Callable[[], object]]:
         """A step of b requests with t-node chains at `context` cached tokens, through the compiled
