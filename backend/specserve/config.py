@@ -283,6 +283,9 @@ class EngineConfig:
     graph_mode: str = knob("auto", choices=GRAPH_MODES, name="disable_cuda_graph", switch=("auto", "off"),
                            help="run decode / verify eagerly on CUDA (no CUDA graphs)")
     cuda_graph_max_bs: int = knob(0, help="largest captured batch size (0 = max_batch_size)")
+    gpu_memory_utilization: float = knob(0.9, help="on CUDA, the share of the GPU's memory this model may use (vLLM's "
+                                         "knob): its weights, KV caches and step workspace must fit, or loading "
+                                         "fails saying how many max_batch_size slots would")
     # on CPU, the target's forwards run through its AOTInductor-compiled program (runtime/compiled.py)
     cpu_compile: bool = knob(True, name="disable_cpu_compile", switch=(True, False),
                              help="run the target eagerly on CPU (default: its AOTInductor-compiled forward, compiled "
@@ -319,6 +322,8 @@ class EngineConfig:
         for name in ("max_batch_size", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("cuda_graph_max_bs", "max_queue_size", "request_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")

@@ -39,6 +39,8 @@ def _other(k: Knob) -> Any:
         return not k.default
     if k.choices:
         return next(c for c in k.choices if c not in (k.default, resolved))
+    if k.type is float and 0 < k.default < 1:  # a fraction
+        return k.default / 2
     if k.type in (int, float):
         return k.type((k.default or 0) + 2)
     return "/other"

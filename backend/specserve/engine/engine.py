@@ -57,6 +57,7 @@ from specserve.methods import method
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput
 from specserve.models.weights import load_llama
+from specserve.runtime.memory import DeviceMemory, check_kv_cache_fits
 from specserve.runtime.plan import RuntimePlan
 from specserve.runtime.target import TargetRunner
 from specserve.tree import DraftShape, DraftTree, TreeBatch
@@ -188,10 +189,11 @@ class Engine:
         self.model = load_llama(config.model_dir, config.torch_dtype, config.device)
         self.model_config = self.model.cfg
         self.plan = RuntimePlan.from_config(config)
-        self.cache = KVCache(  # static buckets take one more slot than requests: padding rows write there
-            self.model_config, config.max_batch_size + self.plan.spare_slots, config.max_seq_len + MAX_TREE_NODES,
-            config.torch_dtype, config.device,
-        )
+        num_slots = config.max_batch_size + self.plan.spare_slots  # static buckets' padding rows write in the spare
+        check_kv_cache_fits(config, self.model_config, num_slots, config.max_seq_len + MAX_TREE_NODES,
+                            min(self.spec.num_draft_tokens, MAX_TREE_NODES), DeviceMemory.of(self.device))
+        self.cache = KVCache(self.model_config, num_slots, config.max_seq_len + MAX_TREE_NODES, config.torch_dtype,
+                             config.device)
         self.model.init_rope(self.cache.max_len)
         self.tokenizer = Tokenizer.from_file(f"{config.model_dir}/tokenizer.json")
         self.eos_ids = self._eos_ids()

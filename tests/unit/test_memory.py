@@ -1,0 +1,69 @@
+"""KV-cache slots against a GPU's memory (`runtime.memory`): the configured slots fit, or loading
+fails with an error that says how many would. Device memory is a stand-in here; the engine on the
+"meta" device runs the GPU path's build."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specserve.runtime.memory as memory
+from specserve.config import EngineConfig, ModelConfig, SpecConfig
+from specserve.engine.engine import Engine
+from specserve.runtime.memory import DeviceMemory, check_kv_cache_fits, kv_bytes_per_token
+
+GIB = 2**30
+LLAMA_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                       num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                       max_position_embeddings=131072, tie_word_embeddings=False)
+
+
+def _config(**kw) -> EngineConfig:
+    return EngineConfig(model_dir="m", device="cuda:0", dtype="bfloat16", **kw)
+
+
+def test_llama_8b_kv_cache_bytes():
+    """128 KiB a token in bf16 (32 layers x 8 KV heads x 128 x K and V x 2 bytes), as vLLM counts it."""
+    assert kv_bytes_per_token(LLAMA_8B, 32, torch.bfloat16) == 128 * 1024
+
+
+def test_slots_that_fit_pass_and_too_many_name_how_many_fit():
+    """An H100 (80 GiB) with 8B's weights loaded (16 GiB in use): at 0.9, 56 GiB are left; a slot of
+    8,192 + 64 positions is 1.04 GiB with an EAGLE-3 head's layer, so 53 slots fit beside 0.73 GiB of
+    workspace: 52 requests and the padding slot."""
+    h100 = DeviceMemory(free=64 * GIB, total=80 * GIB)
+    config = _config(max_batch_size=48, max_seq_len=8192, spec=SpecConfig(algorithm="eagle3"))
+    check_kv_cache_fits(config, LLAMA_8B, 49, 8192 + 64, 8, h100)
+    too_many = _config(max_batch_size=64, max_seq_len=8192, spec=SpecConfig(algorithm="eagle3"))
+    with pytest.raises(ValueError, match=r"^max_batch_size: 64 requests x 8192 tokens need .* 52 slots of 8192 tokens fit"):
+        check_kv_cache_fits(too_many, LLAMA_8B, 65, 8192 + 64, 8, h100)
+    lower = _config(max_batch_size=64, max_seq_len=8192, gpu_memory_utilization=0.5, spec=SpecConfig(algorithm="eagle3"))
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization 0.5 .* leaves 24\.00 GiB .* 21 slots"):
+        check_kv_cache_fits(lower, LLAMA_8B, 65, 8192 + 64, 8, h100)
+
+
+def test_nothing_is_checked_without_device_memory():
+    check_kv_cache_fits(_config(max_batch_size=10**6), LLAMA_8B, 10**6, 8192, 8, None)
+    assert DeviceMemory.of(torch.device("cpu")) is None and DeviceMemory.of(torch.device("meta")) is None
+
+
+def test_the_utilization_knob_is_checked():
+    with pytest.raises(ValueError, match=r"^gpu_memory_utilization: must be in \(0, 1\]"):
+        _config(gpu_memory_utilization=1.5)
+
+
+def test_an_engine_whose_cache_does_not_fit_fails_at_load_with_the_slots_that_fit(tiny_target_dir, monkeypatch):
+    """The GPU path's build on the "meta" device, its memory reported as a small GPU's: the engine
+    refuses before allocating, naming how many slots would fit; enough memory builds it."""
+    cfg = ModelConfig.from_dir(tiny_target_dir)
+    per_slot = (128 + 64) * kv_bytes_per_token(cfg, cfg.num_layers, torch.bfloat16)
+    workspace = 3 * 4 * 1 * cfg.vocab_size * 4
+    small = DeviceMemory(free=3 * per_slot + workspace, total=3 * per_slot + workspace)
+    monkeypatch.setattr(memory.DeviceMemory, "of", classmethod(lambda cls, device: small))
+    config = EngineConfig(model_dir=str(tiny_target_dir), device="meta", dtype="bfloat16", max_batch_size=4,
+                          max_seq_len=128, graph_mode="static", gpu_memory_utilization=1.0)
+    with pytest.raises(ValueError, match=r"^max_batch_size: 4 requests x 128 tokens .* 2 slots of 128 tokens fit"):
+        Engine(config)
+    roomy = DeviceMemory(free=10 * per_slot + workspace, total=10 * per_slot + workspace)
+    monkeypatch.setattr(memory.DeviceMemory, "of", classmethod(lambda cls, device: roomy))
+    assert Engine(config).cache.num_slots == 5
