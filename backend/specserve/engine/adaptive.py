@@ -28,8 +28,11 @@ two steps, and only the second one's time stands for the shape; other shapes est
 decoding also pays a catch-up over every token skipped since the last one (about a hundredth of
 a step per token on a 2-core CPU), so while explorations keep leaving plain decoding best, the
 period doubles, up to `max_backoff` times; it is back to 4 x `explore_every` once a draft is best.
-Warm-up timings ran on a synthetic prompt: they make a shape measured, but the first real steps
-outvote them.
+Warm-up timings ran on a synthetic prompt, perhaps while the machine was busy: they make a shape
+measured, but they are provisional. A shape's first real step time replaces its warm-up figure
+(it is never averaged with it), and a neighbour or runner-up whose time is still only its warm-up
+figure is explored whatever its estimate, so a skewed warm-up step is corrected at the next
+exploration instead of locking the shape out.
 
 This module measures nothing itself and knows nothing about models or trees: the engine reports
 each step's batch size, shape, time and accept lengths (`observe`), and each forward's path and time.
@@ -155,7 +158,8 @@ class ShapeChooser:
         """The best shape's neighbours on the menu and the runner-up, if estimated within
         `explore_within` of the best (a shape of unmeasured acceptance by its `acceptance_bound`):
         at large batches a draft can cost twice a plain step, and its catch-up grows with the steps
-        it skipped. Plain decoding, whatever its estimate, when a draft is best."""
+        it skipped; whatever its estimate if its time is only a warm-up figure, which a busy moment
+        may have skewed. Plain decoding, whatever its estimate, when a draft is best."""
         best_rate = self.rate(batch_size, best) or 0.0
 
         def estimate(s: DraftShape) -> float:
@@ -171,7 +175,9 @@ class ShapeChooser:
         picks = [self.menu[j] for j in (i - 1, i + 1) if 0 <= j < len(self.menu)]
         if runner_up is not None and runner_up not in picks:
             picks.append(runner_up)
-        picks = [s for s in picks if estimate(s) >= self.explore_within * best_rate]
+        b = self.bucket(batch_size)
+        picks = [s for s in picks
+                 if estimate(s) >= self.explore_within * best_rate or self.step_time[(b, s)].provisional]
         plain = self.menu[0]
         if best.drafts and not plain.drafts and plain not in picks:
             # the baseline every draft must beat: a stale estimate of it (a slow warm-up step)
@@ -183,7 +189,8 @@ class ShapeChooser:
                 accepted_nodes: Sequence[Sequence[int]] | None = None, warm_up: bool = False) -> None:
         """One step's wall time and per-request accept lengths; shapes off the menu are ignored.
         Each request's accept length is a sample of the shape's acceptance (a step at batch 4
-        measures it four times); warm_up: a start-up timing, which seeds the estimate (`RunningAverage.seed`).
+        measures it four times); warm_up: a start-up timing, which seeds the estimate until the
+        shape's first real step time replaces it (`RunningAverage.seed`).
         seconds None: a step whose time does not stand for the shape's (its forward explored a slower
         path, see `PathChooser.settled_on`, or it drafted after plain steps, so its drafter caught
         up on the tokens it had skipped, a new request's whole prompt included); its acceptance
