@@ -24,6 +24,7 @@ from specserve.methods import method
 from specserve.models.cpu_linear import PackedLinear
 from specserve.models.llama import RMSNorm
 from specserve.prompts import load_questions, render_chat
+from specserve.tree import DraftShape
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +76,11 @@ class EngineRun:
         self.steps = self.accepted = 0
 
     def warm_up(self, prompt: list[int]) -> None:
-        """A real prompt and budget, untimed; then the profile and shape counts start afresh."""
+        """A real prompt and budget, untimed; then the profile, shape and path counts start afresh."""
         self.engine.generate([prompt], self.params)
         self.engine.profile = StepProfile()
         self.engine.chooser.chosen.clear()
+        self.engine.runner.paths.chosen.clear()
 
     def run(self, prompts: list[list[int]]) -> None:
         start = time.perf_counter()
@@ -95,6 +97,28 @@ class EngineRun:
     @property
     def accept_length(self) -> float:
         return (self.accepted + self.steps) / max(self.steps, 1)
+
+
+def path_mix(engine: Engine) -> dict[str, int]:
+    """Target forwards per path (compiled program / eager) since the warm-up."""
+    return dict(sorted(engine.runner.paths.chosen.items()))
+
+
+def shape_mix(engine: Engine) -> dict[str, int]:
+    """Steps per draft shape since the warm-up: the chooser's picks, and plain steps it was not
+    asked about (`disable_by_batch_size`)."""
+    mix = {str(s): n for s, n in sorted(engine.chooser.chosen.items())}
+    unchosen = engine.profile.steps - sum(engine.chooser.chosen.values())
+    if unchosen > 0:
+        plain = str(DraftShape(1, 0, 1))
+        mix[plain] = mix.get(plain, 0) + unchosen
+    return mix
+
+
+def start_flagged(engine: Engine) -> bool:
+    """Whether a start-up timing of the target's step paths was taken while the machine looked
+    busy (its choices then began from a skewed figure)."""
+    return engine.runner.paths.start_flagged
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
@@ -189,6 +213,8 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
     report["baseline_tokens_per_s"] = round(base.tokens_per_s, 2)
     report["compiled_step_buckets"] = list(base_engine.runner.compiled_step_buckets)  # as chosen at the end
     report["baseline_step_paths"] = base_engine.runner.paths.summary()
+    report["baseline_path_mix"] = path_mix(base_engine)
+    report["baseline_start_flagged"] = start_flagged(base_engine)
     if profile:
         report["baseline_profile_ms"] = base.engine.profile.per_step_ms()
     if hf is not None:
@@ -221,6 +247,9 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
             "compiled_step_buckets": list(run.engine.runner.compiled_step_buckets),
             "step_paths": run.engine.runner.paths.summary(),  # forwards through the compiled program / eagerly
             "shapes": run.engine.chooser.summary(),
+            "path_mix": path_mix(run.engine),  # target forwards per path in the timed runs
+            "shape_mix": shape_mix(run.engine),  # steps per draft shape in the timed runs
+            "start_flagged": start_flagged(run.engine),  # a start-up timing taken on a busy machine
         }
         if profile:
             row["profile_ms"] = prof = run.engine.profile.per_step_ms()
@@ -238,14 +267,17 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
 def format_profile(report: dict) -> str:
     """The per-step phase times of every run in a report made with profile=True, as a table; the
     draft phase also per drafting step and per draft model forward (catch-ups included), and the
-    time inside the draft model per forward (its output layer included)."""
+    time inside the draft model per forward (its output layer included). A last column marks a run
+    whose start-up path timings were taken on a busy machine ("busy start")."""
     phases = ("draft", "forward", "verify", "drafter_update", "bookkeeping", "total",
               "draft_per_drafting_step", "draft_per_forward", "draft_model_per_forward")
     heads = ("draft", "forward", "verify", "drafter_update", "bookkeeping", "total", "draft/drafting", "draft/forward",
              "model/forward")
-    rows = [("none", report.get("baseline_profile_ms", {}))]
-    rows += [(alg, run.get("profile_ms", {})) for alg, run in report.get("runs", {}).items()]
-    lines = [f"{'ms per step':<12}" + "".join(f"{h:>15}" for h in heads)]
-    for name, prof in rows:
-        lines.append(f"{name:<12}" + "".join(f"{prof[p]:>15.2f}" if p in prof else f"{'':>15}" for p in phases))
+    rows = [("none", report.get("baseline_profile_ms", {}), report.get("baseline_start_flagged", False))]
+    rows += [(alg, run.get("profile_ms", {}), run.get("start_flagged", False))
+             for alg, run in report.get("runs", {}).items()]
+    lines = [f"{'ms per step':<12}" + "".join(f"{h:>15}" for h in heads) + f"{'start':>12}"]
+    for name, prof, flagged in rows:
+        lines.append(f"{name:<12}" + "".join(f"{prof[p]:>15.2f}" if p in prof else f"{'':>15}" for p in phases)
+                     + f"{'busy start' if flagged else '':>12}")
     return "\n".join(lines)

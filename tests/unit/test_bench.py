@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
+from types import SimpleNamespace
 
-from specserve.bench import format_profile, run_bench
+from specserve.bench import format_profile, run_bench, shape_mix
 from specserve.config import EngineConfig, SpecConfig
+from specserve.tree import DraftShape
 
 
 def test_report_has_the_contract_fields_and_the_profile(tmp_path, tiny_target_dir):
@@ -29,5 +32,23 @@ def test_report_has_the_contract_fields_and_the_profile(tmp_path, tiny_target_di
     assert prof["drafting_steps"] == 0 and "draft_per_drafting_step" not in prof
     assert prof["steps"] > 0 and abs(prof["total"] - sum(prof[k] for k in
                                      ("draft", "forward", "verify", "drafter_update", "bookkeeping"))) < 0.01
+    assert row["shape_mix"] == {"3/1/4": row["profile_ms"]["steps"]}  # steps per draft shape
+    assert row["path_mix"] == {} and report["baseline_path_mix"] == {}  # no compiled program: no path chosen
+    assert row["start_flagged"] is False and report["baseline_start_flagged"] is False
     table = format_profile(report)
     assert table.splitlines()[1].startswith("none") and table.splitlines()[2].startswith("ngram")
+    assert "busy start" not in table
+
+
+def test_the_table_marks_a_run_whose_start_up_timings_were_taken_on_a_busy_machine():
+    report = {"baseline_profile_ms": {"total": 15.0}, "baseline_start_flagged": True,
+              "runs": {"ngram": {"profile_ms": {"total": 12.0}, "start_flagged": False}}}
+    lines = format_profile(report).splitlines()
+    assert lines[0].endswith("start") and lines[1].endswith("busy start") and not lines[2].endswith("busy start")
+
+
+def test_the_shape_mix_counts_plain_steps_the_chooser_was_not_asked_about():
+    """disable_by_batch_size: steps at large batches decode plainly without asking the chooser."""
+    engine = SimpleNamespace(chooser=SimpleNamespace(chosen=Counter({DraftShape(4, 3, 1): 5, DraftShape(1, 0, 1): 1})),
+                             profile=SimpleNamespace(steps=9))
+    assert shape_mix(engine) == {"0/1/1": 4, "3/1/4": 5}
