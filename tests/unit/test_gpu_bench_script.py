@@ -45,3 +45,16 @@ def test_check_script_parses():
     import subprocess
 
     subprocess.run(["bash", "-n", str(SCRIPT.parent / "check.sh")], check=True)
+
+
+def test_hf_static_baseline_keeps_one_cache_for_prompts_of_every_length(tiny_target_dir):
+    """HF generate() with one static cache, reset between prompts of different lengths (so a GPU
+    compiles its forward once), generates what it is asked to."""
+    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    import torch
+
+    row = module.hf_static_generate(str(tiny_target_dir), torch.device("cpu"), [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]], 4)
+    assert row["algorithm"] == "hf_generate_static_cache" and row["tokens_per_s"] > 0
+    assert row["cache_len"] == 7 + 4
