@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from specserve.config import SpecConfig
+from specserve.staging import to_device
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,8 @@ class TreeBatch:
         return self.tokens.shape[1] == 1
 
     def to(self, device: torch.device) -> TreeBatch:
-        return TreeBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
+        """The batch on `device`, each tensor copied through the pinned staging ring (`staging`)."""
+        return TreeBatch(*(to_device(getattr(self, f.name), device) for f in fields(self)))
 
     def unbatch(self) -> list[DraftTree]:
         """The B trees on the host, padding cut off."""

@@ -195,7 +195,8 @@ def verify_greedy_reference(
         live = child >= 0
         c = child.clamp(min=0)
         hit = live & (draft_tokens[rows, c] == target_tokens[rows, cur])
-        accepted[rows[hit], length[hit]] = child[hit]
+        at = length.clamp(max=n - 1)[:, None]  # (B, 1): the next path entry (a hit row has one left)
+        accepted.scatter_(1, at, torch.where(hit[:, None], child[:, None], accepted.gather(1, at)))
         length += hit.long()
         cur = torch.where(hit, child, cur)
         child = torch.where(hit, first_child[rows, c], torch.where(live, next_sibling[rows, c], -1))

@@ -251,7 +251,8 @@ def verify_sample_reference(
         c = child.clamp(min=0)
         acc = acc + torch.where(live, target_probs[rows, cur, draft_tokens[rows, c]], 0.0)
         hit = live & (coins[rows, length - 1] < acc)
-        accepted[rows[hit], length[hit]] = child[hit]
+        at = length.clamp(max=n - 1)[:, None]  # (B, 1): the next path entry (a hit row has one left)
+        accepted.scatter_(1, at, torch.where(hit[:, None], child[:, None], accepted.gather(1, at)))
         length += hit.long()
         cur = torch.where(hit, child, cur)
         acc = torch.where(hit, 0.0, acc)
@@ -264,7 +265,8 @@ def verify_sample_reference(
     for _ in range(n - 1):
         live = child >= 0
         c = child.clamp(min=0)
-        q[rows[live], draft_tokens[rows, c][live]] = 0.0
+        token = draft_tokens[rows, c][:, None]  # (B, 1)
+        q.scatter_(1, token, torch.where(live[:, None], 0.0, q.gather(1, token)))
         child = torch.where(live, next_sibling[rows, c], -1)
 
     total = q.sum(dim=-1)  # (B,)

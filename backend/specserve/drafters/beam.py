@@ -18,6 +18,7 @@ import torch
 
 import specserve_kernels as K
 from specserve.models.llama import KeyMask
+from specserve.staging import to_device
 from specserve.tree import DraftTree, DynamicTreeBuilder, TreeBatch
 
 # (beam tokens (B, k), parent states (B, k, ...), positions (B, k), write_pos (B, k), mask (KeyMask), key_len)
@@ -46,7 +47,7 @@ def grow_trees(
     for i, builder in enumerate(builders):
         builder.expand(tokens[i : i + 1], probs[i : i + 1], k)
         columns.append([node - 1 for node in builder.beam])
-    beam_tokens = torch.gather(tokens, 1, torch.tensor(columns, device=tokens.device))  # (B, k)
+    beam_tokens = torch.gather(tokens, 1, torch.tensor(columns))  # (B, k), host
     parent_state = state[:, None].expand(b, k, *state.shape[1:])
     visible = torch.zeros(b, k, max((num_steps - 1) * k, 1), dtype=torch.bool, device=dev)  # scratch ancestors
     own = torch.arange(k, device=dev)
@@ -55,15 +56,15 @@ def grow_trees(
         visible = visible | own_entries(k, first, visible.shape[-1], dev)
         key_len = int(base.max()) + first + k
         mask = KeyMask(base, visible[:, :, : first + k])
-        states, probs, tokens = step(beam_tokens.to(dev), parent_state, (base + s - 1)[:, None].expand(b, k),
+        states, probs, tokens = step(to_device(beam_tokens, dev), parent_state, (base + s - 1)[:, None].expand(b, k),
                                      base[:, None] + first + own, mask, key_len)
         picks = []
         for i, builder in enumerate(builders):
             start = len(builder.tokens)
             builder.expand(tokens[i], probs[i], k)
             picks.append([node - start for node in builder.beam])  # row * k + column
-        flat = torch.tensor(picks, device=tokens.device)  # (B, k)
-        rows = (flat // k).to(dev)
+        flat = torch.tensor(picks)  # (B, k), host
+        rows = to_device(flat // k, dev)
         beam_tokens = torch.gather(tokens.view(b, k * k), 1, flat)
         parent_state = states[torch.arange(b, device=dev)[:, None], rows]
         visible = torch.gather(visible, 1, rows[:, :, None].expand(-1, -1, visible.shape[-1]))

@@ -38,6 +38,7 @@ from specserve.methods import method
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, KeyMask, rope_table
 from specserve.runtime.head import HeadRunner
+from specserve.staging import to_device
 from specserve.tree import DraftShape, DraftTree, TreeBatch
 
 log = logging.getLogger(__name__)
@@ -95,11 +96,9 @@ class EagleDrafter(Drafter):
         """Run the head over each seq's tokens [start+1, start+1+len) paired with feats[i, :len],
         at positions [start, start+len); keep the last output as the seq's `last_hidden`."""
         b, t = len(seqs), max(lens)
-        tokens = torch.zeros(b, t, dtype=torch.int64)
-        for i, (s, start, n) in enumerate(zip(seqs, starts, lens)):
-            tokens[i, :n] = torch.tensor(s.token_ids[start + 1 : start + 1 + n])
-        tokens = tokens.to(self.device)
-        start_t = torch.tensor(starts, device=self.device)
+        rows = [s.token_ids[start + 1 : start + 1 + n] + [0] * (t - n) for s, start, n in zip(seqs, starts, lens)]
+        tokens = to_device(rows, self.device)  # (B, T)
+        start_t, last, slots_t = to_device([starts, [n - 1 for n in lens], [s.slot for s in seqs]], self.device)
         positions = start_t[:, None] + torch.arange(t, device=self.device)  # (B, T)
         slots = [s.slot for s in seqs]
         hs = []
@@ -110,8 +109,7 @@ class EagleDrafter(Drafter):
             hs.append(self._forward(tokens[:, a:z].contiguous(), feats[:, a:z].contiguous(), pos, pos, mask, key_len,
                                     slots))
         h = torch.cat(hs, dim=1) if len(hs) > 1 else hs[0]  # (B, T, H)
-        last = torch.tensor(lens, device=self.device) - 1
-        self.last_hidden[slots] = h[torch.arange(b, device=self.device), last]
+        self.last_hidden[slots_t] = h[torch.arange(b, device=self.device), last]
 
     # ---- Drafter hooks ------------------------------------------------------------------------
 
@@ -129,8 +127,8 @@ class EagleDrafter(Drafter):
         feats = self._features(out)
         feats = torch.gather(feats, 1, index[:, :, None].expand(-1, -1, feats.shape[-1]))  # (B, T, F)
         # accepted node j of row i holds position cache_len - len + j; padding writes past cache_len
-        starts = torch.tensor([s.cache_len - len(a) for s, a in zip(seqs, accepted)], device=self.device)
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        starts, slots = to_device([[s.cache_len - len(a) for s, a in zip(seqs, accepted)], [s.slot for s in seqs]],
+                                  self.device)  # (B,) each
         self.features[slots[:, None], starts[:, None] + torch.arange(t, device=self.device)] = feats
 
     def _catch_up(self, seqs: Sequence[SequenceView]) -> None:
@@ -145,8 +143,8 @@ class EagleDrafter(Drafter):
             for s in seqs:
                 self._catch_up([s])
             return
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
-        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(t, device=self.device)  # (B, T)
+        slots, start_t = to_device([[s.slot for s in seqs], starts], self.device)  # (B,) each
+        positions = start_t[:, None] + torch.arange(t, device=self.device)  # (B, T)
         feats = self.features[slots[:, None], positions.clamp(max=self.features.shape[1] - 1)]  # (B, T, F)
         self._extend(seqs, feats, starts, lens)
         for s in seqs:
@@ -164,7 +162,7 @@ class EagleDrafter(Drafter):
         """The whole draft from tensors, the beam picked by tensor ops (`grow_trees_on_device`): no
         per-request Python, no host sync. slots: host ints (eager) or a (B,) tensor (`DraftGraphs`,
         key_len = the whole slot); base (= cache_len), roots (B,) -> B trees of equal size."""
-        h = self.last_hidden[slots]  # (B, H): gives the roots' children
+        h = self.last_hidden[slots if isinstance(slots, torch.Tensor) else to_device(slots, self.device)]  # (B, H)
         probs, tokens = self._topk(h, on_host=False)
 
         def step(beam_tokens, parent_h, positions, write_pos, mask, key_len):  # noqa: ANN001, ANN202
@@ -187,19 +185,19 @@ class EagleDrafter(Drafter):
         if batch is not None:  # None: not the captured shape, or more requests than the largest bucket
             return batch
         key_len = max(cache_lens) + max((shape.num_steps - 1) * shape.topk, 1)  # prefix + the beam's scratch
-        return self._draft(host_slots, torch.tensor(cache_lens, device=self.device),
-                           torch.tensor(roots, device=self.device), shape, key_len)
+        base, root_t = to_device([cache_lens, roots], self.device)  # (B,) each
+        return self._draft(host_slots, base, root_t, shape, key_len)
 
     def draft_on_host(self, seqs: Sequence[SequenceView], shape: DraftShape) -> list[DraftTree]:
         """The same draft with the beam picked on the host by `DynamicTreeBuilder`: the reference
         the tests hold `propose` to (call it after a propose, so the head has caught up)."""
         host_slots = [s.slot for s in seqs]
-        h = self.last_hidden[host_slots]
+        h = self.last_hidden[to_device(host_slots, self.device)]
         probs, tokens = self._topk(h)
 
         def step(beam_tokens, parent_h, positions, write_pos, mask, key_len):  # noqa: ANN001, ANN202
             hs = self._forward(beam_tokens, parent_h, positions, write_pos, mask, key_len, host_slots)
             return (hs, *self._topk(hs))
 
-        base = torch.tensor([s.cache_len for s in seqs], device=self.device)
+        base = to_device([s.cache_len for s in seqs], self.device)
         return grow_trees(seqs, base, probs, tokens, h, step, shape.num_steps, shape.topk, shape.num_draft_tokens)

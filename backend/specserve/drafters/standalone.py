@@ -25,6 +25,7 @@ from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, KeyMask, LlamaModel, scattered_attention_inputs
 from specserve.models.weights import empty_modules, load_llama
+from specserve.staging import to_device
 from specserve.tree import DraftShape, DraftTree
 
 
@@ -78,17 +79,15 @@ class StandaloneDrafter(Drafter):
         starts = [self.cached[s.slot] for s in seqs]
         news = [s.token_ids[start:] for s, start in zip(seqs, starts)]  # uncached tokens, root last
         b, t = len(seqs), max(len(n) for n in news)
-        tokens = torch.zeros(b, t, dtype=torch.int64)
-        for i, n in enumerate(news):
-            tokens[i, : len(n)] = torch.tensor(n)
-        start_t = torch.tensor(starts, device=self.device)
+        tokens = to_device([n + [0] * (t - len(n)) for n in news], self.device)  # (B, T)
+        start_t, last = to_device([starts, [len(n) - 1 for n in news]], self.device)  # (B,) each
+        last = last[:, None]
         positions = start_t[:, None] + torch.arange(t, device=self.device)
         key_len = max(starts) + t
         mask = None if max(starts) == 0 else KeyMask(start_t)
         a = scattered_attention_inputs(self.model.rope, positions, positions, host_slots, mask, key_len)
-        last = torch.tensor([len(n) - 1 for n in news], device=self.device)[:, None]
         with self.model_forward():
-            out = self.model(tokens.to(self.device), a, self.cache, logit_index=last)
+            out = self.model(tokens, a, self.cache, logit_index=last)
             probs, children = self._topk(out.logits[:, 0])  # (B, k): the roots' children
         for s in seqs:
             self.cached[s.slot] = len(s.token_ids)
@@ -99,6 +98,6 @@ class StandaloneDrafter(Drafter):
                 logits = self.model(beam_tokens, a, self.cache).logits  # (B, k, V)
                 return (_state, *self._topk(logits))
 
-        base = torch.tensor([len(s.token_ids) for s in seqs], device=self.device)  # after the root
+        base = to_device([len(s.token_ids) for s in seqs], self.device)  # after the root
         state = torch.zeros(b, 1, device=self.device)  # token-level drafting carries no state
         return grow_trees(seqs, base, probs, children, state, step, shape.num_steps, shape.topk, shape.num_draft_tokens)

@@ -60,6 +60,7 @@ from specserve.models.weights import load_llama
 from specserve.runtime.memory import DeviceMemory, check_kv_cache_fits
 from specserve.runtime.plan import RuntimePlan
 from specserve.runtime.target import TargetRunner
+from specserve.staging import to_device
 from specserve.tree import DraftShape, DraftTree, TreeBatch
 
 log = logging.getLogger(__name__)
@@ -380,14 +381,12 @@ class Engine:
         """One padded causal forward over the prompts; samples each request's first token."""
         lens = [len(r.prompt_ids) for r in reqs]
         t = max(lens)
-        tokens = torch.zeros(len(reqs), t, dtype=torch.int64)
-        for i, r in enumerate(reqs):
-            tokens[i, : lens[i]] = torch.tensor(r.prompt_ids)
-        last = torch.tensor(lens, device=self.device)[:, None] - 1  # (B, 1)
-        out = self.runner.prefill(tokens.to(self.device), [r.slot for r in reqs], last)
+        tokens = to_device([r.prompt_ids + [0] * (t - n) for r, n in zip(reqs, lens)], self.device)  # (B, T)
+        last = to_device(lens, self.device)[:, None] - 1  # (B, 1)
+        out = self.runner.prefill(tokens, [r.slot for r in reqs], last)
         for r, n in zip(reqs, lens):
             r.cache_len = n
-        roots = TreeBatch.root_only(torch.tensor([r.token_ids[-1] for r in reqs], device=self.device))
+        roots = TreeBatch.root_only(to_device([r.token_ids[-1] for r in reqs], self.device))
         v = self._verify(reqs, roots, out.logits, prefill=True)
         emitted, logprobs = v.emitted, v.logprobs
         for r, tokens, lp in zip(reqs, emitted, logprobs):
@@ -431,12 +430,11 @@ class Engine:
             p.draft_model += self.drafter.forward_seconds - model_seconds
             batch = self._fit_trees(reqs, proposal)
         else:  # plain decoding this step; a drafter catches up on what it missed when it drafts again
-            batch = TreeBatch.root_only(torch.tensor([r.token_ids[-1] for r in reqs], device=self.device))
+            batch = TreeBatch.root_only(to_device([r.token_ids[-1] for r in reqs], self.device))
         t1 = clock()
         p.draft += t1 - t0
         host_lens = [r.cache_len for r in reqs]
-        cache_lens = torch.tensor(host_lens, device=self.device)
-        slots = torch.tensor([r.slot for r in reqs], device=self.device)
+        cache_lens, slots = to_device([host_lens, [r.slot for r in reqs]], self.device)  # (B,) each
         positions = cache_lens[:, None] + batch.depth  # (B, N)
         out, settled = self.runner.step(batch.tokens, positions, slots, cache_lens, batch.mask, batch.is_root_only,
                                         host_lens, [r.slot for r in reqs])
@@ -463,7 +461,7 @@ class Engine:
         if live:
             t4 = clock()
             if len(live) < len(reqs):
-                rows = torch.tensor(live, device=self.device)
+                rows = to_device(live, self.device)
                 aux = out.aux_hidden[rows] if out.aux_hidden is not None else None
                 out = ForwardOutput(logits=out.logits[rows], hidden=out.hidden[rows], aux_hidden=aux)
             accepted = [result.accepted_nodes[i, : len(emitted[i])] for i in live]
@@ -507,13 +505,14 @@ class Engine:
         accept_length = torch.zeros(b, dtype=torch.int64, device=dev)
         bonus = torch.zeros(b, dtype=torch.int64, device=dev)
         if greedy:
-            g = torch.tensor(greedy, device=dev)
+            g = to_device(greedy, dev)
             res = K.verify_greedy(*(x[g] for x in links), logits[g].argmax(-1))
             accepted[g], accept_length[g], bonus[g] = res.accepted_nodes, res.accept_length, res.bonus_tokens
         if sampled:
-            s = torch.tensor(sampled, device=dev)
+            s = to_device(sampled, dev)
             probs = torch.stack([target_probs(logits[i], reqs[i].params) for i in sampled])  # (Bs, N, V)
-            coins = torch.stack([draw_uniforms(n + 1, reqs[i].generator or self._default_generator) for i in sampled]).to(dev)
+            coins = to_device(torch.stack([draw_uniforms(n + 1, reqs[i].generator or self._default_generator)
+                                           for i in sampled]), dev)
             res = K.verify_sample(*(x[s] for x in links), probs, coins[:, :-1].contiguous(), coins[:, -1].contiguous())
             accepted[s], accept_length[s], bonus[s] = res.accepted_nodes, res.accept_length, res.bonus_tokens
         result = K.VerifyResult(accepted_nodes=accepted, accept_length=accept_length, bonus_tokens=bonus)
@@ -529,7 +528,7 @@ class Engine:
         # one row per request: [path tokens (N), accepted nodes (N), accept length, bonus token, tree size]
         extra = torch.stack([result.accept_length, result.bonus_tokens, batch.num_draft_tokens], dim=1)
         read = time.perf_counter()
-        rows = torch.cat([path_tokens, accepted, extra], dim=1).tolist()
+        rows = self._read(torch.cat([path_tokens, accepted, extra], dim=1))
         if self.device.type != "cpu" and not prefill:  # on a GPU the read waits for the step's queued work
             self.profile.device_wait += time.perf_counter() - read
         emitted = [r[1 : r[2 * n]] + [r[2 * n + 1]] for r in rows]
@@ -541,6 +540,11 @@ class Engine:
         ]
         return Verified(result, emitted, logprobs, [r[n : n + len(e)] for r, e in zip(rows, emitted)],
                         [r[2 * n + 2] for r in rows])
+
+    @staticmethod
+    def _read(rows: torch.Tensor) -> list[list[int]]:
+        """The step's one host read of device values (on a GPU it waits for the step's queued work)."""
+        return rows.tolist()
 
     def _append_tokens(self, req: Request, tokens: list[int],
                        logprobs: list[dict[int, tuple[float, int]]] | None = None) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from specserve.config import SamplingParams
+from specserve.staging import to_device
 
 
 def suppress_eos(logits: torch.Tensor, depth: torch.Tensor, eos_ids: tuple[int, ...], tokens_short: int) -> None:
@@ -20,8 +21,9 @@ def suppress_eos(logits: torch.Tensor, depth: torch.Tensor, eos_ids: tuple[int, 
     """
     if tokens_short <= 0 or not eos_ids:
         return
-    rows = depth < tokens_short
-    logits[rows.nonzero(), list(eos_ids)] = float("-inf")
+    rows = depth < tokens_short  # (N,)
+    eos = to_device(list(eos_ids), logits.device)
+    logits[:, eos] = logits[:, eos].masked_fill(rows[:, None], float("-inf"))  # no host read of `rows`
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt_tokens: int,
@@ -36,13 +38,14 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, token_ids: lis
     if not params.has_penalties:
         return
     n, vocab = logits.shape
-    ids = torch.tensor(token_ids, device=logits.device)
+    ids = to_device(token_ids, logits.device)
     # (N, V): output-token counts per node: the output so far plus the drafts on the node's path
-    counts = torch.bincount(ids[num_prompt_tokens:], minlength=vocab).to(logits.dtype).expand(n, vocab).clone()
+    output = ids[num_prompt_tokens:]  # scatter_add, not bincount: its size would need a host read
+    counts = logits.new_zeros(vocab).scatter_add_(0, output, logits.new_ones(output.shape)).expand(n, vocab).clone()
     counts.scatter_add_(1, tree_tokens[None, 1:].expand(n, -1), sees[:, 1:].to(logits.dtype))
     if params.repetition_penalty != 1.0:
         seen = counts > 0
-        seen[:, ids] = True  # the prompt counts for the repetition penalty
+        seen.index_fill_(1, ids, True)  # the prompt counts for the repetition penalty
         penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
         logits.copy_(torch.where(seen, penalised, logits))
     logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
@@ -72,7 +75,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[
     was drawn from; rank 1 is the most likely token.
     """
     logp = torch.log_softmax(logits.float(), dim=-1)  # (K, V)
-    chosen = torch.tensor(tokens, device=logits.device)
+    chosen = to_device(tokens, logits.device)
     chosen_logp = logp.gather(1, chosen[:, None])  # (K, 1)
     ranks = (logp > chosen_logp).sum(-1) + 1  # (K,)
     top_logp, top_ids = logp.topk(top_n, dim=-1) if top_n else (logp[:, :0], chosen[:, None][:, :0])

@@ -23,6 +23,7 @@ import specserve_kernels as K
 from specserve.config import ModelConfig
 from specserve.models.attention import TORCH_ATTENTION, AttentionBackend, AttentionInputs
 from specserve.models.kv_cache import KVCache
+from specserve.staging import to_device
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def scattered_attention_inputs(
     if not isinstance(slots, torch.Tensor):
         first = slots[0]
         slot_range = (first, b) if slots == list(range(first, first + b)) else None
-        slots = torch.tensor(slots, device=positions.device)
+        slots = to_device(slots, positions.device)
     cos, sin = rope
     return AttentionInputs(
         slots=slots, cache_lens=write_pos[:, 0] if mask is None else mask.prefix,

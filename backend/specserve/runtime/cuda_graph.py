@@ -33,6 +33,7 @@ from specserve.models.attention import AttentionBackend
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, LlamaModel
 from specserve.runtime.capture_guard import check_capturable
+from specserve.staging import to_device
 from specserve.tree import TreeBatch
 
 T = TypeVar("T")
@@ -308,9 +309,10 @@ class DraftGraphs:
         bs = self.batch_sizes[i]
         bk = self.buckets[bs]
         pad = bs - b
-        bk.slots.copy_(torch.tensor(slots + [self.padding_slot] * pad))
-        bk.base.copy_(torch.tensor(base + [0] * pad))
-        bk.roots.copy_(torch.tensor(roots + [0] * pad))
+        staged = to_device([slots + [self.padding_slot] * pad, base + [0] * pad, roots + [0] * pad], self.device)
+        bk.slots.copy_(staged[0])  # (bs,) each
+        bk.base.copy_(staged[1])
+        bk.roots.copy_(staged[2])
         if bk.graph is not None:
             bk.graph.replay()
         else:

@@ -26,6 +26,7 @@ from specserve.runtime.compiled import CompiledHead, compiled_or_none
 from specserve.runtime.cuda_graph import DraftGraphs
 from specserve.runtime.few_row_head import FEW_ROWS, FewRowHead
 from specserve.runtime.plan import RuntimePlan
+from specserve.staging import to_device
 from specserve.tree import TreeBatch
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class HeadRunner:
         if self.compiled is not None and self.compiled.fits(key_len):
             if mask is None:
                 mask = KeyMask(torch.zeros(b, dtype=torch.int64, device=self.device))
-            slots_t = slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, device=self.device)
+            slots_t = slots if isinstance(slots, torch.Tensor) else to_device(slots, self.device)
             few = self.few_rows is not None and self.few_rows.covers(tokens, hidden, key_len)
             program = self.few_rows if few else self.compiled
             return program.forward(tokens, hidden, positions, write_pos, mask.dense(t, key_len), slots_t)

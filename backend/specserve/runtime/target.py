@@ -27,6 +27,7 @@ from specserve.runtime.compiled import CompiledTarget, compiled_or_none
 from specserve.runtime.cuda_graph import GraphRunner, default_batch_sizes
 from specserve.runtime.paths import PathChooser, time_interleaved
 from specserve.runtime.plan import RuntimePlan
+from specserve.staging import to_device
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class TargetRunner:
         b, t = tokens.shape
         dev = tokens.device
         positions = torch.arange(t, device=dev).expand(b, t)
-        slots_t, zeros = torch.tensor(slots, device=dev), torch.zeros(b, dtype=torch.int64, device=dev)
+        slots_t, zeros = to_device(slots, dev), torch.zeros(b, dtype=torch.int64, device=dev)
         if self.compiled is not None and self.compiled.fits(b, t, 0):
             causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(b, t, t)
             return self.compiled.forward(tokens, positions, slots_t, zeros, causal, [0] * b, last)
