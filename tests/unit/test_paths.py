@@ -186,3 +186,24 @@ def test_a_draft_shape_with_a_skewed_warm_up_time_is_corrected_within_the_bound(
     while i > 0 and bests[i - 1] == three:
         i -= 1
     assert i < BOUND
+
+
+def test_shapes_known_only_by_their_warm_up_time_are_explored_first_plain_decoding_first():
+    """A 3-token draft is best; plain decoding's warm-up step ran on a busy machine (1 s). The next
+    explorations re-time the shapes known only by their warm-up figure, smallest first."""
+    c = ShapeChooser(shape_menu(3, 1, 4), batch_buckets=(1,), explore_every=16, drafts_catch_up=False)
+    plain, two, three, four = c.menu
+    cost = {plain: 1.0, two: 0.012, three: 0.014, four: 0.016}
+    for shape in c.menu:
+        c.observe(1, shape, cost[shape], [1], warm_up=True)
+    c.forget_acceptance()
+    accept = {plain: 1, two: 1.5, three: 2.4, four: 2.6}
+    for shape in c.menu[1:]:
+        for _ in range(c.min_samples):
+            c.observe(1, shape, None, [accept[shape]])
+    picks = []
+    for _ in range(48):
+        picks.append(c.choose(1))
+        c.observe(1, picks[-1], 0.010 if picks[-1] == plain else cost[picks[-1]], [accept[picks[-1]]])
+    assert [picks[i] for i in (15, 31, 47)] == [plain, two, four]
+    assert not any(c.step_time[(1, s)].provisional for s in c.menu)

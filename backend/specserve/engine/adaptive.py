@@ -31,8 +31,8 @@ period doubles, up to `max_backoff` times; it is back to 4 x `explore_every` onc
 Warm-up timings ran on a synthetic prompt, perhaps while the machine was busy: they make a shape
 measured, but they are provisional. A shape's first real step time replaces its warm-up figure
 (it is never averaged with it), and a neighbour or runner-up whose time is still only its warm-up
-figure is explored whatever its estimate, so a skewed warm-up step is corrected at the next
-exploration instead of locking the shape out.
+figure is explored whatever its estimate, before the other candidates, so a skewed warm-up step
+is corrected at the next explorations instead of locking the shape out.
 
 This module measures nothing itself and knows nothing about models or trees: the engine reports
 each step's batch size, shape, time and accept lengths (`observe`), and each forward's path and time.
@@ -145,7 +145,7 @@ class ShapeChooser:
             self._steps = 0
             candidates = self._explore_candidates(batch_size, shape)
             self._explored += 1
-            explored = candidates[self._explored % len(candidates)] if candidates else shape
+            explored = self._to_explore(batch_size, candidates) or shape
             if explored.drafts and not shape.drafts and self.drafts_catch_up:
                 # drafted twice: the first catches up on the plain steps, the second is timed
                 self._again = explored
@@ -153,6 +153,16 @@ class ShapeChooser:
             shape = explored
         self.chosen[shape] += 1
         return shape
+
+    def _to_explore(self, batch_size: int, candidates: Sequence[DraftShape]) -> DraftShape | None:
+        """The candidate this exploration runs: the smallest whose time is still only its warm-up
+        figure (a busy moment may have skewed it; plain decoding first, the baseline every draft
+        must beat), else the next in turn."""
+        b = self.bucket(batch_size)
+        provisional = [s for s in candidates if self.step_time[(b, s)].provisional]
+        if provisional:
+            return min(provisional, key=lambda s: s.num_draft_tokens)
+        return candidates[self._explored % len(candidates)] if candidates else None
 
     def _explore_candidates(self, batch_size: int, best: DraftShape) -> list[DraftShape]:
         """The best shape's neighbours on the menu and the runner-up, if estimated within
