@@ -108,3 +108,35 @@ def test_sampled_answers_come_beside_the_greedy_ones(tmp_path, tiny_target_dir, 
 def test_bad_config_is_a_clear_error():
     with pytest.raises(ValueError, match="batch_size"):
         RegenerateConfig(model_dir="m", out="o", batch_size=0)
+
+
+def test_exported_prompts_are_what_regenerate_draws(tmp_path, data_file):
+    """A prompts file (what a GPU machine without the ShareGPT package answers from) holds the
+    same prompts in the same order."""
+    from specserve.training.regenerate import export_prompts
+
+    path = export_prompts(tmp_path / "prompts.jsonl", str(data_file), 10, seed=3)
+    assert first_turns(path, 10, seed=0) == first_turns(data_file, 10, seed=3)
+    assert first_turns(path, 2, seed=0) == first_turns(data_file, 10, seed=3)[:2]
+
+
+def test_regenerate_stops_once_the_corpus_holds_the_answer_tokens_asked_for(tmp_path, tiny_target_dir, data_file):
+    corpus = Corpus(regenerate(RegenerateConfig(model_dir=str(tiny_target_dir), out=str(tmp_path / "corpus"),
+                                                data=str(data_file), max_prompt_tokens=64, max_new_tokens=6,
+                                                batch_size=1, dtype="float32", max_answer_tokens=1)))
+    assert len(corpus.rows) == 1 and corpus.answer_tokens >= 1  # the first answer suffices
+
+
+def test_if_the_engine_fails_hf_generate_makes_the_same_answers(tmp_path, tiny_target_dir, data_file, monkeypatch):
+    """The fallback answers the prompts the engine left, greedy answers equal to the engine's own."""
+    import specserve.engine.engine as engine_module
+
+    reference = Corpus(regen(tmp_path / "engine", tiny_target_dir, data_file))
+
+    def broken(self, config):  # noqa: ANN001
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(engine_module.Engine, "__init__", broken)
+    fallback = Corpus(regen(tmp_path / "hf", tiny_target_dir, data_file))
+    assert sorted((ids.tolist(), p) for ids, p in fallback.samples(512)) == \
+        sorted((ids.tolist(), p) for ids, p in reference.samples(512))
