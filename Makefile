@@ -15,7 +15,7 @@ MODEL := models/SmolLM2-135M-Instruct/model.safetensors
 VARIANTS ?= none,ngram,eagle,eagle3,mtp
 PYTEST_ARGS ?=
 
-.PHONY: setup prepare serve test lint bench bench-gpu gpu-check gpu-train corpus loadtest profile soak clean
+.PHONY: setup prepare serve test lint bench bench-gpu gpu-check gpu-train prompts corpus loadtest profile soak clean
 
 setup: $(STAMP)
 
@@ -60,8 +60,11 @@ bench: setup prepare
 gpu-check:  # on a CUDA machine with the model prepared (docs/gpu.md); no set-up of its own
 	bench/gpu/check.sh results/gpu-check
 
-gpu-train:  # on a CUDA machine, after gpu-check: the three drafters in 6 minutes from runs/corpus.tar (docs/training.md)
-	bench/gpu/train.sh results/gpu-train runs/corpus.tar
+gpu-train:  # on a CUDA machine, after gpu-check: data and the three drafters in 7 minutes (docs/training.md)
+	bench/gpu/train.sh results/gpu-train $(wildcard runs/prompts.jsonl runs/corpus.tar)
+
+prompts: setup  # the prompts a GPU machine answers for drafter training (it has no ShareGPT package)
+	$(VENV)/bin/specserve export-prompts --out runs/prompts.jsonl
 
 corpus: setup prepare  # the target's own answers for drafter training: hours on a CPU; run again to go on
 	$(VENV)/bin/specserve regenerate-data --out runs/corpus --batch-size 128

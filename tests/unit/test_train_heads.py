@@ -16,7 +16,7 @@ import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.engine import Engine
-from specserve.training.regenerate import RegenerateConfig, regenerate
+from specserve.training.regenerate import RegenerateConfig, export_prompts, regenerate
 from specserve.training.train_heads import HeadsConfig, batches, draft_vocabulary, padded, train_drafters
 
 CONVERSATIONS = [
@@ -92,6 +92,32 @@ def test_trained_heads_serve_losslessly(trained, tiny_target_dir, algorithm):
     assert run(spec) == run(SpecConfig(algorithm="none"))
 
 
+def test_from_nothing_the_command_generates_its_corpus_on_the_device_and_returns_it(tmp_path, tiny_target_dir,
+                                                                                     data_file):
+    """The command as a GPU machine without a corpus runs it: the target's answers to an exported
+    prompts file generated first (within its share of the time, until the tokens asked for), then
+    the heads trained, evaluated and archived, the grown corpus returned as tar parts beside them."""
+    prompts = export_prompts(tmp_path / "prompts.jsonl", str(data_file), 0)
+    hc = HeadsConfig(corpus=None, prompts=str(prompts), generate_answer_tokens=120, generate_batch_size=24,
+                     model_dir=str(tiny_target_dir), out_dir=str(tmp_path / "out"), archive_dir=str(tmp_path / "archives"),
+                     minutes=MINUTES, holdout=4, batch_tokens=512, max_rows=8, draft_vocab_size=256,
+                     served_repository=None, archive_part_mib=1, dtype="float32")
+    t0 = time.time()
+    record = train_drafters(hc)
+    assert time.time() - t0 < MINUTES * 60
+    generation = record["generation"]
+    assert generation["answer_tokens_given"] == 0
+    assert generation["answer_tokens_made"] == record["corpus"]["answer_tokens"] >= 120
+    assert generation["seconds"] <= hc.generate_share * MINUTES * 60 + 5 and generation["answer_tokens_per_s"] > 0
+    assert record["corpus_archived"] and all((Path(hc.out_dir) / a / "model.safetensors").is_file() for a in record["heads"])
+    parts = sorted(p.name for p in Path(hc.archive_dir).iterdir())
+    assert len(parts) <= 8 and [p for p in parts if p.startswith("corpus.tar.")] == ["corpus.tar.00"]
+    with tarfile.open(Path(hc.archive_dir) / "corpus.tar.00") as tar:
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    for name in ("tokens.u16", "rows.jsonl", "corpus.json"):
+        assert (tmp_path / "unpacked/corpus" / name).read_bytes() == (Path(hc.out_dir) / "corpus" / name).read_bytes()
+
+
 def test_draft_vocabulary_counts_answer_tokens_only():
     samples = [(np.array([9, 9, 9, 5, 5, 7]), 3), (np.array([7, 4]), 1)]
     assert draft_vocabulary(samples, 2, vocab_size=10, always=(2,)).tolist() == [2, 5]  # 9s are prompt tokens
@@ -109,6 +135,8 @@ def test_batches_cover_every_row_once_within_the_token_budget():
 
 
 def test_bad_config_is_a_clear_error():
+    with pytest.raises(ValueError, match="corpus: give one"):
+        HeadsConfig(corpus=None, model_dir="m", out_dir="o")
     with pytest.raises(ValueError, match="algorithms"):
         HeadsConfig(corpus="c", model_dir="m", out_dir="o", algorithms=("medusa",))
     with pytest.raises(ValueError, match="minutes"):

@@ -95,9 +95,13 @@ RECIPES = {
 
 @dataclass(frozen=True)
 class HeadsConfig:
-    corpus: str  # a corpus directory, or a .tar of one
+    corpus: str | None  # a corpus directory, or a .tar of one; None: start from an empty one
     model_dir: str
     out_dir: str
+    prompts: str | None = None  # what the generation answers: a prompts .jsonl or ShareGPT JSON (None: the package)
+    generate_answer_tokens: int = 0  # first grow the corpus on the device to this many answer tokens (0: use it as is)
+    generate_share: float = 0.45  # of `minutes`, the most the generation may take
+    generate_batch_size: int = 256
     archive_dir: str | None = None  # also write each head as tar parts here (what a GPU run returns)
     algorithms: tuple[str, ...] = ("eagle3", "eagle", "mtp")
     minutes: float = 6.0  # the whole command
@@ -119,8 +123,13 @@ class HeadsConfig:
         unknown = [a for a in self.algorithms if a not in RECIPES]
         if unknown or not self.algorithms:
             raise ValueError(f"algorithms: each of {sorted(RECIPES)}, got {list(self.algorithms)}")
-        for name in ("minutes", "max_len", "batch_tokens", "max_rows", "holdout", "draft_vocab_size", "archive_part_mib"):
+        for name in ("minutes", "max_len", "batch_tokens", "max_rows", "holdout", "draft_vocab_size", "archive_part_mib",
+                     "generate_batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
+        if not 0 < self.generate_share < 1:
+            raise ValueError(f"generate_share: must be in (0, 1), got {self.generate_share}")
+        if not self.corpus and not self.generate_answer_tokens:
+            raise ValueError("corpus: give one, or generate_answer_tokens to make one")
 
 

@@ -14,7 +14,9 @@ decay over the time left), the held-out evaluation (teacher-forced top-1 agreeme
 step on the corpus's last `holdout` rows, for the new heads and for the drafters served today) and
 writing. Each head is written in its published format with a model card (`<out>/<algorithm>/`),
 and, with `archive_dir`, as one tar per head cut into parts of at most `archive_part_mib`
-(`cat eagle3.tar.* | tar -x`), beside `train-drafters.json`. It does not generate data, and it
+(`cat eagle3.tar.* | tar -x`), beside `train-drafters.json`. With `generate_answer_tokens` the
+command first grows the corpus on the device with the target's own answers (`regenerate`, at most
+`generate_share` of its minutes) and returns the grown corpus as tar parts too when they fit. It
 does not replace the served drafters (a person compares and commits them).
 """
 
@@ -24,6 +26,7 @@ import json
 import logging
 import math
 import random
+import shutil
 import tarfile
 import tempfile
 import time
@@ -152,16 +155,43 @@ def open_corpus(path: str, work: Path) -> Corpus:
     return Corpus(path)
 
 
+def grow_corpus(hc: HeadsConfig, corpus_dir: Path, start: float) -> dict:
+    """The generation phase: the given corpus (if any) copied to `corpus_dir`, then the target's own
+    answers appended on the device (`regenerate`, greedy, loops cut) until it holds
+    `generate_answer_tokens` or `generate_share` of the command's minutes have gone; its record."""
+    from specserve.training.regenerate import RegenerateConfig, regenerate
+
+    if hc.corpus:
+        with tempfile.TemporaryDirectory() as tmp:
+            shutil.copytree(open_corpus(hc.corpus, Path(tmp)).path, corpus_dir, dirs_exist_ok=True)
+    given = Corpus(corpus_dir) if (corpus_dir / "corpus.json").is_file() else None
+    before = given.answer_tokens if given else 0
+    # answers appended as the given ones were made (an append must match the corpus's settings)
+    same = {k: given.meta[k] for k in ("dtype", "max_prompt_tokens", "max_new_tokens", "temperature")} if given else {}
+    minutes = hc.minutes * hc.generate_share - (time.time() - start) / 60
+    began = time.time()
+    if before < hc.generate_answer_tokens and minutes > 0:
+        regenerate(RegenerateConfig(**{"dtype": hc.dtype, **same}, model_dir=hc.model_dir, out=str(corpus_dir),
+                                    data=hc.prompts, batch_size=hc.generate_batch_size, max_minutes=minutes,
+                                    device=hc.device, max_answer_tokens=hc.generate_answer_tokens, seed=hc.seed))
+    seconds = time.time() - began
+    made = Corpus(corpus_dir).answer_tokens - before
+    return {"answer_tokens_given": before, "answer_tokens_made": made, "seconds": round(seconds, 1),
+            "answer_tokens_per_s": round(made / seconds, 1) if made else 0.0}
+
+
 def train_drafters(hc: HeadsConfig) -> dict:
-    """Train the heads of `hc.algorithms` within `hc.minutes`; returns the run's record."""
+    """Train the heads of `hc.algorithms` within `hc.minutes` (after growing the corpus on the
+    device first, with `generate_answer_tokens`); returns the run's record."""
     start = time.time()
     deadline = start + hc.minutes * 60
     torch.manual_seed(hc.seed)
     out = Path(hc.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dtype, dev, bf16 = getattr(torch, hc.dtype), hc.device, hc.dtype == "bfloat16"
+    generation = grow_corpus(hc, out / "corpus", start) if hc.generate_answer_tokens else None
     with tempfile.TemporaryDirectory() as tmp:
-        corpus = open_corpus(hc.corpus, Path(tmp))
+        corpus = Corpus(out / "corpus") if generation else open_corpus(hc.corpus, Path(tmp))
         samples = [s for s in corpus.samples(hc.max_len) if len(s[0]) - s[1] >= 2]
     if len(samples) <= hc.holdout:
         raise ValueError(f"corpus: {len(samples)} usable rows, holdout {hc.holdout}: nothing left to train on")
@@ -180,16 +210,19 @@ def train_drafters(hc: HeadsConfig) -> dict:
     served = served_agreement(hc, target, batcher, held, rope, bf16)
     t0 = time.time()
     initial = agreement(new, batcher, held, rope, bf16)  # fresh heads; and what one evaluation costs
-    reserve = 2 * (time.time() - t0) + 10 + 5 * len(heads)  # the final evaluation, writing and archives
+    # the final evaluation, then writing and archives (seconds a head, at most a sixth of a short run)
+    reserve = 2 * (time.time() - t0) + min(10 + 5 * len(heads), hc.minutes * 10)
     params = {a: [p for p in h.parameters() if p.requires_grad] for a, h in heads.items()}
     opts = {a: torch.optim.AdamW(params[a], lr=hc.lr, weight_decay=0.0) for a in heads}
     train_start, step, epoch, token_passes = time.time(), 0, 0, 0
     losses = {a: [] for a in heads}
-    while time.time() < deadline - reserve:
+    step_seconds = 0.0  # the longest step so far: one more must end before the reserve
+    while time.time() + step_seconds < deadline - reserve:
         plan = batches(train_rows, hc.batch_tokens, hc.max_rows, hc.seed + epoch)
         for rows in plan:
-            progress = (time.time() - train_start) / max(deadline - reserve - train_start, 1e-9)
-            if progress >= 1.0:
+            step_start = time.time()
+            progress = (step_start - train_start) / max(deadline - reserve - train_start, 1e-9)
+            if progress >= 1.0 or step_start + step_seconds >= deadline - reserve:
                 break
             b = batcher(rows)
             probs = label_probs(b["hidden"], label_head)
@@ -206,6 +239,7 @@ def train_drafters(hc: HeadsConfig) -> dict:
                     losses[a].append(round(loss.item(), 4))
             token_passes += sum(len(samples[i][0]) for i in rows)
             step += 1
+            step_seconds = max(step_seconds, time.time() - step_start)
             if step % 200 == 0:
                 log.info("train-drafters: step %d, epoch %d, %.1f min", step, epoch, (time.time() - start) / 60)
         epoch += 1
@@ -217,7 +251,7 @@ def train_drafters(hc: HeadsConfig) -> dict:
         "config": asdict(hc), "device": device_name(dev), "corpus": {
             "rows": len(corpus.rows), "answer_tokens": corpus.answer_tokens, "meta": corpus.meta,
             "train_rows": n_train, "heldout_rows": hc.holdout},
-        "steps": step, "epochs": round(token_passes / sum(len(ids) for ids, _ in train_rows), 2),
+        "generation": generation, "steps": step, "epochs": round(token_passes / sum(len(ids) for ids, _ in train_rows), 2),
         "token_passes": token_passes, "train_minutes": round(train_minutes, 2),
         "heads": {a: {"heldout_agreement": final[a], "initial_heldout_agreement": initial[a],
                       "served_heldout_agreement": served.get(a),
@@ -230,7 +264,10 @@ def train_drafters(hc: HeadsConfig) -> dict:
     record["minutes"] = round((time.time() - start) / 60, 2)
     (out / "train-drafters.json").write_text(json.dumps(record, indent=1) + "\n")
     if hc.archive_dir:
-        pack(out, list(heads), Path(hc.archive_dir), hc.archive_part_mib)
+        written = pack(out, list(heads), Path(hc.archive_dir), hc.archive_part_mib)
+        record["corpus_archived"] = bool(generation) and corpus_fits(out / "corpus", len(written), hc.archive_part_mib)
+        if record["corpus_archived"]:
+            pack(out, ["corpus"], Path(hc.archive_dir), hc.archive_part_mib)
     record["minutes"] = round((time.time() - start) / 60, 2)
     (out / "train-drafters.json").write_text(json.dumps(record, indent=1) + "\n")
     if hc.archive_dir:
@@ -284,6 +321,15 @@ Trained by `specserve train-drafters` with the EAGLE-3, EAGLE-2 and MTP heads of
 Load it with `--algorithm {algorithm} --drafter-path <this dir>{' --token-map <this dir>/token_map.pt' if method(algorithm).token_map else ''}`.
 """
     (out / "README.md").write_text(card)
+
+
+MAX_ARCHIVE_FILES = 8  # what a GPU machine returns: the parts, train-drafters.json and train.log
+
+
+def corpus_fits(corpus_dir: Path, parts_written: int, part_mib: int) -> bool:
+    """Whether the corpus's tar parts fit beside `parts_written` head parts and the two records."""
+    size = sum(f.stat().st_size for f in corpus_dir.rglob("*") if f.is_file()) + 10240  # tar headers and end
+    return parts_written + -(-size // (part_mib * 1024 * 1024)) + 2 <= MAX_ARCHIVE_FILES
 
 
 def pack(out: Path, algorithms: list[str], archive_dir: Path, part_mib: int) -> list[Path]:
