@@ -22,6 +22,11 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get(FORCE_TRITON_ENV) == "1"
 
 
+def interpreting() -> bool:
+    """Whether Triton kernels run under its interpreter (`TRITON_INTERPRET=1`), not compiled."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def check_tensor(name: str, t: object, dtype: torch.dtype | None, ndim: int) -> torch.Tensor:
     """Raise ValueError naming `name` unless `t` is a tensor of `dtype` (any float if None) and `ndim` dims."""
     if not isinstance(t, torch.Tensor):

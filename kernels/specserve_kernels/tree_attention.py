@@ -1,17 +1,24 @@
 """Decode and tree-verify attention over the slot KV cache, reading only each request's live keys.
 
-Request b's T new queries (its tree, or one decode token) attend to its slot's prefix
-[0, cache_lens[b]) and to the N entries after it where new_mask[b, t, j] (N = T, causal, when there
-is no mask; a drafter's beam keeps N >= T scratch entries). The kernel walks keys up to
-cache_lens[b] + N only, read from the device: a CUDA graph captured with a static grid still reads
-just the live part of a long cache.
+Request b's T new queries (its tree, one decode token, or a catch-up's whole prompt) attend to its
+slot's prefix [0, cache_lens[b]) and to the N entries after it where new_mask[b, t, j] (N = T,
+causal, when there is no mask; a drafter's beam keeps N >= T scratch entries). The kernel walks
+keys up to cache_lens[b] + N only, read from the device: a CUDA graph captured with a static grid
+still reads just the live part of a long cache.
 
-Layout of one program (flash-decoding, split over the key axis):
+Layout (flash-decoding: split over the key axis, and over query rows when they are many):
 
-    grid = (B * Hkv, num_splits)     program (b, h, split) covers keys [split * L, (split + 1) * L)
-    rows = G * T query rows          the G query heads of KV head h times the T new tokens
-    scores (rows, BLOCK_N) in fp32   online softmax -> partial (acc, max, sum) per split
-    a second kernel merges the splits and writes (B, T, Hq, D) in the input dtype
+    rows = T * G query rows           row t * G + g: new token t, query head g of KV head h's group
+    grid = (B * Hkv, row blocks, splits)
+    program (b, h, block, split)      rows [block * BLOCK_M, +BLOCK_M), keys [split * L, +L)
+    scores (BLOCK_M, BLOCK_N) fp32    online softmax -> partial (acc, max, sum) per split
+    a second kernel merges each row block's splits and writes (B, T, Hq, D) in the input dtype
+
+BLOCK_M is capped, so shared memory and registers do not grow with T; a causal row block stops at
+its last token's own key. The split length L grows with the row blocks (`_splits`), so a long
+catch-up runs few splits and a decode many. T, N, L and the split count are runtime values the JIT
+does not specialise on: one compiled kernel per (dtype, G, D, mask or causal, tile) serves every
+cache length and T.
 
 Scores and the softmax are float32 in registers; q, K, V and the output stay in their dtype
 (bfloat16 on a GPU): no float32 copy of the cache. Exposed as the custom op
@@ -20,16 +27,54 @@ Scores and the softmax are float32 in registers; q, K, V and the output stay in 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from specserve_kernels._launch import check_same_device, check_tensor, use_triton
+from specserve_kernels._launch import check_same_device, check_tensor, interpreting, use_triton
 
-SPLIT_KEYS = 256  # keys per split: a long cache is read by several programs per request and head
+SPLIT_KEYS = 256  # keys per split when the rows fit one block: a long cache is read by several programs
 
 
-@triton.jit
+class Tiles(NamedTuple):
+    """The split kernel's tile (at 4 warps): query rows, and keys per step."""
+
+    block_m: int
+    block_n: int
+
+
+def _tiles(rows: int, head_dim: int, dtype: torch.dtype) -> Tiles:
+    """The tile for `rows` = G * T query rows, bounded whatever T is.
+
+    Per program at 4 warps, the float32 accumulator (BLOCK_M, D), the scores (BLOCK_M, BLOCK_N)
+    and a K or V tile (BLOCK_N, D) keep to a budget of elements: 8192 for 16-bit inputs, 6144 for
+    float32 (its K/V tiles are twice the registers). BLOCK_M takes at most half of it (and 64 rows),
+    BLOCK_N what is left (16-64 keys). Within these, `compile_check` finds no register spill on
+    sm_80 or sm_90 for SmolLM2 (D = 64) and Llama-3.1-8B (D = 128) shapes.
+    """
+    budget = 6144 if dtype == torch.float32 else 8192
+    d = max(16, triton.next_power_of_2(head_dim))
+    cap = min(64, max(16, _floor_pow2(budget // 2 // d)))
+    block_m = min(cap, max(16, triton.next_power_of_2(rows)))
+    block_n = next((n for n in (64, 32) if block_m * d + block_m * n + n * d <= budget), 16)
+    return Tiles(block_m, block_n)
+
+
+def _floor_pow2(n: int) -> int:
+    """The largest power of two <= n (n >= 1)."""
+    return 1 << (n.bit_length() - 1)
+
+
+def _splits(key_len: int, row_blocks: int) -> tuple[int, int]:
+    """(split length, number of splits) over `key_len` keys: SPLIT_KEYS per split for one row
+    block, longer splits for more, so programs x splits stays near max(row blocks, key_len / SPLIT_KEYS)."""
+    split_len = SPLIT_KEYS * row_blocks
+    return split_len, triton.cdiv(key_len, split_len)
+
+
+@triton.jit(do_not_specialize=["T", "N", "split_len", "stride_mb", "stride_mt"])
 def _tree_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, mask_ptr, part_o_ptr, part_ml_ptr,
     T, N, HKV, split_len, sm_scale,
@@ -38,19 +83,23 @@ def _tree_attention_split_kernel(
     stride_vs, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mt, stride_mj,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_MASK: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
+    HAS_MASK: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
+    block = tl.program_id(1)
+    split = tl.program_id(2)
     b = pid // HKV
     h = pid % HKV
     slot = tl.load(slots_ptr + b)
     cache_len = tl.load(lens_ptr + b).to(tl.int32)  # loop bounds in one integer type
-    kv_len = cache_len + N
-    rows = tl.arange(0, BLOCK_M)
-    g = rows // T  # query head within the group
-    t = rows % T  # new token
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = rows // G  # new token
+    g = rows % G  # query head within the group
     row_ok = rows < G * T
+    if HAS_MASK:
+        kv_len = cache_len + N
+    else:  # causal: the block's last token sees no key after its own
+        kv_len = cache_len + tl.minimum(T, (block * BLOCK_M + BLOCK_M - 1) // G + 1)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt
@@ -95,37 +144,41 @@ def _tree_attention_split_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    part = (pid * NUM_SPLITS + split) * BLOCK_M + rows  # (B * Hkv, splits, BLOCK_M) rows
+    # partials: (B * Hkv, row blocks, splits, BLOCK_M) rows
+    part = ((pid * tl.num_programs(1) + block) * tl.num_programs(2) + split) * BLOCK_M + tl.arange(0, BLOCK_M)
     tl.store(part_o_ptr + part[:, None] * BLOCK_D + d[None, :], acc)
     tl.store(part_ml_ptr + part * 2, m_i)
     tl.store(part_ml_ptr + part * 2 + 1, l_i)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "num_splits"])
 def _tree_attention_merge_kernel(
-    part_o_ptr, part_ml_ptr, out_ptr, T, HKV,
+    part_o_ptr, part_ml_ptr, out_ptr, T, HKV, num_splits,
     stride_ob, stride_ot, stride_oh, stride_od,
-    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
     b = pid // HKV
     h = pid % HKV
-    rows = tl.arange(0, BLOCK_M)
+    first = (pid * tl.num_programs(1) + block) * num_splits  # this row block's first split
+    local = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    for s in range(NUM_SPLITS):
-        m = tl.maximum(m, tl.load(part_ml_ptr + ((pid * NUM_SPLITS + s) * BLOCK_M + rows) * 2))
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(part_ml_ptr + ((first + s) * BLOCK_M + local) * 2))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for s in range(NUM_SPLITS):
-        part = (pid * NUM_SPLITS + s) * BLOCK_M + rows
+    for s in range(num_splits):
+        part = (first + s) * BLOCK_M + local
         scale = tl.exp(tl.load(part_ml_ptr + part * 2) - m_safe)
         total += tl.load(part_ml_ptr + part * 2 + 1) * scale
         acc += tl.load(part_o_ptr + part[:, None] * BLOCK_D + d[None, :]) * scale[:, None]
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    g = rows // T
-    t = rows % T
+    rows = block * BLOCK_M + local
+    t = rows // G
+    g = rows % G
     ok = (rows < G * T)[:, None] & (d < D)[None, :]
     tl.store(out_ptr + b * stride_ob + t[:, None] * stride_ot + (h * G + g)[:, None] * stride_oh
              + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=ok)
@@ -170,23 +223,24 @@ def _tree_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     hkv = k_cache.shape[1]
     g = hq // hkv
     out = torch.empty(b, t, hq, d, dtype=q.dtype, device=q.device)
-    block_m = max(16, triton.next_power_of_2(g * t))
+    tiles = _tiles(g * t, d, q.dtype)
     block_d = max(16, triton.next_power_of_2(d))
-    num_splits = triton.cdiv(min(key_len, k_cache.shape[2]), SPLIT_KEYS)
-    part_o = torch.empty(b * hkv, num_splits, block_m, block_d, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(b * hkv, num_splits, block_m, 2, dtype=torch.float32, device=q.device)
+    row_blocks = triton.cdiv(g * t, tiles.block_m)
+    split_len, num_splits = _splits(min(key_len, k_cache.shape[2]), row_blocks)
+    part_o = torch.empty(b * hkv, row_blocks, num_splits, tiles.block_m, block_d, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(b * hkv, row_blocks, num_splits, tiles.block_m, 2, dtype=torch.float32, device=q.device)
     mask = new_mask.view(torch.uint8) if new_mask is not None else cache_lens  # any tensor when unused
     mask_strides = new_mask.stride() if new_mask is not None else (0, 0, 0)
-    _tree_attention_split_kernel[(b * hkv, num_splits)](
+    _tree_attention_split_kernel[(b * hkv, row_blocks, num_splits)](
         q, k_cache, v_cache, slots, cache_lens, mask, part_o, part_ml,
-        t, new_mask.shape[2] if new_mask is not None else t, hkv, SPLIT_KEYS, d**-0.5,
+        t, new_mask.shape[2] if new_mask is not None else t, hkv, split_len, d**-0.5,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *mask_strides,
-        G=g, D=d, BLOCK_M=block_m, BLOCK_N=64 if block_m <= 32 else 32, BLOCK_D=block_d,
-        HAS_MASK=new_mask is not None, NUM_SPLITS=num_splits, DOT_F32=q.dtype == torch.float32 or not q.is_cuda,
+        G=g, D=d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=block_d, HAS_MASK=new_mask is not None,
+        DOT_F32=q.dtype == torch.float32 or interpreting(), num_warps=4,
     )
-    _tree_attention_merge_kernel[(b * hkv,)](
-        part_o, part_ml, out, t, hkv, *out.stride(),
-        G=g, D=d, BLOCK_M=block_m, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+    _tree_attention_merge_kernel[(b * hkv, row_blocks)](
+        part_o, part_ml, out, t, hkv, num_splits, *out.stride(),
+        G=g, D=d, BLOCK_M=tiles.block_m, BLOCK_D=block_d,
     )
     return out
 

@@ -12,6 +12,8 @@ CASES = [  # batch, query heads, KV heads, new tokens, head dim, max_len, with a
     (2, 4, 2, 5, 32, 300, True),  # two splits of keys
     (3, 9, 3, 8, 64, 96, True),  # SmolLM2's heads
     (2, 2, 2, 3, 24, 70, False),  # head dim not a power of two, causal new tokens
+    (2, 4, 2, 40, 32, 600, False),  # a catch-up: 80 rows in two row blocks, each with two splits of keys
+    (2, 4, 2, 40, 32, 600, True),
 ]
 
 
@@ -54,15 +56,16 @@ def test_a_beam_scratch_area_wider_than_the_queries(kernel_device):
     torch.testing.assert_close(want.cpu(), dense.transpose(1, 2), rtol=1e-5, atol=1e-5)
 
 
-def test_keys_past_the_live_length_are_never_read(kernel_device):
+@pytest.mark.parametrize(("t", "with_mask"), [(4, True), (40, False)])
+def test_keys_past_the_live_length_are_never_read(kernel_device, t, with_mask):
     """NaNs beyond each request's cache_lens + T (stale scratch, another request's tokens) do not
-    reach the output: the kernel stops at the live length."""
+    reach the output: the kernel stops at the live length (T = 40: two causal row blocks)."""
     gen = torch.Generator().manual_seed(3)
-    q, k, v, slots, lens, mask = _case(gen, 2, 4, 2, 4, 32, 300, True, torch.float32)
+    q, k, v, slots, lens, mask = _case(gen, 2, 4, 2, t, 32, 300, with_mask, torch.float32)
     for i in range(2):
-        k[slots[i], :, lens[i] + 4:] = float("nan")
-        v[slots[i], :, lens[i] + 4:] = float("nan")
-    args = [x.to(kernel_device) for x in (q, k, v, slots, lens, mask)]
+        k[slots[i], :, lens[i] + t:] = float("nan")
+        v[slots[i], :, lens[i] + t:] = float("nan")
+    args = [x.to(kernel_device) if x is not None else None for x in (q, k, v, slots, lens, mask)]
     out = tree_attention(*args, key_len=300)
     assert not out.isnan().any()
 
