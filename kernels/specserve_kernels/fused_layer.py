@@ -74,7 +74,7 @@ def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor, weight: torch.T
 # ---- rope_kv_write -------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "stride_slot_row", "stride_pos_row"])  # T, the new tokens, varies per launch
 def _rope_kv_write_kernel(
     qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, pos_ptr, q_out_ptr,
     T, stride_qkv_row, stride_cos_row, stride_slot_row, stride_pos_row,

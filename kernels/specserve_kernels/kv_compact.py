@@ -23,7 +23,7 @@ from specserve_kernels._launch import check_same_device, check_shape, check_tens
 _BITS_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_acc_b"])  # the tree size N
 def _compact_kv_kernel(
     kv_ptr,
     slots_ptr,

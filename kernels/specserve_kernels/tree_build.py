@@ -42,7 +42,8 @@ class TreeTensors:
     next_sibling: torch.Tensor
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "stride_par_b", "stride_depth_b", "stride_mask_b", "stride_mask_i", "stride_fc_b",
+                             "stride_ns_b"])  # all vary with the tree size N
 def _build_tree_kernel(
     parents_ptr,
     depth_ptr,

@@ -66,7 +66,8 @@ def empty_result(bsz: int, n: int, device: torch.device) -> VerifyResult:
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "stride_draft_b", "stride_fc_b", "stride_ns_b", "stride_target_b",
+                             "stride_acc_b"])  # all vary with the tree size N
 def _verify_greedy_kernel(
     draft_ptr,
     first_child_ptr,

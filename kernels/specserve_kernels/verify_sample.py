@@ -28,7 +28,8 @@ from specserve_kernels._launch import check_same_device, check_shape, check_tens
 from specserve_kernels.verify_greedy import VerifyResult, check_walk_inputs, empty_result
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "stride_draft_b", "stride_fc_b", "stride_ns_b", "stride_probs_b", "stride_coins_b",
+                             "stride_final_b", "stride_acc_b"])  # all vary with the tree size N
 def _verify_sample_kernel(
     draft_ptr,
     first_child_ptr,
@@ -194,8 +195,8 @@ def verify_sample(
 
     vocab_size = target_probs.shape[2]
     block_n = triton.next_power_of_2(n)
-    # The rejected-token test is a (BLOCK_V, BLOCK_N) compare: keep that tile at 16k elements.
-    block_v = max(16, min(triton.next_power_of_2(vocab_size), 16384 // block_n))
+    # The rejected-token test is a (BLOCK_V, BLOCK_N) compare: keep that tile at 8k elements (16k spills on sm_80).
+    block_v = max(16, min(triton.next_power_of_2(vocab_size), 8192 // block_n))
     out = empty_result(bsz, n, draft_tokens.device)
     _verify_sample_kernel[(bsz,)](
         draft_tokens,
