@@ -117,8 +117,9 @@ class Batcher:
 
 
 def learning_rate(hc: HeadsConfig, step: int, progress: float) -> float:
-    """Linear warm-up over warmup_steps, then cosine decay to 5 % over the training time."""
-    warm = min(1.0, (step + 1) / hc.warmup_steps)
+    """Linear warm-up over warmup_steps (or the first tenth of the training time, if that ends
+    first: a short run on a slow machine makes few steps), then cosine decay to 5 % over the time."""
+    warm = min(1.0, max((step + 1) / hc.warmup_steps, progress / 0.1))
     return hc.lr * warm * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
