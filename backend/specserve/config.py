@@ -32,6 +32,11 @@ COMPILED_STEPS = ("auto", "always")
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 DTYPES = ("bfloat16", "float32", "float16")  # torch dtypes by name (torch is imported where one is used)
+# max_num_batched_tokens by default: small on a CPU, whose forward time grows with every prompt
+# token the decoding streams wait behind; large on a GPU, whose forward time hardly grows below
+# thousands of tokens
+CPU_BATCHED_TOKENS = 512
+GPU_BATCHED_TOKENS = 8192
 
 
 def resolve_device(device: str) -> str:
@@ -313,6 +318,18 @@ class EngineConfig:
                                no_flag="generate and bench queue every prompt they are given, without bound")
     request_timeout_s: float = knob(0.0, help="a request still unfinished this long after it arrived ends with "
                                     "finish_reason timeout (0 = never)")
+    enable_prefix_caching: bool = knob(True, help="reuse the K/V of a new prompt's longest cached prefix: a slot keeps "
+                                       "its request's prompt and answer after it ends, and a prompt continuing a free "
+                                       "slot's content takes that slot, one sharing a prefix with another slot gets "
+                                       "those rows copied (vLLM's name)")
+    prefix_cache_max_tokens: int | None = knob(None, help="tokens the free slots keep for reuse; beyond it the least "
+                                               "recently used are evicted (empty = all they hold; 0 = none, only "
+                                               "running requests' prefixes are reused)")
+    max_num_batched_tokens: int | None = knob(None, help="prompt tokens a step computes beside the decoding requests: "
+                                              "a longer prompt is prefilled in chunks over several steps, while the "
+                                              "running streams keep getting a token each step (vLLM's name; empty = "
+                                              f"{CPU_BATCHED_TOKENS} on CPU, {GPU_BATCHED_TOKENS} on CUDA; 0 = whole "
+                                              "prompts in one step)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", resolve_device(self.device))  # frozen: resolved once, here
@@ -322,11 +339,21 @@ class EngineConfig:
         for name in ("max_batch_size", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        for name in ("prefix_cache_max_tokens", "max_num_batched_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("cuda_graph_max_bs", "max_queue_size", "request_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def prompt_tokens_per_step(self) -> int:
+        """max_num_batched_tokens, empty resolved for the device (0: whole prompts)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return CPU_BATCHED_TOKENS if self.device == "cpu" else GPU_BATCHED_TOKENS
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -167,10 +167,11 @@ def test_greedy_lossless_with_continuous_batching(tmp_path, tiny_target_dir, alg
     outs = eng.generate(_prompts(), params)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert all(o.num_draft_tokens > 0 for o in outs)
-    # the pinned shape drafts every step: a catch-up forward, then one per later beam step
+    # the pinned shape drafts every step: a catch-up forward (none where every request's head caught
+    # up with its prefill just before), then one per later beam step
     prof = eng.profile
     assert prof.drafting_steps == prof.steps > 0
-    assert prof.draft_forwards == prof.drafting_steps * steps
+    assert prof.drafting_steps * (steps - 1) < prof.draft_forwards <= prof.drafting_steps * steps
     ms = prof.per_step_ms()
     # the time inside the head's forwards and output layer is part of the draft phase, not all of it
     assert 0 < ms["draft_model_per_forward"] < ms["draft_per_forward"]

@@ -102,10 +102,10 @@ def _steps(engine: Engine, monkeypatch: pytest.MonkeyPatch, sampled: bool) -> Ho
     return copies
 
 
-def _meta_engine(model_dir, algorithm: str, drafter=None) -> Engine:
+def _meta_engine(model_dir, algorithm: str, drafter=None, **engine) -> Engine:
     spec = SpecConfig(algorithm=algorithm, drafter_path=str(drafter) if drafter else "", **SPECS[algorithm])
     return Engine(EngineConfig(model_dir=str(model_dir), device="meta", dtype="bfloat16", max_batch_size=4,
-                               max_seq_len=128, graph_mode="static", attention_backend="triton", spec=spec))
+                               max_seq_len=128, graph_mode="static", attention_backend="triton", spec=spec, **engine))
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
@@ -115,6 +115,51 @@ def test_an_engine_step_makes_no_pageable_host_to_device_copy(tiny_target_dir, d
     model_dir, drafter = drafter_dirs.get(algorithm, (tiny_target_dir, None))
     copies = _steps(_meta_engine(model_dir, algorithm, drafter), monkeypatch, sampled)
     assert copies.pageable == []
+
+
+def _reuse_steps(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, int], HostCopies]:
+    """Prompts prefilled 4 tokens a step beside a decoding request, a second turn that takes its
+    finished slot as it is, and a prompt whose prefix is copied from a running request's slot;
+    each request's num_cached_tokens, and the copies seen."""
+    monkeypatch.setattr(engine, "_read", lambda rows: [[0] * ((rows.shape[1] - 3) // 2) + [0]
+                                                       + [-1] * ((rows.shape[1] - 3) // 2 - 1)
+                                                       + [1, 7, (rows.shape[1] - 3) // 2]] * rows.shape[0])
+    monkeypatch.setattr(K, "compact_kv", lambda *args: None)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    first = [5, 6, 7, 8, 5, 6, 7, 9, 10]
+    copies = HostCopies(monkeypatch)
+    cached = {}
+    with copies:
+        engine.add_request(first, params, request_id="first")
+        engine.add_request([11, 12], SamplingParams(max_tokens=12, ignore_eos=True), request_id="decoding")
+        while "first" not in cached:  # 3 prefill steps, then 2 decoding
+            cached |= {out.request_id: out.num_cached_tokens for out in engine.step() if out.finished}
+        engine.add_request(first + [7, 7, 7, 13], params, request_id="second")  # every generated token is 7
+        engine.step()
+        engine.add_request(first[:6] + [14, 15], params, request_id="shares")
+        while engine.has_work():
+            cached |= {out.request_id: out.num_cached_tokens for out in engine.step() if out.finished}
+    monkeypatch.undo()
+    assert cached == {"first": 0, "decoding": 0, "second": len(first) + 2, "shares": 6}
+    return cached, copies
+
+
+@pytest.mark.parametrize("algorithm", ["none", "ngram", "eagle", "eagle3", "mtp"])
+def test_prefix_reuse_and_chunked_prefill_make_no_pageable_copy(tiny_target_dir, drafter_dirs, monkeypatch,  # noqa: F811
+                                                                algorithm):
+    """The target's rows and the drafter's state copied between slots, prompts in chunks."""
+    model_dir, drafter = drafter_dirs.get(algorithm, (tiny_target_dir, None))
+    _, copies = _reuse_steps(_meta_engine(model_dir, algorithm, drafter, max_num_batched_tokens=4), monkeypatch)
+    assert copies.pageable == []
+
+
+def test_a_pageable_copy_put_back_in_the_prefill_fails(tiny_target_dir, monkeypatch):
+    import specserve.runtime.prefill as prefill
+
+    monkeypatch.setattr(prefill, "to_device", lambda values, device, dtype=torch.int64: torch.tensor(
+        values, dtype=dtype, device=device))
+    _, copies = _reuse_steps(_meta_engine(tiny_target_dir, "none", max_num_batched_tokens=4), monkeypatch)
+    assert copies.pageable
 
 
 def test_a_pageable_copy_put_back_fails(tiny_target_dir, monkeypatch):

@@ -4,6 +4,10 @@ A drafter proposes one `DraftTree` per running request before each verify forwar
 which nodes were accepted afterwards. It does not know about KV-cache slots, sampling or
 tokenization; model-based drafters (EAGLE, MTP) read the target's hidden states from the
 `ForwardOutput`s they are handed (asking for layers through `aux_layers`).
+
+A drafter with per-slot state (a draft KV cache, stored target features) keeps it for a slot's
+content after its request ends: `copy_prefix` hands a new request the state of a reused prefix
+(prefix caching), and `on_prefill` sees a prompt chunk by chunk, after the reused positions.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from specserve.tree import DraftTree, TreeBatch
 if TYPE_CHECKING:
     from specserve.config import SpecConfig
     from specserve.models.llama import ForwardOutput, LlamaModel
+    from specserve.runtime.prefill import PackedPrompts
     from specserve.tree import DraftShape
 
 
@@ -105,14 +110,24 @@ class Drafter:
         drafter catches up here on what it has not seen."""
         raise NotImplementedError
 
-    def on_prefill(self, seqs: Sequence[SequenceView], out: ForwardOutput) -> None:
-        """After the target's prefill of these sequences, once their first token is appended.
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """A request admitted into slot `dst` reuses the first n tokens of slot `src`'s content
+        (src == dst: in place; n = 0: nothing). Make dst's state for those tokens src's (copied
+        when the slots differ) and forget dst's state beyond them. Rows of src below n never change
+        while this runs, and the target's K/V are copied already."""
 
-        out: the prefill forward's output (rows in `seqs` order, columns = prompt positions).
+    def on_prefill(self, seqs: Sequence[SequenceView], out: ForwardOutput, packed: PackedPrompts) -> None:
+        """After a prefill forward computed a chunk of each of these sequences' prompts.
+
+        out: that forward's output, its columns packed (`runtime.prefill`): seqs[i]'s chunk is
+        `packed.chunks[i]`, prompt positions [start, end), its columns `packed.columns(i)`;
+        seqs[i].cache_len = end. A chunk that ends the prompt comes after the first token is
+        appended (token_ids then holds it, the tree root); other chunks leave more prompt to come.
         """
 
     def on_accept(self, seqs: Sequence[SequenceView], out: ForwardOutput, accepted: Sequence[torch.Tensor]) -> None:
-        """After verify, when seqs' token_ids already hold the new tokens (finished requests are left out).
+        """After verify, when seqs' token_ids already hold the new tokens (requests that finished
+        this step included: their slot's content may be reused).
 
         out: the verify forward's output (rows in `seqs` order, columns = tree nodes).
         accepted: per sequence, the accepted node indices of its tree (root first).

@@ -7,10 +7,12 @@ j+2. Its cache therefore always has the target's length L (= the request's cache
 L-1 pairs the tree root with the last accepted feature, and the hidden state it produced
 (`last_hidden`) gives the root's children without another forward.
 
-on_prefill / on_accept only store the target's features of the new positions (`features`); the
-head catches up over everything it has not seen at the start of the next propose, overwriting the
-scratch area, so the drafter's cache holds target features only. Steps that decode without drafts
-therefore cost the drafter nothing. How each head forward runs (eager, the CPU's compiled
+on_accept only stores the target's features of the new positions (`features`); the head catches
+up over everything it has not seen at the start of the next propose, overwriting the scratch area,
+so the drafter's cache holds target features only. Steps that decode without drafts therefore cost
+the drafter nothing. on_prefill stores a prompt chunk's features and catches the head up on them at
+once, so a long prompt's catch-up is spread over its prefill chunks. A slot keeps its features and
+head K/V after its request ends; `copy_prefix` hands them to a request that reuses its prefix. How each head forward runs (eager, the CPU's compiled
 programs, few-row chunks of a long catch-up) is `runtime.head.HeadRunner`'s choice.
 propose: after the catch-up, step 0 takes topk children of the root from `last_hidden`;
 `beam.grow_trees_on_device` runs the num_steps - 1 draft forwards over the beam (rope position
@@ -38,6 +40,7 @@ from specserve.methods import method
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, KeyMask, rope_table
 from specserve.runtime.head import HeadRunner
+from specserve.runtime.prefill import PackedPrompts
 from specserve.staging import to_device
 from specserve.tree import DraftShape, DraftTree, TreeBatch
 
@@ -113,11 +116,23 @@ class EagleDrafter(Drafter):
 
     # ---- Drafter hooks ------------------------------------------------------------------------
 
-    def on_prefill(self, seqs: Sequence[SequenceView], out: ForwardOutput) -> None:
-        feats = self._features(out)  # (B, T, F) over the prompts
-        for i, s in enumerate(seqs):
-            self.features[s.slot, : s.cache_len] = feats[i, : s.cache_len]
-            self.synced[s.slot] = 0
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """The features of positions [0, n) and the head's K/V of [0, n - 1) (position j pairs
+        token j + 1, the first that may differ, with feature j) as far as src's head has them."""
+        keep = max(min(self.synced[src], n - 1), 0)
+        if src != dst:
+            self.cache.copy_prefix(src, dst, keep)
+            self.features[dst, :n] = self.features[src, :n]
+        self.synced[dst] = keep
+
+    def on_prefill(self, seqs: Sequence[SequenceView], out: ForwardOutput, packed: PackedPrompts) -> None:
+        """Store the chunk's features, then catch the head up on them, one sequence per forward (no
+        padding): a long prompt's catch-up goes chunk by chunk with its prefill."""
+        feats = self._features(out)  # (1, N, F) over the packed chunks
+        for i, (s, c) in enumerate(zip(seqs, packed.chunks)):
+            self.features[s.slot, c.start : c.end] = feats[0, packed.columns(i)]
+        for s in seqs:
+            self._catch_up([s])
 
     def on_accept(self, seqs: Sequence[SequenceView], out: ForwardOutput, accepted: Sequence[torch.Tensor]) -> None:
         t = max(len(a) for a in accepted)

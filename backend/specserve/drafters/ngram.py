@@ -260,6 +260,9 @@ class NgramDrafter(Drafter):
     """The Drafter for algorithm=ngram: one NgramTrie per request over its prompt + generated tokens.
 
     propose() first inserts the tokens appended since the last call, so on_accept has nothing to do.
+    A finished request's trie stays with its slot: the next request admitted into that slot whose
+    reused prefix covers every token the trie saw (a second turn) continues it instead of building
+    a trie over its whole prompt again.
     """
 
     @classmethod
@@ -270,19 +273,35 @@ class NgramDrafter(Drafter):
         _check(spec)
         self.spec = spec
         self._tries: dict[str, NgramTrie] = {}
+        self._slots: dict[str, int] = {}  # request id -> its slot (where its trie stays after it ends)
+        self._kept: dict[int, NgramTrie] = {}  # slot -> the trie of the request that left it
 
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree]:
         shape = shape or DraftShape.configured(self.spec)
-        return [self._propose_one(s.request_id, s.token_ids, shape.num_draft_tokens) for s in seqs]
+        return [self._propose_one(s.request_id, getattr(s, "slot", None), s.token_ids, shape.num_draft_tokens)
+                for s in seqs]
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """dst's kept trie goes to its new request when every token it saw is reused in place."""
+        trie = self._kept.get(dst)
+        if trie is not None and (src != dst or trie.num_tokens > n):
+            del self._kept[dst]
 
     def release(self, request_id: str) -> None:
-        self._tries.pop(request_id, None)
+        trie, slot = self._tries.pop(request_id, None), self._slots.pop(request_id, None)
+        if trie is not None and slot is not None:
+            self._kept[slot] = trie
 
-    def _propose_one(self, request_id: str, token_ids: Sequence[int], num_draft_tokens: int) -> DraftTree:
+    def _propose_one(self, request_id: str, slot: int | None, token_ids: Sequence[int],
+                     num_draft_tokens: int) -> DraftTree:
         spec = self.spec
         trie = self._tries.get(request_id)
+        if trie is None and slot is not None:
+            self._slots[request_id] = slot
+            trie = self._kept.pop(slot, None)
         if trie is None or trie.num_tokens > len(token_ids):  # new request (or a stream that shrank)
-            trie = self._tries[request_id] = NgramTrie(spec.ngram_branch_length, spec.ngram_capacity)
+            trie = NgramTrie(spec.ngram_branch_length, spec.ngram_capacity)
+        self._tries[request_id] = trie
         trie.extend(token_ids[trie.num_tokens :])
         matches = trie.match(token_ids, spec.ngram_min_match_window, spec.ngram_max_match_window)
         out = _DraftBuilder(token_ids[-1], num_draft_tokens)

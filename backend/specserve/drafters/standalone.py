@@ -4,8 +4,9 @@ The draft model is either a separate HF directory (`drafter_path`, loaded like t
 with no path, a self-speculative draft made of the target's first `standalone_num_layers` layers
 plus its final norm and lm_head (the same modules, no extra weights). It keeps its own KV cache
 (one slot per request, like the target's) and, before drafting, catches up on every token not yet
-in that cache (the prompt on the first call, then the accepted tokens and the root), so no refresh
-after verify is needed. Trees come from `beam.grow_trees` (topk=1 is a chain).
+in that cache (the accepted tokens and the root), so no refresh after verify is needed. A prompt
+is cached chunk by chunk with its prefill (`on_prefill`); a slot's draft K/V stay after its request
+ends, and `copy_prefix` hands them to a request that reuses its prefix. Trees come from `beam.grow_trees` (topk=1 is a chain).
 
 The draft model never sees the target's hidden states; it does not verify or sample.
 """
@@ -25,6 +26,7 @@ from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, KeyMask, LlamaModel, scattered_attention_inputs
 from specserve.models.weights import empty_modules, load_llama
+from specserve.runtime.prefill import PackedPrompts
 from specserve.staging import to_device
 from specserve.tree import DraftShape, DraftTree
 
@@ -65,9 +67,26 @@ class StandaloneDrafter(Drafter):
         self.cached = [0] * ctx.num_slots  # per slot: tokens whose K/V are in the draft cache
         self.device = ctx.device
 
-    def on_prefill(self, seqs: Sequence[SequenceView], out: ForwardOutput) -> None:
-        for s in seqs:  # a new request in this slot: its prompt is drafted on the first propose
-            self.cached[s.slot] = 0
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """The draft K/V of the reused tokens [0, n), as far as src's draft cache has them."""
+        keep = min(self.cached[src], n)
+        if src != dst:
+            self.cache.copy_prefix(src, dst, keep)
+        self.cached[dst] = keep
+
+    def on_prefill(self, seqs: Sequence[SequenceView], out: ForwardOutput, packed: PackedPrompts) -> None:
+        """The draft model over each sequence's prompt tokens it has not cached, up to the chunk's
+        end, one sequence per forward: a long prompt's draft K/V come chunk by chunk with its prefill."""
+        for s in seqs:
+            start, end = self.cached[s.slot], s.cache_len
+            if end <= start:
+                continue
+            tokens, positions = to_device([s.token_ids[start:end], list(range(start, end))], self.device)  # (T,) each
+            mask = None if start == 0 else KeyMask(positions[:1])
+            a = scattered_attention_inputs(self.model.rope, positions[None], positions[None], [s.slot], mask, end)
+            with self.model_forward():  # the layers alone: no logits needed
+                self.model.run_layers(tokens[None], lambda i, attn, x, a=a: attn(x, self.cache.layer(i), a))
+            self.cached[s.slot] = end
 
     def _topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs, tokens = logits.softmax(-1).topk(self.spec.topk, dim=-1)

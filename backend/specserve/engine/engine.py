@@ -2,8 +2,10 @@
 
 Each `step()`:
   1. takes new requests and aborts from the inbox (thread-safe `add_request` / `abort`);
-  2. admits waiting requests into free slots and prefills them in one batched forward; each gets
-     its first token (which becomes its tree root);
+  2. admits waiting requests into free slots, each reusing the longest cached prefix of its prompt
+     (`prefix_cache`), and prefills the rest of the prompts within `max_num_batched_tokens`, chunk
+     by chunk over several steps when longer, packed into one forward without padding
+     (`runtime.prefill`); a prompt's last chunk gives its first token (its tree root);
   3. for all other running requests: drafter.propose -> one target forward over every tree with
      tree attention -> verify (greedy or lossless sampling) -> compact accepted KV -> drafter.on_accept;
   4. appends tokens, checks stop conditions, and returns one `RequestOutput` delta per request.
@@ -45,6 +47,7 @@ from specserve.engine.outputs import (
     QueueFull,  # noqa: F401 - callers import it from here too
     RequestOutput,
 )
+from specserve.engine.prefix_cache import PrefixCache, PromptCounters, RunningRows
 from specserve.engine.sampling import (
     apply_penalties,
     draw_uniforms,
@@ -55,10 +58,10 @@ from specserve.engine.sampling import (
 from specserve.host_memory import keep_freed_memory
 from specserve.methods import method
 from specserve.models.kv_cache import KVCache
-from specserve.models.llama import ForwardOutput
 from specserve.models.weights import load_llama
 from specserve.runtime.memory import DeviceMemory, check_kv_cache_fits
 from specserve.runtime.plan import RuntimePlan
+from specserve.runtime.prefill import PromptChunk, split_packs
 from specserve.runtime.target import TargetRunner
 from specserve.staging import to_device
 from specserve.tree import DraftShape, DraftTree, TreeBatch
@@ -66,6 +69,7 @@ from specserve.tree import DraftShape, DraftTree, TreeBatch
 log = logging.getLogger(__name__)
 
 MAX_TREE_NODES = 64  # the cache keeps this many spare positions so padded tree nodes never overflow
+MAX_PACKED_TOKENS = 32768  # prompt tokens per prefill forward (its staged inputs fit the staging ring)
 WARM_UP_TEXT = (
     "The quick brown fox jumps over the lazy dog. Speculative decoding drafts a few tokens cheaply and "
     "verifies them with one forward of the target model, so the output stays exactly the same. "
@@ -139,7 +143,8 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(default_factory=list)  # prompt + generated; last = tree root
     slot: int = -1
-    cache_len: int = 0  # tokens whose K/V are in the slot (all of token_ids but the root)
+    cache_len: int = 0  # tokens whose K/V are in the slot (all of token_ids but the root; while prefilling, fewer)
+    num_cached_tokens: int = 0  # prompt tokens whose K/V were reused from the prefix cache
     finish_reason: str | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -155,6 +160,11 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_ids)
 
+    @property
+    def prefilling(self) -> bool:
+        """Part of its prompt is still to be computed (it has no first token yet)."""
+        return len(self.token_ids) == len(self.prompt_ids)
+
     def output(self) -> RequestOutput:
         finished = self.finish_reason is not None
         out = RequestOutput(
@@ -164,6 +174,7 @@ class Request:
             finished=finished,
             finish_reason=self.finish_reason,
             num_prompt_tokens=len(self.prompt_ids),
+            num_cached_tokens=self.num_cached_tokens,
             num_output_tokens=self.num_output_tokens,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
@@ -206,6 +217,9 @@ class Engine:
         self.runner = TargetRunner(
             self.model, self.cache, config, self.plan, aux_layers=self.drafter.aux_layers, num_draft_tokens=min(self.spec.num_draft_tokens, MAX_TREE_NODES),
         )
+        # after the runner, which reserves the static buckets' padding slot
+        self.prefix_cache = PrefixCache(self.cache, config.enable_prefix_caching, config.prefix_cache_max_tokens)
+        self.prompt_counters = PromptCounters()
         self._default_generator = torch.Generator().manual_seed(0)
         self._forced_shape: DraftShape | None = None  # warm-up runs each shape in turn
         self._observe = True  # whether steps feed the chooser's estimates
@@ -278,7 +292,10 @@ class Engine:
     def load(self) -> EngineLoad:
         with self._lock:
             waiting = len(self._inbox) + len(self.waiting)
-        return EngineLoad(waiting=waiting, running=len(self.running), kv_slots_used=len(self.running))
+        counters = self.prompt_counters
+        return EngineLoad(waiting=waiting, running=len(self.running), kv_slots_used=len(self.running),
+                          prefix_cache_tokens=self.prefix_cache.cached_tokens,
+                          prompt_tokens_reused=counters.reused, prompt_tokens_computed=counters.computed)
 
     # ---- the engine thread ------------------------------------------------------------------
 
@@ -286,14 +303,13 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         self._outputs = outputs = self._take_inbox()
         outputs += self._expire()
-        admitted = self._admit()
-        decoding = [r for r in self.running if r not in admitted]
-        if admitted:
-            self._prefill(admitted)
+        self._admit()
+        decoding = [r for r in self.running if not r.prefilling]
+        prefilled = self._prefill(self._prompt_chunks())
         start = time.perf_counter()
         if decoding:
             self._verify_step(decoding)
-        for req in admitted + decoding:
+        for req in prefilled + decoding:
             if req.finish_reason is not None or req.pending_ids:
                 outputs.append(req.output())
             if req.finish_reason is not None:
@@ -315,6 +331,8 @@ class Engine:
         for bs in self.chooser.buckets:
             ids = [self.add_request(prompt, params, request_id=f"warm-up-{bs}-{i}") for i in range(bs)]
             self.step()  # admit and prefill
+            while any(r.prefilling for r in self.running):  # a prompt longer than max_num_batched_tokens
+                self.step()
             for shape in self.chooser.menu:
                 for i in range(steps_per_shape):
                     self._forced_shape, self._observe = shape, i > 0
@@ -325,6 +343,8 @@ class Engine:
         self._forced_shape, self._observe, self._warming_up = None, True, False
         self.chooser.forget_acceptance()
         self.profile = StepProfile()
+        self.prefix_cache.forget()  # the synthetic prompt is no one's prefix
+        self.prompt_counters = PromptCounters()
         log.info("adaptive speculation: %d shapes x batch sizes %s measured in %.1f s",
                  len(self.chooser.menu), self.chooser.buckets, time.perf_counter() - start)
 
@@ -342,7 +362,7 @@ class Engine:
         if req in self.waiting:
             self.waiting.remove(req)
         else:
-            self._release(req)
+            self._release(req, keep=reason != FINISH_ERROR)  # after an error its K/V are not trusted
         return out
 
     def _take_inbox(self) -> list[RequestOutput]:
@@ -361,37 +381,66 @@ class Engine:
         return [self._end(req, FINISH_TIMEOUT, error) for req in [r for r in (*self.waiting, *self.running)
                                                                   if now - r.arrival > timeout]]
 
-    def _admit(self) -> list[Request]:
-        admitted = []
+    def _admit(self) -> None:
+        """Waiting requests into free slots (`PrefixCache.place`): each starts with the K/V of its
+        prompt's longest cached prefix, copied into its slot with the drafter's state for it."""
         while self.waiting and self.cache.num_free:
             req = self.waiting.popleft()
-            req.slot = self.cache.allocate()
-            admitted.append(req)
+            rows = [RunningRows(r.slot, r.token_ids, r.cache_len) for r in self.running]
+            place = self.prefix_cache.place(req.prompt_ids, rows)
+            self.cache.copy_prefix(place.source, place.slot, place.reused)
+            self.drafter.copy_prefix(place.source, place.slot, place.reused)
+            req.slot, req.cache_len, req.num_cached_tokens = place.slot, place.reused, place.reused
+            self.prompt_counters.reused += place.reused
             self.running.append(req)
         self.running.sort(key=lambda r: r.slot)  # consecutive slots -> the model reads a cache view
-        return admitted
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, keep: bool = True) -> None:
+        """Free its slot, which keeps the K/V of its tokens below cache_len for reuse (unless not `keep`)."""
         if req in self.running:
             self.running.remove(req)
-            self.cache.free(req.slot)
+            self.prefix_cache.release(req.slot, req.token_ids[: req.cache_len] if keep else ())
             self.drafter.release(req.request_id)
 
-    def _prefill(self, reqs: list[Request]) -> None:
-        """One padded causal forward over the prompts; samples each request's first token."""
-        lens = [len(r.prompt_ids) for r in reqs]
-        t = max(lens)
-        tokens = to_device([r.prompt_ids + [0] * (t - n) for r, n in zip(reqs, lens)], self.device)  # (B, T)
-        last = to_device(lens, self.device)[:, None] - 1  # (B, 1)
-        out = self.runner.prefill(tokens, [r.slot for r in reqs], last)
-        for r, n in zip(reqs, lens):
-            r.cache_len = n
+    def _prompt_chunks(self) -> list[tuple[Request, PromptChunk]]:
+        """This step's prompt work: the prefilling requests in arrival order, each its next chunk,
+        until `max_num_batched_tokens` prompt tokens (0: whole prompts)."""
+        budget = self.config.prompt_tokens_per_step or self.config.max_seq_len * len(self.running)
+        chunks = []
+        for req in sorted((r for r in self.running if r.prefilling), key=lambda r: r.arrival):
+            n = min(len(req.prompt_ids) - req.cache_len, budget)
+            if n <= 0:
+                break
+            tokens = tuple(req.prompt_ids[req.cache_len : req.cache_len + n])
+            chunks.append((req, PromptChunk(req.slot, req.cache_len, tokens)))
+            budget -= n
+        return chunks
+
+    def _prefill(self, work: list[tuple[Request, PromptChunk]]) -> list[Request]:
+        """Prompt chunks packed into forwards without padding (`runtime.prefill`); a request whose
+        prompt this completes samples its first token. Returns the requests whose chunk ran."""
+        first = 0
+        for packed in split_packs([c for _, c in work], MAX_PACKED_TOKENS):  # consecutive chunks each
+            reqs = [r for r, _ in work[first : first + len(packed.chunks)]]
+            first += len(packed.chunks)
+            out = self.runner.prefill(packed)
+            for r, c in zip(reqs, packed.chunks):
+                r.cache_len = c.end
+            self.prompt_counters.computed += packed.num_tokens
+            done = [i for i, r in enumerate(reqs) if r.cache_len == len(r.prompt_ids)]
+            if done:
+                self._first_tokens([reqs[i] for i in done], out.logits.transpose(0, 1), done)  # (K, 1, V)
+            self.drafter.on_prefill(reqs, out, packed)
+        return [r for r, _ in work]
+
+    def _first_tokens(self, reqs: list[Request], logits: torch.Tensor, rows: list[int]) -> None:
+        """Sample each request's first token from its prompt's last logits: rows of logits (K, 1, V)."""
+        if len(rows) < logits.shape[0]:
+            logits = logits[to_device(rows, self.device)]
         roots = TreeBatch.root_only(to_device([r.token_ids[-1] for r in reqs], self.device))
-        v = self._verify(reqs, roots, out.logits, prefill=True)
-        emitted, logprobs = v.emitted, v.logprobs
-        for r, tokens, lp in zip(reqs, emitted, logprobs):
+        v = self._verify(reqs, roots, logits, prefill=True)
+        for r, tokens, lp in zip(reqs, v.emitted, v.logprobs):
             self._append_tokens(r, tokens, lp)
-        self.drafter.on_prefill(reqs, out)
 
     def _fit_trees(self, reqs: list[Request], proposal: list[DraftTree] | TreeBatch) -> TreeBatch:
         """Trim each tree to the context its request has left (nodes are parent-ordered, so a
@@ -457,16 +506,11 @@ class Engine:
             r.pending_accept_lengths.append(n)
             r.pending_tree_sizes.append(tree_size)
             self._append_tokens(r, tokens, lp)
-        live = [i for i, r in enumerate(reqs) if r.finish_reason is None]
-        if live:
-            t4 = clock()
-            if len(live) < len(reqs):
-                rows = to_device(live, self.device)
-                aux = out.aux_hidden[rows] if out.aux_hidden is not None else None
-                out = ForwardOutput(logits=out.logits[rows], hidden=out.hidden[rows], aux_hidden=aux)
-            accepted = [result.accepted_nodes[i, : len(emitted[i])] for i in live]
-            self.drafter.on_accept([reqs[i] for i in live], out, accepted)
-            p.drafter_update += clock() - t4
+        # finished requests too: the drafter's state for their slot's content may be reused
+        t4 = clock()
+        accepted = [result.accepted_nodes[i, : len(emitted[i])] for i in range(len(reqs))]
+        self.drafter.on_accept(reqs, out, accepted)
+        p.drafter_update += clock() - t4
         if self._observe:
             lengths = [len(e) for e in emitted]
             seconds = clock() - start if settled and not catching_up else None

@@ -19,6 +19,9 @@ class EngineLoad:
     waiting: int  # queued for a slot (new arrivals included)
     running: int  # holding a KV slot
     kv_slots_used: int
+    prefix_cache_tokens: int = 0  # tokens whose K/V free slots keep for reuse
+    prompt_tokens_reused: int = 0  # so far: prompt tokens found in the prefix cache
+    prompt_tokens_computed: int = 0  # so far: prompt positions the target computed
 
 
 @dataclass
@@ -37,6 +40,7 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (vLLM's name)
     num_output_tokens: int = 0
     num_draft_tokens: int = 0  # draft tokens proposed (root excluded)
     num_accepted_tokens: int = 0  # draft tokens accepted

@@ -1,7 +1,8 @@
 """A static KV cache: allocated once, `num_slots × max_len` token entries per layer.
 
 A request owns one slot for its lifetime; its tokens sit at positions [0, cache_len) of that slot.
-This module only allocates and hands out slots; the model writes entries, verification compacts them.
+This module only allocates, hands out and copies slots' entries; the model writes entries,
+verification compacts them, and `engine.prefix_cache` decides which slot a request takes.
 """
 
 from __future__ import annotations
@@ -40,8 +41,17 @@ class KVCache:
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self) -> int:
-        """The lowest free slot, so a batch's slots tend to be consecutive (read as a view)."""
+    @property
+    def free_slots(self) -> list[int]:
+        """The free slots, lowest first."""
+        return sorted(self._free)
+
+    def allocate(self, slot: int | None = None) -> int:
+        """`slot` (which must be free), or the lowest free slot, so a batch's slots tend to be
+        consecutive (read as a view)."""
+        if slot is not None:
+            self._free.remove(slot)
+            return slot
         self._free.sort()
         return self._free.pop(0)
 
@@ -53,3 +63,8 @@ class KVCache:
     def free(self, slot: int) -> None:
         assert slot not in self._free, f"slot {slot} freed twice"
         self._free.append(slot)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Entries [0, n) of slot `src` into slot `dst`, every layer, on the device (no host sync)."""
+        if n > 0 and src != dst:
+            self.data[:, :, dst, :, :n] = self.data[:, :, src, :, :n]

@@ -2,7 +2,8 @@
 
 Per forward the runner picks, by its `RuntimePlan`: a CUDA-graph bucket (or the same static bucket
 run eagerly, `graph_mode=static`), the CPU's compiled program where `PathChooser` measured it
-faster, or the eager model. Prefills never run in a bucket. The runner also picks the attention
+faster, or the eager model. Prefills never run in a bucket: they pack prompt chunks of several
+requests into one forward without padding (`runtime.prefill`). The runner also picks the attention
 backend each bucket plans and replays.
 
 This module knows nothing about requests, drafts or verification: it runs forwards and times the
@@ -27,6 +28,7 @@ from specserve.runtime.compiled import CompiledTarget, compiled_or_none
 from specserve.runtime.cuda_graph import GraphRunner, default_batch_sizes
 from specserve.runtime.paths import PathChooser, time_interleaved
 from specserve.runtime.plan import RuntimePlan
+from specserve.runtime.prefill import PackedPrompts, PromptChunk, concat_outputs, packed_forward
 from specserve.staging import to_device
 
 log = logging.getLogger(__name__)
@@ -78,18 +80,23 @@ class TargetRunner:
 
     # ---- forwards -------------------------------------------------------------------------------
 
-    def prefill(self, tokens: torch.Tensor, slots: list[int], last: torch.Tensor) -> ForwardOutput:
-        """One causal forward over fresh prompts. tokens (B, T) on the device, padded after each
-        prompt; slots: the requests' slots; last (B, 1): each prompt's last position (its logits)."""
-        b, t = tokens.shape
-        dev = tokens.device
-        positions = torch.arange(t, device=dev).expand(b, t)
-        slots_t, zeros = to_device(slots, dev), torch.zeros(b, dtype=torch.int64, device=dev)
-        if self.compiled is not None and self.compiled.fits(b, t, 0):
-            causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(b, t, t)
-            return self.compiled.forward(tokens, positions, slots_t, zeros, causal, [0] * b, last)
-        attn = self.model.attention_inputs(positions, slots_t, zeros, None, self.cache, [0] * b, slots)
-        return self.model(tokens, attn, self.cache, logit_index=last, aux_layers=self.aux_layers)
+    def prefill(self, packed: PackedPrompts) -> ForwardOutput:
+        """A forward over prompt chunks (`runtime.prefill`): each chunk's tokens after the positions
+        its slot holds. Returns logits (1, K, V) at each chunk's last position, hidden (1, N, H) and
+        aux over the N packed columns. On a CPU with the compiled program, chunk by chunk through
+        it; else one packed eager forward (no padding either way)."""
+        if self.compiled is not None and all(self.compiled.fits(1, len(c.tokens), c.start) for c in packed.chunks):
+            return concat_outputs([self._compiled_chunk(c) for c in packed.chunks])
+        return packed_forward(self.model, self.cache, packed, self.aux_layers)
+
+    def _compiled_chunk(self, c: PromptChunk) -> ForwardOutput:
+        """One chunk through the compiled program: (1, T) causal after its slot's first `start` entries."""
+        assert self.compiled is not None
+        dev, t = self.cache.data.device, len(c.tokens)
+        staged = to_device([list(c.tokens), list(range(c.start, c.end))], dev)  # (2, T): tokens, positions
+        slot, start, last = to_device([c.slot, c.start, t - 1], dev).split(1)  # (1,) each
+        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()[None]  # (1, T, T)
+        return self.compiled.forward(staged[0:1], staged[1:2], slot, start, causal, [c.start], last[:, None])
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache_lens: torch.Tensor,
              mask: torch.Tensor, root_only: bool, host_lens: list[int], host_slots: list[int]) -> tuple[ForwardOutput, bool]:
