@@ -26,6 +26,7 @@ import numpy as np
 
 STAT_OUTPUTS = (
     "num_input_tokens",
+    "num_cached_tokens",
     "num_output_tokens",
     "total_draft_tokens",
     "total_accepted_draft_tokens",

@@ -1,10 +1,12 @@
-"""The prefix cache's choices (slot matching, LRU hand-out, the eviction bound) and its knobs. No
-model: a small KV cache of slots."""
+"""The prefix cache's choices (slot matching, LRU hand-out, the eviction bound), its knobs, the
+Prometheus series and the response output that report it. No model: a small KV cache of slots."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from test_triton_model import FakeFamily, triton_model  # noqa: F401 - the fake Triton backend's fixture
 
 from specserve.config import EngineConfig, ModelConfig
 from specserve.engine.prefix_cache import PrefixCache, RunningRows, common_prefix
@@ -164,3 +166,34 @@ def test_knobs_are_config_parameters_and_flags():
     assert engine_config_from_parameters({"device": "cpu"}).prompt_tokens_per_step == 512
     with pytest.raises(ValueError, match="^max_num_batched_tokens: expected an integer"):
         engine_config_from_parameters({"max_num_batched_tokens": "many"})
+
+
+# ---- what serving reports -----------------------------------------------------------------------
+
+
+def test_responses_carry_num_cached_tokens():
+    from specserve.serving.contract import OUTPUTS, ResponseDelta, output_arrays
+
+    assert OUTPUTS["num_cached_tokens"] == "UINT32"
+    arrays = output_arrays(ResponseDelta(text="x", token_ids=[1], finish_reason=None, num_input_tokens=40,
+                                         num_output_tokens=1, num_draft_tokens=0, num_accepted_tokens=0,
+                                         num_verify_steps=0, num_cached_tokens=31))
+    assert arrays["num_cached_tokens"].dtype == np.uint32 and arrays["num_cached_tokens"].tolist() == [31]
+
+
+def test_prefix_metrics_follow_the_engine_load(triton_model):  # noqa: F811
+    from specserve.engine.outputs import EngineLoad
+    from specserve.serving.metrics import ServingMetrics
+
+    FakeFamily.created.clear()
+    m = ServingMetrics("m", "1")
+
+    def values(name: str) -> list[float]:
+        return FakeFamily.created["specserve:" + name].metrics[0][1].values
+
+    m.set_load(EngineLoad(0, 1, 1, prefix_cache_tokens=50, prompt_tokens_reused=30, prompt_tokens_computed=70))
+    m.set_load(EngineLoad(0, 1, 1, prefix_cache_tokens=20, prompt_tokens_reused=30, prompt_tokens_computed=75))
+    m.set_load(EngineLoad(0, 0, 0, prefix_cache_tokens=0, prompt_tokens_reused=4, prompt_tokens_computed=6))  # a new engine
+    assert values("prefix_cache_tokens") == [50.0, 20.0, 0.0]
+    assert values("prompt_tokens_cached_total") == [30.0, 4.0]
+    assert values("prompt_tokens_computed_total") == [70.0, 5.0, 6.0]

@@ -75,6 +75,7 @@ OUTPUTS: dict[str, str] = {
     "finish_reason": "BYTES",
     "num_input_tokens": "UINT32",
     "num_output_tokens": "UINT32",  # in this response (as vLLM's backend counts them)
+    "num_cached_tokens": "UINT32",  # prompt tokens found in the prefix cache (vLLM's num_cached_tokens)
     "logprobs": "BYTES",  # JSON as vLLM's backend: per token {id: {logprob, rank, decoded_token}}, or null
     "cumulative_logprob": "FP32",
     "total_draft_tokens": "INT32",
@@ -135,6 +136,7 @@ class ResponseDelta:
     num_verify_steps: int
     logprobs: list[dict[str, dict[str, Any]]] | None = None  # vLLM's backend format (`logprobs_entries`)
     cumulative_logprob: float = 0.0
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 def logprobs_entries(logprobs: list[dict[int, tuple[float, int]]], decode: Callable[[int], str]) -> list[dict[str, dict[str, Any]]]:
@@ -157,6 +159,7 @@ def output_arrays(delta: ResponseDelta) -> dict[str, np.ndarray]:
         "finish_reason": np.array([(delta.finish_reason or "").encode("utf-8")], dtype=np.object_),
         "num_input_tokens": np.array([delta.num_input_tokens], dtype=np.uint32),
         "num_output_tokens": np.array([delta.num_output_tokens], dtype=np.uint32),
+        "num_cached_tokens": np.array([delta.num_cached_tokens], dtype=np.uint32),
         "logprobs": np.array([json.dumps(delta.logprobs).encode("utf-8")], dtype=np.object_),
         "cumulative_logprob": np.array([delta.cumulative_logprob], dtype=np.float32),
         "total_draft_tokens": np.array([delta.num_draft_tokens], dtype=np.int32),

@@ -2,7 +2,8 @@
 
 Named like vLLM's backend (`vllm:time_to_first_token_seconds` ...) under a `specserve:` prefix,
 plus what nobody else reports: speculative acceptance (accept length per verify step, draft
-tokens proposed / accepted). Every series is labelled `model` and `version`.
+tokens proposed / accepted), and prefix caching (prompt tokens reused / computed, tokens cached).
+Every series is labelled `model` and `version`.
 
 The Python backend of Triton 2.51 supports `MetricFamily.HISTOGRAM` (`Metric(labels, buckets)`,
 `observe`). Where it does not (older backends), a histogram degrades to two counters,
@@ -118,6 +119,13 @@ class ServingMetrics:
         self.requests_waiting = gauge("num_requests_waiting", "Requests queued for a KV slot.")
         self.requests_running = gauge("num_requests_running", "Requests holding a KV slot (decoding).")
         self.kv_slots_used = gauge("kv_slots_used", "KV-cache slots in use.")
+        self.prefix_cache_tokens = gauge("prefix_cache_tokens",
+                                         "Tokens whose K/V the free KV slots keep for reuse (prefix caching).")
+        self.prompt_tokens_cached = counter("prompt_tokens_cached_total",
+                                            "Prompt tokens whose K/V were reused from the prefix cache, not computed.")
+        self.prompt_tokens_computed = counter("prompt_tokens_computed_total",
+                                              "Prompt positions the target computed (prefill chunks, no padding).")
+        self._prompt_totals = (0, 0)  # the engine's (reused, computed) at the last set_load
         family = pb_utils.MetricFamily(
             PREFIX + "request_finished_total", "Finished requests by finish reason.", pb_utils.MetricFamily.COUNTER
         )
@@ -143,6 +151,14 @@ class ServingMetrics:
         self.requests_waiting.set(float(load.waiting))
         self.requests_running.set(float(load.running))
         self.kv_slots_used.set(float(load.kv_slots_used))
+        self.prefix_cache_tokens.set(float(load.prefix_cache_tokens))
+        totals = (load.prompt_tokens_reused, load.prompt_tokens_computed)
+        for counter, now, before in zip((self.prompt_tokens_cached, self.prompt_tokens_computed), totals,
+                                        self._prompt_totals):
+            added = now - before if now >= before else now  # fewer: a new engine (after an upgrade) counts from 0
+            if added:
+                counter.increment(float(added))
+        self._prompt_totals = totals
 
     def on_finish(self, stats: RequestStats) -> None:
         self.finished.get(stats.finish_reason, self.finished[FINISH_ERROR]).increment(1.0)

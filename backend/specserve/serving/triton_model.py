@@ -181,6 +181,7 @@ class _ResponseStream:
             num_verify_steps=out.num_verify_steps,
             logprobs=None if logprobs is None else logprobs_entries(logprobs, self.decode_token),
             cumulative_logprob=out.cumulative_logprob,
+            num_cached_tokens=out.num_cached_tokens,
         )
 
     def abandon(self, message: str) -> None:
