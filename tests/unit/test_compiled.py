@@ -304,3 +304,28 @@ def test_steps_run_compiled_only_where_timed_faster(tiny_target_dir, compile_dir
     expected = [o.token_ids for o in ref.generate(prompts, params)]
     assert [o.token_ids for o in eng.generate(prompts, params)] == expected  # batch 3: eager
     assert [eng.generate([p], params)[0].token_ids for p in prompts] == expected  # batch 1: compiled
+
+
+@pytest.mark.parametrize("budget", [0, 7])
+def test_compiled_prefill_reuses_and_chunks_losslessly(tiny_target_dir, compile_dir, budget):
+    """Prompt chunks through the compiled program, the chunks of one length as the rows of one
+    call (their cached prefixes of different lengths): the eager engine's greedy tokens, without
+    prefix caching or chunks; second turns reuse their first turn."""
+    def engine(cpu_compile, **kw):  # noqa: ANN001, ANN202
+        return Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", max_batch_size=4,
+                                   max_seq_len=128, cpu_compile=cpu_compile, compile_cache_dir=str(compile_dir),
+                                   compiled_steps="always", **kw))
+
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (21, 21, 14, 35)]
+    prompts[1] = prompts[0][:10] + prompts[1][10:]  # a shared prefix, the same length
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    ref = engine(False, enable_prefix_caching=False, max_num_batched_tokens=0)
+    eng = engine(True, max_num_batched_tokens=budget)
+    assert eng.runner.compiled is not None
+    expected = [o.token_ids for o in ref.generate(prompts, params)]
+    assert [o.token_ids for o in eng.generate(prompts, params)] == expected
+    turns = [p + e + [7, 8] for p, e in zip(prompts, expected)]
+    second = eng.generate(turns, params)
+    assert [o.token_ids for o in second] == [o.token_ids for o in ref.generate(turns, params)]
+    assert sum(o.num_cached_tokens for o in second) > 0

@@ -83,20 +83,36 @@ class TargetRunner:
     def prefill(self, packed: PackedPrompts) -> ForwardOutput:
         """A forward over prompt chunks (`runtime.prefill`): each chunk's tokens after the positions
         its slot holds. Returns logits (1, K, V) at each chunk's last position, hidden (1, N, H) and
-        aux over the N packed columns. On a CPU with the compiled program, chunk by chunk through
-        it; else one packed eager forward (no padding either way)."""
+        aux over the N packed columns. On a CPU with the compiled program, the chunks of each length
+        as the rows of one call of it; else one packed eager forward (no padding either way)."""
         if self.compiled is not None and all(self.compiled.fits(1, len(c.tokens), c.start) for c in packed.chunks):
-            return concat_outputs([self._compiled_chunk(c) for c in packed.chunks])
+            return self._compiled_prefill(packed)
         return packed_forward(self.model, self.cache, packed, self.aux_layers)
 
-    def _compiled_chunk(self, c: PromptChunk) -> ForwardOutput:
-        """One chunk through the compiled program: (1, T) causal after its slot's first `start` entries."""
+    def _compiled_prefill(self, packed: PackedPrompts) -> ForwardOutput:
+        """One call of the compiled program per chunk length (a call of B rows of T tokens costs far
+        less than B calls of one row), its rows put back in the packed order."""
+        by_length: dict[int, list[int]] = {}
+        for i, c in enumerate(packed.chunks):
+            by_length.setdefault(len(c.tokens), []).append(i)
+        rows: dict[int, ForwardOutput] = {}
+        for group in by_length.values():
+            out = self._compiled_rows([packed.chunks[i] for i in group])
+            for j, i in enumerate(group):
+                aux = None if out.aux_hidden is None else out.aux_hidden[j : j + 1]
+                rows[i] = ForwardOutput(logits=out.logits[j : j + 1], hidden=out.hidden[j : j + 1], aux_hidden=aux)
+        return concat_outputs([rows[i] for i in range(len(packed.chunks))])
+
+    def _compiled_rows(self, chunks: list[PromptChunk]) -> ForwardOutput:
+        """Chunks of one length T as the rows (B, T) of one compiled call, each causal after its
+        slot's first `start` entries; logits (B, 1, V) at each row's last token."""
         assert self.compiled is not None
-        dev, t = self.cache.data.device, len(c.tokens)
-        staged = to_device([list(c.tokens), list(range(c.start, c.end))], dev)  # (2, T): tokens, positions
-        slot, start, last = to_device([c.slot, c.start, t - 1], dev).split(1)  # (1,) each
-        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()[None]  # (1, T, T)
-        return self.compiled.forward(staged[0:1], staged[1:2], slot, start, causal, [c.start], last[:, None])
+        dev, b, t = self.cache.data.device, len(chunks), len(chunks[0].tokens)
+        staged = to_device([list(c.tokens) for c in chunks] + [list(range(c.start, c.end)) for c in chunks], dev)  # (2B, T)
+        slots, starts, last = to_device([[c.slot for c in chunks], [c.start for c in chunks], [t - 1] * b], dev)  # (B,) each
+        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(b, t, t)
+        return self.compiled.forward(staged[:b], staged[b:], slots, starts, causal, [c.start for c in chunks],
+                                     last[:, None])
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache_lens: torch.Tensor,
              mask: torch.Tensor, root_only: bool, host_lens: list[int], host_slots: list[int]) -> tuple[ForwardOutput, bool]:
