@@ -11,29 +11,57 @@ from specserve.models.kv_cache import KVCache
 from specserve.models.weights import load_llama
 
 
-@pytest.mark.parametrize(("dtype", "tol", "packed"), [(torch.float32, 1e-3, False), (torch.bfloat16, 0.5, False),
-                                                     (torch.bfloat16, 0.5, True)])
-def test_logits_match_hf_transformers(smollm2_dir, dtype, tol, packed):
-    """Measured max |ours - HF|: 0.0 in fp32 and bf16 (same op order), also with the linears
-    prepacked for oneDNN as the engine runs them on CPU; the bounds leave room for kernels."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=dtype).eval()
-    model = load_llama(smollm2_dir, dtype)
-    if packed:
-        if not can_pack(torch.device("cpu"), dtype):
-            pytest.skip("this CPU's oneDNN has no bf16 linear: the engine does not prepack")
-        assert pack_for_inference(model, keep_weights=("lm_head",)) == 4 * model.cfg.num_layers + 1
+def _forward_48(model, dtype) -> torch.Tensor:
+    """Logits (1, 48, vocab) float32 of 48 random tokens from an empty cache."""
     model.init_rope(512)
     cache = KVCache(model.cfg, 1, 256, dtype, "cpu")
     ids = torch.randint(0, model.cfg.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        ref = hf(ids).logits.float()
         attn = model.attention_inputs(torch.arange(48)[None], torch.tensor([0]), torch.tensor([0]), None, cache,
                                       [0], [0])
-        out = model(ids, attn, cache).logits
+        return model(ids, attn, cache).logits.float()
+
+
+def _hf_forward_48(smollm2_dir, dtype) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=dtype).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        return hf(ids).logits.float()
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-3), (torch.bfloat16, 0.5)])
+def test_logits_match_hf_transformers(smollm2_dir, dtype, tol):
+    """Measured max |ours - HF|: 0.0 in fp32 and bf16 (same op order); the bounds leave room for kernels."""
+    ref = _hf_forward_48(smollm2_dir, dtype)
+    out = _forward_48(load_llama(smollm2_dir, dtype), dtype)
     assert (out - ref).abs().max().item() <= tol
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
+def test_prepacked_bf16_logits_as_close_to_fp32_as_hf_bf16(smollm2_dir):
+    """The linears prepacked for oneDNN, as the engine runs bf16 on a CPU, against the fp32 model.
+
+    oneDNN's packed kernels round differently from `F.linear` at some row counts (on AMX: a bf16
+    ulp at 33, 64 and 128 rows), so the packed model is not bit-equal to HF's bf16 one; it is held
+    to HF bf16's own distance from fp32 instead. Measured on AMX: mean |err| 0.156 (HF bf16 0.195),
+    max 1.37 (1.43), argmax agreement with fp32 equal.
+    """
+    dtype = torch.bfloat16
+    if not can_pack(torch.device("cpu"), dtype):
+        pytest.skip("this CPU's oneDNN has no bf16 linear: the engine does not prepack")
+    model = load_llama(smollm2_dir, dtype)
+    assert pack_for_inference(model, keep_weights=("lm_head",)) == 4 * model.cfg.num_layers + 1
+    packed = _forward_48(model, dtype)
+    ref = _hf_forward_48(smollm2_dir, torch.float32)
+    hf_bf16 = _hf_forward_48(smollm2_dir, dtype)
+    err, hf_err = (packed - ref).abs(), (hf_bf16 - ref).abs()
+    assert err.mean().item() <= 1.1 * hf_err.mean().item()
+    assert err.max().item() <= 1.25 * hf_err.max().item()
+    agree = (packed.argmax(-1) == ref.argmax(-1)).sum().item()
+    hf_agree = (hf_bf16.argmax(-1) == ref.argmax(-1)).sum().item()
+    assert agree >= hf_agree - 1  # one of 48 positions: a near-tie either rounding may break
 
 
 def test_greedy_output_same_alone_and_batched(engine, mtbench_prompts):

@@ -1,4 +1,4 @@
-"""Prepacked bf16 linears (cpu_linear): bit-identical to F.linear, packed where asked, nowhere else."""
+"""Prepacked bf16 linears (cpu_linear): bit-identical to F.linear at a few rows, packed where asked, nowhere else."""
 
 from __future__ import annotations
 

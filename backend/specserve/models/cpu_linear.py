@@ -2,8 +2,9 @@
 
 `F.linear` on a plain bf16 weight reads its weights more slowly at one token than the same weights
 prepacked with `mkldnn._reorder_linear_weight` and multiplied by `mkldnn._linear_pointwise`
-(`bench/cpu_linear.py` measures both; figures in `docs/performance.md`). The result is
-bit-identical to `F.linear`.
+(`bench/cpu_linear.py` measures both; figures in `docs/performance.md`). The result equals
+`F.linear`'s bit for bit at a few rows (decode, small trees); at some larger row counts oneDNN picks
+another kernel and a product may differ by one bf16 rounding (measured on AMX at 33, 64, 128 rows).
 
 This module packs inference-only weights: a packed linear has no autograd and is never saved.
 It does nothing on CUDA, in fp32, or where oneDNN lacks bf16. In fp32 on a CPU, a draft head's
