@@ -327,7 +327,8 @@ class EngineConfig:
                                                "running requests' prefixes are reused)")
     max_num_batched_tokens: int | None = knob(None, help="prompt tokens a step computes beside the decoding requests: "
                                               "a longer prompt is prefilled in chunks over several steps, while the "
-                                              "running streams keep getting a token each step (vLLM's name; empty = "
+                                              "running streams keep getting a token each step, beside them no more prompt tokens a step "
+                                              "than about 3 decode steps' time (measured) (vLLM's name; empty = "
                                               f"{CPU_BATCHED_TOKENS} on CPU, {GPU_BATCHED_TOKENS} on CUDA; 0 = whole "
                                               "prompts in one step)")
 

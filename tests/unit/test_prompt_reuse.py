@@ -212,6 +212,7 @@ def test_prompt_positions_computed_are_the_uncached_tokens_no_padding(tiny_targe
 
 def test_running_streams_get_a_token_every_step_while_a_long_prompt_is_chunked(tiny_target_dir):
     engine = make_engine(tiny_target_dir, slots=3, max_seq_len=512, budget=64)
+    engine.prefill_budget.observe = lambda *args: None  # no measured times: the configured budget holds
     for i in range(2):
         engine.add_request(_ids(10, 30 + i), SamplingParams(max_tokens=100, ignore_eos=True), request_id=f"s{i}")
     engine.step()
@@ -224,6 +225,31 @@ def test_running_streams_get_a_token_every_step_while_a_long_prompt_is_chunked(t
         if "long" in outs:
             break
     assert steps == 5  # 300 tokens, 64 a step
+
+
+def test_prompt_work_beside_decoding_streams_is_sized_by_measured_step_times(tiny_target_dir):
+    """A decode step measured at 10 ms and a prompt token at 0.5 ms: beside decoding streams a step
+    computes 3 x 10 / 0.5 = 60 prompt tokens; the same prompt alone gets the configured 256 a step."""
+    engine = make_engine(tiny_target_dir, slots=3, max_seq_len=512, budget=256)
+    engine.prefill_budget.observe = lambda *args: None
+    engine.prefill_budget.decode_s, engine.prefill_budget.token_s = 0.010, 0.0005
+
+    def computed_per_step(rid: str) -> list[int]:
+        per_step = []
+        while True:
+            before = engine.prompt_counters.computed
+            outs = {o.request_id: o for o in engine.step()}
+            per_step.append(engine.prompt_counters.computed - before)
+            if rid in outs:
+                return per_step
+
+    engine.add_request(_ids(300, 40), SamplingParams(max_tokens=1, ignore_eos=True), request_id="alone")
+    assert computed_per_step("alone") == [256, 44]
+    for i in range(2):
+        engine.add_request(_ids(10, 30 + i), SamplingParams(max_tokens=100, ignore_eos=True), request_id=f"s{i}")
+    engine.step()
+    engine.add_request(_ids(300, 41), SamplingParams(max_tokens=1, ignore_eos=True), request_id="beside")
+    assert computed_per_step("beside") == [60] * 5
 
 
 def test_a_full_match_still_computes_the_last_prompt_token(tiny_target_dir):

@@ -47,6 +47,7 @@ from specserve.engine.outputs import (
     QueueFull,  # noqa: F401 - callers import it from here too
     RequestOutput,
 )
+from specserve.engine.prefill_budget import PrefillBudget
 from specserve.engine.prefix_cache import PrefixCache, PromptCounters, RunningRows
 from specserve.engine.sampling import (
     apply_penalties,
@@ -232,6 +233,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.profile = StepProfile()
+        self.prefill_budget = PrefillBudget(config.prompt_tokens_per_step)
         spec = self.spec
         full = DraftShape.configured(spec)
         pinned = not config.spec.adaptive or bool(config.spec.num_steps or config.spec.topk or config.spec.num_draft_tokens)
@@ -301,11 +303,13 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        step_start = time.perf_counter()
         self._outputs = outputs = self._take_inbox()
         outputs += self._expire()
         self._admit()
         decoding = [r for r in self.running if not r.prefilling]
-        prefilled = self._prefill(self._prompt_chunks())
+        work = self._prompt_chunks(self.prefill_budget.tokens(bool(decoding), self.config.max_seq_len * len(self.running)))
+        prefilled = self._prefill(work)
         start = time.perf_counter()
         if decoding:
             self._verify_step(decoding)
@@ -314,8 +318,10 @@ class Engine:
                 outputs.append(req.output())
             if req.finish_reason is not None:
                 self._release(req)
+        end = time.perf_counter()
         if decoding:
-            self.profile.total += time.perf_counter() - start
+            self.profile.total += end - start
+        self.prefill_budget.observe(end - step_start, sum(len(c.tokens) for _, c in work), bool(decoding))
         self._outputs = []
         return outputs
 
@@ -343,6 +349,7 @@ class Engine:
         self._forced_shape, self._observe, self._warming_up = None, True, False
         self.chooser.forget_acceptance()
         self.profile = StepProfile()
+        self.prefill_budget.decode_s = None  # warm-up steps ran every shape; a prompt token's cost holds
         self.prefix_cache.forget()  # the synthetic prompt is no one's prefix
         self.prompt_counters = PromptCounters()
         log.info("adaptive speculation: %d shapes x batch sizes %s measured in %.1f s",
@@ -402,10 +409,9 @@ class Engine:
             self.prefix_cache.release(req.slot, req.token_ids[: req.cache_len] if keep else ())
             self.drafter.release(req.request_id)
 
-    def _prompt_chunks(self) -> list[tuple[Request, PromptChunk]]:
+    def _prompt_chunks(self, budget: int) -> list[tuple[Request, PromptChunk]]:
         """This step's prompt work: the prefilling requests in arrival order, each its next chunk,
-        until `max_num_batched_tokens` prompt tokens (0: whole prompts)."""
-        budget = self.config.prompt_tokens_per_step or self.config.max_seq_len * len(self.running)
+        until `budget` prompt tokens (`PrefillBudget`)."""
         chunks = []
         for req in sorted((r for r in self.running if r.prefilling), key=lambda r: r.arrival):
             n = min(len(req.prompt_ids) - req.cache_len, budget)
