@@ -14,6 +14,7 @@ The step emits draft_tokens[accepted_nodes[1:]] followed by the bonus token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -177,15 +178,22 @@ def verify_greedy(
     return out
 
 
-def verify_greedy_reference(
-    draft_tokens: torch.Tensor,
+def walk_reference(
     first_child: torch.Tensor,
     next_sibling: torch.Tensor,
-    target_tokens: torch.Tensor,
-) -> VerifyResult:
-    """Plain-PyTorch `verify_greedy`: the kernel's walk, vectorised over the batch."""
-    bsz, n = draft_tokens.shape
-    device = draft_tokens.device
+    accepts: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The verify kernels' tree walk in plain PyTorch, vectorised over the batch (their references).
+
+    From the root, the children of the current node are examined in sibling order; the first one
+    `accepts(child, cur, length, live)` accepts becomes the current node, and the walk goes on
+    below it. `child` (B,) is the examined node of each row (clamped to 0 where the row has none,
+    `live` False), `cur` (B,) the current node, `length` (B,) the accepted nodes so far; it returns
+    (B,) bool, and is called once per examined node in walk order (it may keep state).
+    Returns accepted_nodes (B, N) (root first, then -1s), accept_length (B,), the last accepted node (B,).
+    """
+    bsz, n = first_child.shape
+    device = first_child.device
     rows = torch.arange(bsz, device=device)
     accepted = torch.full((bsz, n), -1, dtype=torch.int64, device=device)
     accepted[:, 0] = 0
@@ -195,10 +203,26 @@ def verify_greedy_reference(
     for _ in range(n - 1):  # each non-root node is examined at most once
         live = child >= 0
         c = child.clamp(min=0)
-        hit = live & (draft_tokens[rows, c] == target_tokens[rows, cur])
+        hit = live & accepts(c, cur, length, live)
         at = length.clamp(max=n - 1)[:, None]  # (B, 1): the next path entry (a hit row has one left)
         accepted.scatter_(1, at, torch.where(hit[:, None], child[:, None], accepted.gather(1, at)))
         length += hit.long()
         cur = torch.where(hit, child, cur)
         child = torch.where(hit, first_child[rows, c], torch.where(live, next_sibling[rows, c], -1))
+    return accepted, length, cur
+
+
+def verify_greedy_reference(
+    draft_tokens: torch.Tensor,
+    first_child: torch.Tensor,
+    next_sibling: torch.Tensor,
+    target_tokens: torch.Tensor,
+) -> VerifyResult:
+    """Plain-PyTorch `verify_greedy`: the kernel's walk, vectorised over the batch."""
+    rows = torch.arange(draft_tokens.shape[0], device=draft_tokens.device)
+
+    def matches(child: torch.Tensor, cur: torch.Tensor, length: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        return draft_tokens[rows, child] == target_tokens[rows, cur]
+
+    accepted, length, cur = walk_reference(first_child, next_sibling, matches)
     return VerifyResult(accepted, length, target_tokens[rows, cur])

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from specserve_kernels._launch import check_same_device, check_shape, check_tensor, use_triton
-from specserve_kernels.verify_greedy import VerifyResult, check_walk_inputs, empty_result
+from specserve_kernels.verify_greedy import VerifyResult, check_walk_inputs, empty_result, walk_reference
 
 
 @triton.jit(do_not_specialize=["N", "stride_draft_b", "stride_fc_b", "stride_ns_b", "stride_probs_b", "stride_coins_b",
@@ -241,23 +241,16 @@ def verify_sample_reference(
     bsz, n = draft_tokens.shape
     device = draft_tokens.device
     rows = torch.arange(bsz, device=device)
-    accepted = torch.full((bsz, n), -1, dtype=torch.int64, device=device)
-    accepted[:, 0] = 0
-    length = torch.ones(bsz, dtype=torch.int64, device=device)
-    cur = torch.zeros(bsz, dtype=torch.int64, device=device)
-    acc = torch.zeros(bsz, dtype=torch.float32, device=device)
-    child = first_child[:, 0].clone()
-    for _ in range(n - 1):  # each non-root node is examined at most once
-        live = child >= 0
-        c = child.clamp(min=0)
-        acc = acc + torch.where(live, target_probs[rows, cur, draft_tokens[rows, c]], 0.0)
+    acc = torch.zeros(bsz, dtype=torch.float32, device=device)  # the examined siblings' probability so far
+
+    def coin_falls(child: torch.Tensor, cur: torch.Tensor, length: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        nonlocal acc
+        acc = acc + torch.where(live, target_probs[rows, cur, draft_tokens[rows, child]], 0.0)
         hit = live & (coins[rows, length - 1] < acc)
-        at = length.clamp(max=n - 1)[:, None]  # (B, 1): the next path entry (a hit row has one left)
-        accepted.scatter_(1, at, torch.where(hit[:, None], child[:, None], accepted.gather(1, at)))
-        length += hit.long()
-        cur = torch.where(hit, child, cur)
         acc = torch.where(hit, 0.0, acc)
-        child = torch.where(hit, first_child[rows, c], torch.where(live, next_sibling[rows, c], -1))
+        return hit
+
+    accepted, length, cur = walk_reference(first_child, next_sibling, coin_falls)
 
     # Bonus: q[cur] with the tokens of cur's children (all rejected) zeroed.
     q_cur = target_probs[rows, cur]  # (B, V), a copy
