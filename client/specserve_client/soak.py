@@ -4,17 +4,23 @@
 
 Each worker is one client (one gRPC connection, or with `--connection-per-request` a new one for
 every request) and loops until the time is up, drawing per request a stream of its own, of one of
-`--kinds` (default all four; one alone, e.g. `--kinds normal`, tells which kind a change in memory
+`--kinds` (default all five; one alone, e.g. `--kinds normal`, tells which kind a change in memory
 comes with):
   - normal: a stream (greedy, 8-64 tokens) to `llm_<variant>`, or (ensemble) to
     `ensemble_<variant>` in its [1, 1] shapes: every response must carry the request's own id,
     exactly one FINAL must arrive, and the tokens must not exceed max_tokens;
   - cancel: a stream to `llm_<variant>` (256 tokens, ignore_eos) cancelled after its first response;
-  - bad: a request with a negative temperature or max_tokens 0: it must end in an error, not hang.
-When the time is up it waits for the engine to drain and checks that the running / waiting gauges
-and the KV slots in use are back to 0. The resident memory of the server's processes (and its
-anon / file / shmem parts) is sampled every `--sample-s` seconds. Writes `<out>/soak.json`; exits 1
-when a check fails. It starts its own server (free ports): it does not measure speed.
+  - bad: a request with a negative temperature or max_tokens 0: it must end in an error, not hang;
+  - turn: the next turn of the worker's own conversation (its earlier prompts and answers, then a
+    new question; a new conversation after 6 turns), as a chat client sends it: the prompt's
+    prefix is what prefix caching reuses.
+The server runs with `prefix_cache_max_tokens` = `--prefix-cache-max-tokens`. When the time is up
+it waits for the engine to drain and checks that the running / waiting gauges and the KV slots in
+use are back to 0. The resident memory of the server's processes (and its anon / file / shmem
+parts) and the cached-tokens gauge are sampled every `--sample-s` seconds; the gauge must never
+exceed the knob, and the memory must grow less than `--max-rss-growth-mb` after the first minute.
+Writes `<out>/soak.json`; exits 1 when a check fails. It starts its own server (free ports): it
+does not measure speed.
 """
 
 from __future__ import annotations
@@ -34,11 +40,15 @@ from pathlib import Path
 import tritonclient.grpc as grpcclient
 
 from specserve_client.local_server import server_module
+from specserve_client.prefixbench import chatml
 from specserve_client.stream import grpc_inputs, request_inputs
 from specserve_client.variants import variant_name
 
 TIMEOUT_S = 120.0
-KIND_WEIGHTS = {"normal": 0.56, "ensemble": 0.14, "cancel": 0.15, "bad": 0.15}  # a request's kind, drawn
+KIND_WEIGHTS = {"normal": 0.36, "ensemble": 0.14, "cancel": 0.15, "bad": 0.15, "turn": 0.20}  # drawn per request
+TURNS = 6  # a conversation's turns before the worker starts a new one
+SYSTEM = "You are a helpful assistant. Answer in one or two sentences."
+CACHED_GAUGE = "specserve:prefix_cache_tokens"
 GAUGES = ("specserve:num_requests_running", "specserve:num_requests_waiting", "specserve:kv_slots_used")
 
 
@@ -104,16 +114,18 @@ def server_memory(root_pid: int) -> dict:
 
 
 def one_request(client: grpcclient.InferenceServerClient, model: str, values: dict, request_id: str,
-                cancel_after: int | None, trtllm_format: bool = False) -> str:
+                cancel_after: int | None, trtllm_format: bool = False, text: list[str] | None = None) -> str:
     """Stream one request on its own gRPC stream of `client`; returns its outcome: "ok",
     "cancelled", "error", or a failure text. A stream that got its FINAL is closed as a client
-    that is done closes it (no cancellation); any other is cancelled."""
+    that is done closes it (no cancellation); any other is cancelled. With `text`, the streamed
+    text is appended to it."""
     responses: queue.SimpleQueue = queue.SimpleQueue()
     finals, tokens, seen = 0, 0, 0
+    outputs = ["output_ids"] + (["text_output"] if text is not None else [])
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         client.async_stream_infer(model, grpc_inputs(values, trtllm_format), request_id=request_id, enable_empty_final_response=True,
-                                  outputs=[grpcclient.InferRequestedOutput("output_ids")])
+                                  outputs=[grpcclient.InferRequestedOutput(name) for name in outputs])
         while True:
             try:
                 result, error = responses.get(timeout=TIMEOUT_S)
@@ -126,6 +138,8 @@ def one_request(client: grpcclient.InferenceServerClient, model: str, values: di
                 return f"mixed up: response id {response.id!r} for request {request_id!r}"
             if response.outputs:
                 tokens += result.as_numpy("output_ids").size
+                if text is not None:
+                    text += [t.decode() if isinstance(t, bytes) else str(t) for t in result.as_numpy("text_output").reshape(-1)]
             seen += 1
             if response.parameters["triton_final_response"].bool_param:
                 finals += 1
@@ -146,6 +160,7 @@ def worker(url: str, variant: str, deadline: float, seed: int, outcomes: Counter
     connection (as tritonclient users and perf_analyzer do) or a new one per request."""
     rng = random.Random(seed)
     n = 0
+    history: list[tuple[str, str | None]] = []  # the worker's conversation so far
     client = grpcclient.InferenceServerClient(url)
     while time.monotonic() < deadline:
         n += 1
@@ -156,6 +171,13 @@ def worker(url: str, variant: str, deadline: float, seed: int, outcomes: Counter
             model, cancel_after = f"{'ensemble' if trtllm_format else 'llm'}_{variant}", None
             values = request_inputs(f"Tell me one fact about the number {rng.randint(1, 10_000)}.",
                                     max_tokens=rng.randint(8, 64), temperature=0.0, apply_chat_template=True)
+        elif kind == "turn":
+            model, cancel_after = f"llm_{variant}", None
+            if len(history) >= TURNS:
+                history = []
+            history.append((f"And one fact about the number {rng.randint(1, 10_000)}?", None))
+            values = request_inputs(chatml(SYSTEM, history), max_tokens=rng.randint(8, 64), temperature=0.0,
+                                    apply_chat_template=False)
         elif kind == "cancel":
             model, cancel_after = f"llm_{variant}", 1
             values = request_inputs("Count from 1 to 1000.", max_tokens=256, ignore_eos=True)
@@ -165,8 +187,11 @@ def worker(url: str, variant: str, deadline: float, seed: int, outcomes: Counter
         if connection_per_request:
             client.close()
             client = grpcclient.InferenceServerClient(url)
-        outcome = one_request(client, model, values, request_id, cancel_after, trtllm_format)
-        expected = {"normal": "ok", "ensemble": "ok", "cancel": "cancelled", "bad": "error"}[kind]
+        answer: list[str] | None = [] if kind == "turn" else None
+        outcome = one_request(client, model, values, request_id, cancel_after, trtllm_format, answer)
+        if answer is not None:
+            history[-1] = (history[-1][0], "".join(answer))
+        expected = {"normal": "ok", "ensemble": "ok", "turn": "ok", "cancel": "cancelled", "bad": "error"}[kind]
         with lock:
             outcomes[f"{kind}:{outcome if outcome in ('ok', 'cancelled', 'error') else 'failed'}"] += 1
             if outcome != expected:
@@ -175,7 +200,8 @@ def worker(url: str, variant: str, deadline: float, seed: int, outcomes: Counter
 
 
 def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: float, concurrency: int,
-         sample_s: float, connection_per_request: bool = False, kinds: tuple[str, ...] = tuple(KIND_WEIGHTS)) -> dict:
+         sample_s: float, connection_per_request: bool = False, kinds: tuple[str, ...] = tuple(KIND_WEIGHTS),
+         cache_max_tokens: int | None = None, max_rss_growth_mb: float = 200.0) -> dict:
     outcomes: Counter = Counter()
     failures: list[str] = []
     aborted_before = metric(metrics_url, "specserve:request_finished_total", finish_reason="abort")
@@ -189,7 +215,8 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
         t.start()
     memory = []
     while any(t.is_alive() for t in threads):
-        memory.append({"s": round(time.monotonic() - start), **server_memory(server_pid)})
+        memory.append({"s": round(time.monotonic() - start), **server_memory(server_pid),
+                       "cached_tokens": metric(metrics_url, CACHED_GAUGE)})
         print(json.dumps({**memory[-1], **outcomes}), flush=True)
         for t in threads:
             t.join(timeout=sample_s / len(threads))
@@ -198,8 +225,11 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
         time.sleep(0.5)
     gauges = {g: metric(metrics_url, g) for g in GAUGES}
     aborted = metric(metrics_url, "specserve:request_finished_total", finish_reason="abort") - aborted_before
-    memory.append({"s": round(time.monotonic() - start), **server_memory(server_pid)})
+    memory.append({"s": round(time.monotonic() - start), **server_memory(server_pid),
+                   "cached_tokens": metric(metrics_url, CACHED_GAUGE)})
     after_first_minute = [m["rss_mb"] for m in memory if m["s"] >= 60] or [memory[0]["rss_mb"]]
+    growth = max(after_first_minute) - after_first_minute[0]
+    cached_max = max(m["cached_tokens"] for m in memory)
     report = {
         "variant": variant, "minutes": minutes, "concurrency": concurrency,
         "connection_per_request": connection_per_request, "kinds": list(kinds),
@@ -207,10 +237,13 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
         "requests": sum(outcomes.values()), "failures": failures[:50], "num_failures": len(failures),
         "gauges_after": gauges, "engine_aborts": aborted, "rss_mb": {"first": memory[0]["rss_mb"], "after_1_min": after_first_minute[0],
                                            "max": max(m["rss_mb"] for m in memory), "last": memory[-1]["rss_mb"]},
+        "rss_growth_after_1_min_mb": round(growth, 1), "max_rss_growth_mb": max_rss_growth_mb,
+        "cached_tokens_max": cached_max, "prefix_cache_max_tokens": cache_max_tokens,
         "memory_samples": memory,
     }
     # every cancelled stream must have been aborted by the engine, not run to its 256 tokens
-    report["passed"] = not failures and not any(gauges.values()) and aborted >= outcomes["cancel:cancelled"]
+    report["passed"] = (not failures and not any(gauges.values()) and aborted >= outcomes["cancel:cancelled"]
+                        and growth < max_rss_growth_mb and (cache_max_tokens is None or cached_max <= cache_max_tokens))
     return report
 
 
@@ -225,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default=",".join(KIND_WEIGHTS),
                    help="the request kinds drawn, comma-separated (default: all, weighted "
                         + ", ".join(f"{k} {w:.2f}" for k, w in KIND_WEIGHTS.items()) + ")")
+    p.add_argument("--prefix-cache-max-tokens", type=int, default=4096,
+                   help="the served model's prefix_cache_max_tokens; the cached-tokens gauge must stay within it")
+    p.add_argument("--max-rss-growth-mb", type=float, default=200.0,
+                   help="the most the server's resident memory may grow after the first minute")
     p.add_argument("--out", type=Path, default=Path("results/soak"))
     args = p.parse_args(argv)
     kinds = tuple(args.kinds.split(","))
@@ -233,10 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     server_side = server_module()  # the soak always starts its own server
     args.out.mkdir(parents=True, exist_ok=True)
     ports = [server_side.free_port() for _ in range(3)]
-    with server_side.TritonProcess(server_side.default_repository(), server_side.models_for([args.variant]), *ports,
+    repository = server_side.copy_repository(
+        server_side.default_repository(), args.out / "model_repository",
+        {f"llm_{args.variant}": {"prefix_cache_max_tokens": str(args.prefix_cache_max_tokens)}})
+    with server_side.TritonProcess(repository, server_side.models_for([args.variant]), *ports,
                                    log=args.out / "tritonserver.log") as server:
         report = soak(server.grpc_url, server.metrics_url, server.proc.pid, args.variant, args.minutes, args.concurrency,
-                      args.sample_s, args.connection_per_request, kinds)
+                      args.sample_s, args.connection_per_request, kinds, args.prefix_cache_max_tokens,
+                      args.max_rss_growth_mb)
     (args.out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "memory_samples"}, indent=1))
     return 0 if report["passed"] else 1

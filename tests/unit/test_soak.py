@@ -24,8 +24,10 @@ class _Client:
 def _run_worker(monkeypatch, kinds, answer):
     calls = []
 
-    def one_request(client, model, values, request_id, cancel_after, trtllm_format):  # noqa: ANN001, ANN202
-        calls.append((model, cancel_after, trtllm_format))
+    def one_request(client, model, values, request_id, cancel_after, trtllm_format, text=None):  # noqa: ANN001, ANN202
+        calls.append((model, cancel_after, trtllm_format, values))
+        if text is not None:
+            text.append(f"answer {len(calls)}")
         return answer(model, cancel_after)
 
     monkeypatch.setattr(soak.grpcclient, "InferenceServerClient", _Client)
@@ -39,16 +41,26 @@ def test_only_the_kinds_asked_for_are_drawn(monkeypatch):
     calls, outcomes, failures = _run_worker(monkeypatch, ("normal",), lambda model, cancel_after: "ok")
     assert calls and not failures
     assert set(outcomes) == {"normal:ok"}
-    assert all(model == "llm_none" and cancel_after is None and not trtllm for model, cancel_after, trtllm in calls)
+    assert all(model == "llm_none" and cancel_after is None and not trtllm for model, cancel_after, trtllm, _ in calls)
 
 
 def test_every_kind_is_drawn_and_a_wrong_outcome_is_a_failure(monkeypatch):
     calls, outcomes, failures = _run_worker(monkeypatch, tuple(soak.KIND_WEIGHTS), lambda model, cancel_after: "ok")
-    assert {key.split(":")[0] for key in outcomes} == {"normal", "ensemble", "cancel", "bad"}
-    assert any(model == "ensemble_none" and trtllm for model, _, trtllm in calls)
+    assert {key.split(":")[0] for key in outcomes} == {"normal", "ensemble", "cancel", "bad", "turn"}
+    assert any(model == "ensemble_none" and trtllm for model, _, trtllm, _ in calls)
     # a cancelled stream or a bad request answered "ok" did not do what it must
     assert failures and all(f.startswith(("cancel ", "bad ")) for f in failures)
     assert outcomes["cancel:ok"] + outcomes["bad:ok"] == len(failures)
+
+
+def test_a_turn_continues_the_conversation_with_its_answers(monkeypatch):
+    calls, outcomes, failures = _run_worker(monkeypatch, ("turn",), lambda model, cancel_after: "ok")
+    prompts = [values["text_input"] for *_, values in calls]
+    assert len(prompts) > soak.TURNS and not failures
+    for i in range(1, soak.TURNS):  # each turn's prompt starts with the one before it and its answer
+        assert prompts[i].startswith(prompts[i - 1] + f"answer {i}")
+    assert not prompts[soak.TURNS].startswith(prompts[soak.TURNS - 1])  # then a new conversation
+    assert all(values["apply_chat_template"] is False for *_, values in calls)
 
 
 def test_unknown_kinds_are_refused():
