@@ -8,9 +8,12 @@ then to each model's switch to its compiled programs.
 program, no assembled Triton backend, no built kernel); `filled` keeps this user's caches. It
 runs `make serve VARIANTS=...` (default: the five variants `make serve` serves), polls each
 `llm_<variant>` with a one-token greedy request until it answers, and reads the server's log for
-each model's switch to its compiled programs (`--switch-timeout`, 0 = do not wait). It writes the
-seconds of each event and the machine (`specserve.hardware.describe`) as JSON, then stops the
-server. Nothing else heavy should run meanwhile: a 2-core machine's timings are its load.
+each model's switch to its compiled programs (`--switch-timeout`, 0 = do not wait). With
+`--after-switch N`, once a model has switched it is sent the first N MT-bench questions one at a
+time (greedy, `--after-switch-tokens` tokens each, ignore_eos) and their output tokens a second are
+recorded: how fast the server serves once its start-up is over, to compare a start from empty
+caches with one from filled caches. It writes the seconds of each event and the machine
+(`specserve.hardware.describe`) as JSON, then stops the server. Nothing else heavy should run meanwhile: a 2-core machine's timings are its load.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default="none,ngram,eagle,eagle3,mtp")
     p.add_argument("--timeout", type=float, default=600.0, help="give up on the first answers after this long")
     p.add_argument("--switch-timeout", type=float, default=900.0)
+    p.add_argument("--after-switch", type=int, default=0, help="MT-bench requests sent to each model after its switch")
+    p.add_argument("--after-switch-tokens", type=int, default=128)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--log", type=Path, default=None, help="also write the server's log here")
     args = p.parse_args(argv)
@@ -95,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1)
         record |= {"switched_s": dict(switched), "all_switched_s": max(switched.values())
                    if len(switched) == len(models) else None}
+        if args.after_switch:
+            record["after_switch"] = {model: after_switch(model, args.after_switch, args.after_switch_tokens)
+                                      for model in models if model in switched}
     finally:
         stop(proc)
     print(json.dumps(record, indent=1))
@@ -105,6 +113,22 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=1) + "\n")
     return 0 if record["all_answered_s"] is not None else 1
+
+
+def after_switch(model: str, num: int, max_tokens: int) -> dict:
+    """`num` MT-bench questions to `model`, one at a time: output tokens a second over them all."""
+    from specserve_client.datasets import load_prompts
+    from specserve_client.stream import http_generate
+
+    tokens, seconds = 0, 0.0
+    for prompt in load_prompts("mtbench", num):
+        out = http_generate("localhost:8000", model, prompt, max_tokens=max_tokens, temperature=0.0,
+                            ignore_eos=True, apply_chat_template=True)
+        tokens, seconds = tokens + len(out.token_ids), seconds + out.latency_s
+    record = {"requests": num, "output_tokens": tokens, "seconds": round(seconds, 2),
+              "tokens_per_s": round(tokens / seconds, 2)}
+    print(f"{model} after its switch: {record}", flush=True)
+    return record
 
 
 def stop(proc: subprocess.Popen) -> None:
