@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,11 +37,21 @@ Engine(EngineConfig(model_dir=sys.argv[1], dtype="float32", compile_cache_dir=sy
 
 
 def disturbers(hogs: int, compile_model: str | None, cache: str) -> list[subprocess.Popen]:
-    procs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(hogs)]
-    if compile_model:
-        procs.append(subprocess.Popen([sys.executable, "-c", COMPILE, compile_model, cache],
+    procs = [subprocess.Popen([sys.executable, "-c", HOG], start_new_session=True) for _ in range(hogs)]
+    if compile_model:  # in a session of its own: stopping it stops its compile workers too
+        procs.append(subprocess.Popen([sys.executable, "-c", COMPILE, compile_model, cache], start_new_session=True,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     return procs
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """Kill each disturber's whole process group and wait for it."""
+    for b in procs:
+        try:
+            os.killpg(b.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        b.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,20 +72,22 @@ def main(argv: list[str] | None = None) -> int:
         model = str(default_model_dir())
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as cache:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         busy = disturbers(args.hogs, model, cache)
         busy_s = None
         assert proc.stdout is not None
-        for line in proc.stdout:  # tqdm redraws with \r: a "line" may hold several redraws
-            sys.stdout.write(line)
-            if busy and args.until in line:
-                for b in busy:
-                    b.kill()
-                    b.wait()
+        marker, seen = args.until.encode(), b""
+        # read what arrives, not lines: tqdm draws "\rchunks of prompts: 0%" and ends that line only
+        # at its next redraw, a whole chunk later
+        while chunk := os.read(proc.stdout.fileno(), 65536):
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+            seen = (seen + chunk)[-(len(marker) + 65536):]
+            if busy and marker in seen:
+                stop(busy)
                 busy, busy_s = [], time.monotonic() - start
         rc = proc.wait()
-        for b in busy:  # the marker never came
-            b.kill()
+        stop(busy)  # the marker never came
     record = {"command": command, "hogs": args.hogs, "compile": args.compile, "until": args.until,
               "busy_seconds": round(busy_s, 1) if busy_s is not None else None,
               "seconds": round(time.monotonic() - start, 1), "returncode": rc}
