@@ -63,6 +63,26 @@ def test_a_slow_path_seeded_far_too_fast_is_left_within_the_bound(eager_seed):
     assert _settled_after(bests, "compiled") < BOUND
 
 
+def test_real_forwards_that_stalled_after_a_busy_start_are_undone_within_one_exploring_period():
+    """A bench run's `none` after a busy start: both start-up figures inflated (6.6 s and 2.3 s), then
+    the program's first three real forwards stalled (about 1 s each, the machine still settling),
+    after which it costs 15 ms against eager's 42 ms. Before a faster forward restarted an
+    estimate, the stalled forwards' median held the program off for the whole run (5 of 1,449 steps)."""
+    c = PathChooser()
+    c.seed(KEY, "compiled", 6.6)
+    c.seed(KEY, "eager", 2.3)
+    stalled = iter([1.0, 1.2, 0.9])
+
+    def cost(path, _):
+        return next(stalled, 0.015) if path == "compiled" else 0.042
+
+    bests = _run(c, cost, steps=1500)
+    stalls_taken = 3 * c.provisional_period  # explored that often until it has 3 real forwards
+    period = c.explore_every * c.max_slowdown  # then at most this long until the next one
+    settled = _settled_after(bests, "compiled")
+    assert settled < stalls_taken + period  # measured: 321 of 1,500 steps
+
+
 def test_a_figure_far_off_the_other_paths_is_re_timed_on_the_next_step():
     c = PathChooser()
     c.seed(KEY, "compiled", 3.513)  # the bench's skewed start-up timing

@@ -11,7 +11,10 @@ A start-up figure is provisional: the path's first real forward replaces it (it 
 averaged with real forwards), a figure more than `doubt_ratio` times the other path's is re-timed
 on the key's next step before it is believed, and while a path has fewer than `min_samples` real
 forwards it is explored at least every `provisional_period` steps. So a start-up timing that a
-busy moment skewed costs a few dozen steps, not thousands.
+busy moment skewed costs a few dozen steps, not thousands. Real forwards can stall too (the
+machine still busy, a program's pages read back in): a forward more than `doubt_ratio` times
+faster than its path's estimate restarts that estimate, so stalled forwards cost at most one
+exploring period.
 
 `RunningAverage` is the estimate both this chooser and the draft-shape chooser keep;
 `time_interleaved` times the start-up forwards it is handed and says whether the machine looked
@@ -223,8 +226,14 @@ class PathChooser:
         return path
 
     def observe(self, key: tuple[int, int], path: str, seconds: float) -> None:
+        """A forward's time. One more than `doubt_ratio` times faster than the path's estimate says
+        that estimate came from stalled forwards (a busy spell, programs paged back in after one):
+        the path is measured afresh from this forward, as a start-up figure is replaced."""
         if not self.pinned:
-            self._averages(key)[path].add(seconds)
+            avg = self._averages(key)[path]
+            if avg.samples and seconds * self.doubt_ratio < avg.value:
+                avg.reset()
+            avg.add(seconds)
             self._log_switch(key)
 
     def _log_switch(self, key: tuple[int, int]) -> None:
