@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
-from specserve.engine.adaptive import ShapeChooser, shape_menu
+from specserve.draft_plan import shape_menu
+from specserve.engine.adaptive import ShapeChooser
 from specserve.engine.engine import Engine
 from specserve.runtime.paths import PathChooser
 from specserve.tree import DraftShape

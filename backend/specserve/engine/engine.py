@@ -11,9 +11,10 @@ Each `step()`:
   4. appends tokens, checks stop conditions, and returns one `RequestOutput` delta per request.
 
 `algorithm=none` is the degenerate tree (root only), so plain decoding is the same code path.
-Each step's tree shape comes from `adaptive.ShapeChooser` (the configured shape alone when the user
-pins it): a step that would not pay for its draft decodes plainly. `StepProfile` accumulates where
-step time goes. The engine knows nothing about Triton; `loop.py` runs it on a thread, `triton_model.py` serves it.
+Each step's tree shape comes from `adaptive.ShapeChooser` over the menu of the engine's
+`DraftPlan` (the configured shape alone when the user pins it): a step that would not pay for its
+draft decodes plainly. `StepProfile` accumulates where step time goes. The engine knows nothing
+about Triton; `loop.py` runs it on a thread, `triton_model.py` serves it.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from tokenizers import Tokenizer
 
 import specserve_kernels as K
 from specserve.config import EngineConfig, SamplingParams
+from specserve.draft_plan import DraftPlan
 from specserve.drafters import DraftContext, Drafter
 from specserve.drafters.factory import build_drafter
-from specserve.engine.adaptive import ShapeChooser, shape_menu
+from specserve.engine.adaptive import ShapeChooser
 from specserve.engine.detokenize import IncrementalDetokenizer
 from specserve.engine.outputs import (
     FINISH_ABORT,
@@ -57,7 +59,6 @@ from specserve.engine.sampling import (
     token_logprobs,
 )
 from specserve.host_memory import keep_freed_memory
-from specserve.methods import method
 from specserve.models.kv_cache import KVCache
 from specserve.models.weights import load_llama
 from specserve.runtime.memory import DeviceMemory, check_kv_cache_fits
@@ -69,7 +70,6 @@ from specserve.tree import DraftShape, DraftTree, TreeBatch
 
 log = logging.getLogger(__name__)
 
-MAX_TREE_NODES = 64  # the cache keeps this many spare positions so padded tree nodes never overflow
 MAX_PACKED_TOKENS = 32768  # prompt tokens per prefill forward (its staged inputs fit the staging ring)
 WARM_UP_TEXT = (
     "The quick brown fox jumps over the lazy dog. Speculative decoding drafts a few tokens cheaply and "
@@ -193,7 +193,9 @@ class Request:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.spec = config.spec.resolved()
+        self.draft_plan = DraftPlan.of(config.spec)
+        self.spec = self.draft_plan.spec
+        max_nodes = self.draft_plan.max_nodes  # spare cache positions per slot: padded tree nodes never overflow
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
@@ -203,9 +205,9 @@ class Engine:
         self.model_config = self.model.cfg
         self.plan = RuntimePlan.from_config(config)
         num_slots = config.max_batch_size + self.plan.spare_slots  # static buckets' padding rows write in the spare
-        check_kv_cache_fits(config, self.model_config, num_slots, config.max_seq_len + MAX_TREE_NODES,
-                            min(self.spec.num_draft_tokens, MAX_TREE_NODES), DeviceMemory.of(self.device))
-        self.cache = KVCache(self.model_config, num_slots, config.max_seq_len + MAX_TREE_NODES, config.torch_dtype,
+        check_kv_cache_fits(config, self.model_config, num_slots, config.max_seq_len + max_nodes,
+                            self.draft_plan.shape.num_draft_tokens, DeviceMemory.of(self.device))
+        self.cache = KVCache(self.model_config, num_slots, config.max_seq_len + max_nodes, config.torch_dtype,
                              config.device)
         self.model.init_rope(self.cache.max_len)
         self.tokenizer = Tokenizer.from_file(f"{config.model_dir}/tokenizer.json")
@@ -213,10 +215,11 @@ class Engine:
         self.drafter: Drafter = build_drafter(self.spec, DraftContext(
             target=self.model, model_dir=config.model_dir, num_slots=config.max_batch_size + self.plan.spare_slots,
             max_len=self.cache.max_len, max_seq_len=config.max_seq_len, dtype=config.torch_dtype, device=config.device,
-            runtime=self.plan,
+            draft_plan=self.draft_plan, runtime=self.plan,
         ))
         self.runner = TargetRunner(
-            self.model, self.cache, config, self.plan, aux_layers=self.drafter.aux_layers, num_draft_tokens=min(self.spec.num_draft_tokens, MAX_TREE_NODES),
+            self.model, self.cache, config, self.plan, aux_layers=self.drafter.aux_layers,
+            num_draft_tokens=self.draft_plan.shape.num_draft_tokens,
         )
         # after the runner, which reserves the static buckets' padding slot
         self.prefix_cache = PrefixCache(self.cache, config.enable_prefix_caching, config.prefix_cache_max_tokens)
@@ -234,14 +237,10 @@ class Engine:
         self.running: list[Request] = []
         self.profile = StepProfile()
         self.prefill_budget = PrefillBudget(config.prompt_tokens_per_step)
-        spec = self.spec
-        full = DraftShape.configured(spec)
-        pinned = not config.spec.adaptive or bool(config.spec.num_steps or config.spec.topk or config.spec.num_draft_tokens)
-        menu = (full,) if pinned or not method(spec.algorithm).drafts else shape_menu(spec.num_steps, spec.topk, spec.num_draft_tokens)
+        menu = self.draft_plan.menu
         self.chooser = ShapeChooser(menu, self.runner.buckets, drafts_catch_up=self.drafter.catches_up)
         # seeding every tree size of the menu lets the warm-up's shape timings run on the faster path
-        self.runner.seed_paths([1, *(min(s.num_draft_tokens, MAX_TREE_NODES) for s in menu)], self.cache.num_free,
-                               config.max_seq_len)
+        self.runner.seed_paths(list(self.draft_plan.tree_sizes), self.cache.num_free, config.max_seq_len)
         if len(menu) > 1:
             self._warm_up()
 
@@ -451,7 +450,7 @@ class Engine:
     def _fit_trees(self, reqs: list[Request], proposal: list[DraftTree] | TreeBatch) -> TreeBatch:
         """Trim each tree to the context its request has left (nodes are parent-ordered, so a
         prefix is a tree) and batch them on the device. A drafter's on-device batch passes as is."""
-        rooms = [min(self.config.max_seq_len - r.cache_len, MAX_TREE_NODES) for r in reqs]
+        rooms = [min(self.config.max_seq_len - r.cache_len, self.draft_plan.max_nodes) for r in reqs]
         if isinstance(proposal, TreeBatch):
             if proposal.tokens.shape[1] <= min(rooms):
                 return proposal
