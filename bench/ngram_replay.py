@@ -24,8 +24,8 @@ from typing import NamedTuple
 import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
+from specserve.draft_plan import DraftPlan
 from specserve.drafters.ngram import NgramDrafter
-from specserve.engine.adaptive import shape_menu
 from specserve.engine.engine import Engine
 from specserve.prepare import default_model_dir
 from specserve.prompts import load_questions, render_chat
@@ -58,13 +58,13 @@ class StepCosts:
         return self.ms[min(bisect.bisect_left(self.sizes, num_draft_tokens), len(self.ms) - 1)]
 
 
-def replay(examples: list[tuple[list[int], list[int]]], spec: SpecConfig, costs: StepCosts,
+def replay(examples: list[tuple[list[int], list[int]]], plan: DraftPlan, costs: StepCosts,
            budgets: list[int]) -> dict[str, dict[str, float]]:
     """Per budget (and the oracle): tokens, steps, cost (ms) over all examples."""
     totals = {str(n): {"tokens": 0, "steps": 0, "ms": 0.0} for n in [*budgets, "oracle"]}
     for policy in totals:
         for k, (prompt, output) in enumerate(examples):
-            drafter, rid, j = NgramDrafter(spec), f"r{k}", 1  # output[0] comes from the prefill
+            drafter, rid, j = NgramDrafter(plan), f"r{k}", 1  # output[0] comes from the prefill
             while j < len(output):
                 seq = prompt + output[:j]
                 options = []
@@ -95,9 +95,9 @@ def main() -> None:
     outputs = engine.generate(prompts, SamplingParams(max_tokens=args.max_new_tokens))
     examples = [(prompt, out.token_ids) for prompt, out in zip(prompts, outputs)]
 
-    spec = SpecConfig(algorithm="ngram").resolved()
-    budgets = [s.num_draft_tokens for s in shape_menu(spec.num_steps, spec.topk, spec.num_draft_tokens)]
-    totals = replay(examples, spec, StepCosts(args.step_costs, args.program), budgets)
+    plan = DraftPlan.of(SpecConfig(algorithm="ngram"))
+    budgets = [s.num_draft_tokens for s in plan.menu]
+    totals = replay(examples, plan, StepCosts(args.step_costs, args.program), budgets)
     plain = totals["1"]["tokens"] / totals["1"]["ms"]
     print(f"{args.dataset}: {len(examples)} prompts, {totals['1']['tokens']} tokens; step costs {args.step_costs}")
     print(f"{'budget':>8} {'accept length':>14} {'ms per step':>12} {'decode speed-up':>16}")

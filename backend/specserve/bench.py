@@ -18,7 +18,8 @@ import torch
 from tqdm import tqdm
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
-from specserve.engine.engine import Engine, StepProfile
+from specserve.engine.engine import Engine
+from specserve.engine.profile import StepProfile
 from specserve.hardware import describe
 from specserve.methods import method
 from specserve.models.cpu_linear import PackedLinear

@@ -218,7 +218,8 @@ class SpecConfig:
     """Speculative decoding knobs; one name per concept, as SGLang names them.
 
     num_steps: draft depth; topk: branching per step; num_draft_tokens: tree size verified,
-    root included. `resolved` fills unset values with SGLang's defaults.
+    root included. `resolved` fills unset values with SGLang's defaults; a resolved shape beyond
+    the kernels' tree limit is refused here (`draft_plan` works out the rest of it).
     """
 
     algorithm: str = knob("none", choices=ALGORITHMS, help="the drafting method (none = plain decoding)",
@@ -257,6 +258,11 @@ class SpecConfig:
         for name in ("num_steps", "topk", "num_draft_tokens", "disable_by_batch_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        m = method(self.algorithm)
+        if m.drafts:
+            _check_tree_limits(*m.shape(self.num_steps, self.topk, self.num_draft_tokens), self.num_draft_tokens)
+        if m.drafter == "ngram":
+            _check_ngram(self)
 
     def resolved(self) -> SpecConfig:
         """Fill unset (0) values with the method's default shape (`methods.Method.shape`)."""
@@ -265,6 +271,42 @@ class SpecConfig:
         if not m.drafts:  # nothing else applies to plain decoding
             return SpecConfig(algorithm=m.name, num_steps=steps, topk=topk, num_draft_tokens=tokens)
         return replace(self, num_steps=steps, topk=topk, num_draft_tokens=tokens)
+
+
+def _check_tree_limits(num_steps: int, topk: int, num_draft_tokens: int, configured_tokens: int) -> None:
+    """A resolved shape within the kernels' node limit, its beam's scratch K/V within the cache's
+    spare positions per request (as many)."""
+    from specserve_kernels import MAX_NODES  # torch comes with it: imported where a shape is checked
+
+    if num_draft_tokens > MAX_NODES:
+        name = "num_draft_tokens" if configured_tokens == num_draft_tokens else "num_steps"  # topk 1: steps + 1
+        raise ValueError(f"{name}: a tree of {num_draft_tokens} tokens (num_steps {num_steps}, topk {topk}) exceeds "
+                         f"the limit of {MAX_NODES} tokens per tree, root included")
+    scratch = (num_steps - 1) * topk
+    if scratch > MAX_NODES:
+        raise ValueError(f"num_steps: (num_steps - 1) * topk = {scratch} draft K/V entries exceed the limit of "
+                         f"{MAX_NODES} scratch entries per request")
+
+
+def _check_ngram(spec: SpecConfig) -> None:
+    """NGRAM's knobs, checked where the method reads them."""
+    if not 1 <= spec.ngram_min_match_window <= spec.ngram_max_match_window:
+        raise ValueError(
+            "ngram_min_match_window: need 1 <= ngram_min_match_window <= ngram_max_match_window, got "
+            f"{spec.ngram_min_match_window} and {spec.ngram_max_match_window}"
+        )
+    if spec.ngram_branch_length <= spec.ngram_max_match_window:
+        raise ValueError(
+            f"ngram_branch_length: must exceed ngram_max_match_window ({spec.ngram_max_match_window}), "
+            f"got {spec.ngram_branch_length}"
+        )
+    if not 1 <= spec.ngram_min_bfs_breadth <= spec.ngram_max_bfs_breadth:
+        raise ValueError(
+            "ngram_min_bfs_breadth: need 1 <= ngram_min_bfs_breadth <= ngram_max_bfs_breadth, got "
+            f"{spec.ngram_min_bfs_breadth} and {spec.ngram_max_bfs_breadth}"
+        )
+    if spec.ngram_capacity < 1:
+        raise ValueError(f"ngram_capacity: must be >= 1, got {spec.ngram_capacity}")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from specserve.config import SpecConfig
 from specserve.staging import to_device
 
 
@@ -225,10 +224,16 @@ class DraftShape:
     def drafts(self) -> bool:
         return self.num_draft_tokens > 1
 
+    @property
+    def scratch(self) -> int:
+        """The draft K/V entries its beam writes after a request's cached tokens (`scratch_entries`)."""
+        return scratch_entries(self.num_steps, self.topk)
+
     def __str__(self) -> str:
         return f"{self.num_steps}/{self.topk}/{self.num_draft_tokens}"
 
-    @classmethod
-    def configured(cls, spec: SpecConfig) -> DraftShape:
-        """The shape a resolved SpecConfig names (the largest a step may use)."""
-        return cls(spec.num_draft_tokens, spec.num_steps, spec.topk)
+
+def scratch_entries(num_steps: int, topk: int) -> int:
+    """A beam's draft K/V entries: topk per draft step after the first, whose children come from
+    the root's own forward (none for plain decoding)."""
+    return max((num_steps - 1) * topk, 0)

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
-from specserve.engine.adaptive import ShapeChooser, shape_menu
+from specserve.draft_plan import shape_menu
+from specserve.engine.adaptive import ShapeChooser
 from specserve.engine.engine import Engine
+from specserve.engine.warm_up import warm_up
 from specserve.runtime.paths import PathChooser
 from specserve.tree import DraftShape
 
@@ -136,7 +138,7 @@ def test_a_drafter_that_costs_more_than_it_saves_is_left_idle(tmp_path, tiny_tar
         return propose(seqs, shape)
 
     eng.drafter.propose = slow
-    eng._warm_up()  # remeasure with the slow drafter
+    warm_up(eng)  # remeasure with the slow drafter
     calls.clear()
     params = SamplingParams(max_tokens=160, ignore_eos=True)
     out = eng.generate([list(range(10, 40))], params)[0]

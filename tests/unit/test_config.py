@@ -3,6 +3,7 @@ import json
 import pytest
 
 from specserve.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
+from specserve_kernels import MAX_NODES
 
 
 @pytest.mark.parametrize(
@@ -33,6 +34,24 @@ def test_spec_defaults_follow_sglang():
     assert SpecConfig(algorithm="mtp", num_steps=3, topk=1).resolved().num_draft_tokens == 4  # a chain of 3
     with pytest.raises(ValueError, match="^algorithm"):
         SpecConfig(algorithm="medusa")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"algorithm": "eagle", "num_draft_tokens": 65}, "num_draft_tokens"),
+        ({"algorithm": "ngram", "num_draft_tokens": 100}, "num_draft_tokens"),
+        ({"algorithm": "eagle3", "num_steps": 64, "topk": 1}, "num_steps"),  # a chain of 65 tokens
+        ({"algorithm": "standalone", "num_steps": 18, "topk": 4, "num_draft_tokens": 8}, "num_steps"),  # 68 scratch
+    ],
+)
+def test_a_shape_beyond_the_tree_limit_names_the_knob_and_the_limit(kwargs, field):
+    """No silent trim: a tree over the kernels' MAX_NODES, or a beam whose scratch K/V would not
+    fit the cache's as many spare positions, is refused where the config is built."""
+    with pytest.raises(ValueError, match=f"^{field}: .*limit of {MAX_NODES} "):
+        SpecConfig(**kwargs)
+    assert SpecConfig(algorithm="eagle", num_draft_tokens=MAX_NODES).resolved().num_draft_tokens == MAX_NODES
+    assert SpecConfig(algorithm="none", num_draft_tokens=100).resolved().num_draft_tokens == 1  # nothing drafts
 
 
 def test_engine_config_rejects_bad_values():

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from specserve.config import SpecConfig
+from specserve.draft_plan import DraftPlan
 from specserve.drafters.ngram import NgramDrafter, NgramTrie
 from specserve.tree import DraftTree
 
@@ -82,7 +83,7 @@ def check_tree_shape(tree: DraftTree, tokens: list[int], num_draft_tokens: int) 
 def test_repeated_pattern_drafts_its_continuation_as_a_chain():
     tokens = ids("a b c d a b c d a b c")
     for match_type in ("BFS", "PROB"):
-        tree = propose(NgramDrafter(ngram_spec(ngram_match_type=match_type)), tokens)
+        tree = propose(NgramDrafter(DraftPlan.of(ngram_spec(ngram_match_type=match_type))), tokens)
         assert text(tree) == "cdabcdabc"  # root c, then what followed "...a b c" before
         assert tree.parents.tolist() == list(range(-1, 8))
 
@@ -90,12 +91,12 @@ def test_repeated_pattern_drafts_its_continuation_as_a_chain():
 def test_bfs_takes_recent_first_prob_takes_frequent_first():
     # after "x": A three times (long ago), B once (most recently)
     tokens = ids("x A x A x A x B x")
-    bfs = propose(NgramDrafter(ngram_spec(num_draft_tokens=3, ngram_match_type="BFS")), tokens)
+    bfs = propose(NgramDrafter(DraftPlan.of(ngram_spec(num_draft_tokens=3, ngram_match_type="BFS"))), tokens)
     assert text(bfs) == "xBA" and bfs.parents.tolist() == [-1, 0, 0]
-    prob = propose(NgramDrafter(ngram_spec(num_draft_tokens=3, ngram_match_type="PROB")), tokens)
+    prob = propose(NgramDrafter(DraftPlan.of(ngram_spec(num_draft_tokens=3, ngram_match_type="PROB"))), tokens)
     # p(A) = 3/5 and p(x | A) = 1 beat p(B) = 1/5
     assert text(prob) == "xAx" and prob.parents.tolist() == [-1, 0, 1]
-    prob4 = propose(NgramDrafter(ngram_spec(num_draft_tokens=4, ngram_match_type="PROB")), tokens)
+    prob4 = propose(NgramDrafter(DraftPlan.of(ngram_spec(num_draft_tokens=4, ngram_match_type="PROB"))), tokens)
     assert text(prob4) == "xAxA" and prob4.parents.tolist() == [-1, 0, 1, 2]  # 3/5 * 1 * 2/3 = 0.4 > 0.2
 
 
@@ -106,7 +107,7 @@ def test_bfs_breadth_shrinks_per_level():
         ngram_min_match_window=1, ngram_max_match_window=1, ngram_min_bfs_breadth=1, ngram_max_bfs_breadth=3
     )
     spec = replace(spec, num_draft_tokens=8)
-    tree = propose(NgramDrafter(spec), tokens)
+    tree = propose(NgramDrafter(DraftPlan.of(spec)), tokens)
     # step = (3 - 1) / 1 = 2. Level 0: breadth 3, most recent first (5 4 3, not 2 1); level 1:
     # 3 - 2 = 1 child each; level 2: floored at 1 ("x5x" ends the stream, so it has no child)
     assert text(tree) == "x543xxx5"
@@ -117,7 +118,7 @@ def test_longest_match_goes_first_and_shorter_matches_merge():
     # "q z" was followed by "r", a bare "z" also by "s" (more recently): the longer match's "r"
     # comes first, then "z"'s continuations merge in ("r" again is not duplicated)
     tokens = ids("q z r p z s y q z")
-    tree = propose(NgramDrafter(ngram_spec()), tokens)
+    tree = propose(NgramDrafter(DraftPlan.of(ngram_spec())), tokens)
     toks, parents = text(tree), tree.parents.tolist()
     assert [toks[i] for i, p in enumerate(parents) if p == 0] == ["r", "s"]
     assert toks[:8] == "zrpzsyqz"  # everything after "q z" first, as a chain
@@ -126,7 +127,7 @@ def test_longest_match_goes_first_and_shorter_matches_merge():
 
 @pytest.mark.parametrize("tokens", [[5], ids("abcdefg"), ids("abcab") + [0]])
 def test_no_match_gives_root_only(tokens):
-    tree = propose(NgramDrafter(ngram_spec()), tokens)
+    tree = propose(NgramDrafter(DraftPlan.of(ngram_spec())), tokens)
     assert tree.tokens.tolist() == [tokens[-1]] and tree.parents.tolist() == [-1]
 
 
@@ -141,7 +142,7 @@ def test_random_streams_give_valid_bounded_trees(match_type, num_draft_tokens):
         ngram_max_match_window=5,
         ngram_max_bfs_breadth=4,
     )
-    drafter = NgramDrafter(spec)
+    drafter = NgramDrafter(DraftPlan.of(spec))
     tokens: list[int] = []
     sizes = set()
     for _ in range(60):
@@ -189,7 +190,8 @@ def test_capacity_bound_with_lru_eviction():
     # the newest windows (all suffixes of the stream) are never evicted while older leaves exist
     assert all(tuple(tokens[-d:]) in nodes for d in range(1, 6))
     # still drafts from recent history: repeat the last window
-    drafter = NgramDrafter(ngram_spec(ngram_capacity=40, ngram_branch_length=5, ngram_max_match_window=4))
+    spec = ngram_spec(ngram_capacity=40, ngram_branch_length=5, ngram_max_match_window=4)
+    drafter = NgramDrafter(DraftPlan.of(spec))
     stream = tokens + tokens[-4:]
     tree = propose(drafter, stream)
     assert tree.num_draft_tokens > 1
@@ -212,7 +214,7 @@ def test_tiny_capacity_keeps_working():
 
 
 def test_release_forgets_the_request():
-    drafter = NgramDrafter(ngram_spec())
+    drafter = NgramDrafter(DraftPlan.of(ngram_spec()))
     assert text(propose(drafter, ids("p q r s p q r"))).startswith("rs")
     drafter.release("r")
     # a longer, unrelated stream for the same id: a remembered trie would still draft "s" after "r"
@@ -221,13 +223,13 @@ def test_release_forgets_the_request():
 
 
 def test_requests_do_not_share_tries():
-    drafter = NgramDrafter(ngram_spec())
+    drafter = NgramDrafter(DraftPlan.of(ngram_spec()))
     a, b = drafter.propose([Seq("a", ids("k m k m k")), Seq("b", ids("n k"))])
     assert text(a)[:2] == "km" and text(b) == "k"
 
 
 def test_propose_catches_up_with_appended_tokens():
-    drafter = NgramDrafter(ngram_spec())
+    drafter = NgramDrafter(DraftPlan.of(ngram_spec()))
     tokens = ids("a b")
     propose(drafter, tokens)
     tokens += ids("c a b")  # as if verify accepted 3 tokens
@@ -238,7 +240,7 @@ def test_propose_catches_up_with_appended_tokens():
 @pytest.mark.parametrize(
     ("kw", "field"),
     [
-        ({"num_draft_tokens": 0}, "num_draft_tokens"),
+        ({"num_draft_tokens": 65}, "num_draft_tokens"),
         ({"ngram_min_match_window": 0}, "ngram_min_match_window"),
         ({"ngram_min_match_window": 5, "ngram_max_match_window": 4}, "ngram_min_match_window"),
         ({"ngram_branch_length": 12}, "ngram_branch_length"),
@@ -247,5 +249,13 @@ def test_propose_catches_up_with_appended_tokens():
     ],
 )
 def test_bad_config_names_the_field(kw, field):
+    """NGRAM's knobs are checked where the SpecConfig is built, before any drafter."""
     with pytest.raises(ValueError, match=f"^{field}:"):
-        NgramDrafter(ngram_spec(**kw))
+        ngram_spec(**kw)
+
+
+def test_unset_num_draft_tokens_drafts_the_default_tree():
+    drafter = NgramDrafter(DraftPlan.of(ngram_spec(num_draft_tokens=0)))
+    assert drafter.draft_plan.shape.num_draft_tokens == 12
+    tokens = ids("q z r p z s y q z")
+    check_tree_shape(propose(drafter, tokens), tokens, 12)

@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from specserve.engine.adaptive import ShapeChooser, shape_menu
+from specserve.draft_plan import shape_menu
+from specserve.engine.adaptive import ShapeChooser
 from specserve.runtime.paths import Clocks, PathChooser, StartupTiming, time_interleaved
 
 KEY = (1, 1)

@@ -85,7 +85,7 @@ def _steps(engine: Engine, monkeypatch: pytest.MonkeyPatch, sampled: bool) -> Ho
         n = (rows.shape[1] - 3) // 2
         return [[0] * n + [0] + [-1] * (n - 1) + [1, 7, n] for _ in range(rows.shape[0])]
 
-    monkeypatch.setattr(engine, "_read", read)
+    monkeypatch.setattr(engine.verifier, "_read", read)
     # on a GPU the Triton kernel compacts the KV; its CPU reference reads lengths on the host by design
     monkeypatch.setattr(K, "compact_kv", lambda *args: None)
     params = [SamplingParams(max_tokens=6, ignore_eos=True)]
@@ -121,7 +121,7 @@ def _reuse_steps(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[
     """Prompts prefilled 4 tokens a step beside a decoding request, a second turn that takes its
     finished slot as it is, and a prompt whose prefix is copied from a running request's slot;
     each request's num_cached_tokens, and the copies seen."""
-    monkeypatch.setattr(engine, "_read", lambda rows: [[0] * ((rows.shape[1] - 3) // 2) + [0]
+    monkeypatch.setattr(engine.verifier, "_read", lambda rows: [[0] * ((rows.shape[1] - 3) // 2) + [0]
                                                        + [-1] * ((rows.shape[1] - 3) // 2 - 1)
                                                        + [1, 7, (rows.shape[1] - 3) // 2]] * rows.shape[0])
     monkeypatch.setattr(K, "compact_kv", lambda *args: None)

@@ -25,6 +25,7 @@ from specserve.tree import DraftTree, TreeBatch
 
 if TYPE_CHECKING:
     from specserve.config import SpecConfig
+    from specserve.draft_plan import DraftPlan
     from specserve.models.llama import ForwardOutput, LlamaModel
     from specserve.runtime.prefill import PackedPrompts
     from specserve.tree import DraftShape
@@ -36,7 +37,8 @@ class DraftContext:
 
     num_slots: drafter-cache slots, the static buckets' padding slot (the last) included when the
     runtime plan is static; max_len: cache entries per slot (max_seq_len plus the trees' scratch
-    area); runtime: how the drafter's forwards run (`runtime.plan.RuntimePlan`).
+    area); draft_plan: the shapes steps may draft (`draft_plan.DraftPlan`); runtime: how the
+    drafter's forwards run (`runtime.plan.RuntimePlan`).
     """
 
     target: LlamaModel
@@ -46,6 +48,7 @@ class DraftContext:
     max_seq_len: int
     dtype: torch.dtype
     device: str
+    draft_plan: DraftPlan
     runtime: RuntimePlan = field(default_factory=lambda: RuntimePlan(torch.device("cpu")))
 
 
@@ -105,7 +108,7 @@ class Drafter:
 
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree] | TreeBatch:
         """One tree per sequence, root = seq.token_ids[-1], of at most `shape.num_draft_tokens`
-        nodes, `shape.num_steps` deep (default: the configured shape): host trees, or a batch of
+        nodes, `shape.num_steps` deep (default: the configured shape, `DraftPlan.shape`): host trees, or a batch of
         them built on the device (row i for seqs[i]). Steps without drafts do not call it; a
         drafter catches up here on what it has not seen."""
         raise NotImplementedError

@@ -19,7 +19,7 @@ import torch
 import specserve_kernels as K
 from specserve.models.llama import KeyMask
 from specserve.staging import to_device
-from specserve.tree import DraftTree, DynamicTreeBuilder, TreeBatch
+from specserve.tree import DraftTree, DynamicTreeBuilder, TreeBatch, scratch_entries
 
 # (beam tokens (B, k), parent states (B, k, ...), positions (B, k), write_pos (B, k), mask (KeyMask), key_len)
 #   -> (states (B, k, ...), child probs (B, k, k), child tokens (B, k, k)); probs and tokens on the host
@@ -49,7 +49,7 @@ def grow_trees(
         columns.append([node - 1 for node in builder.beam])
     beam_tokens = torch.gather(tokens, 1, torch.tensor(columns))  # (B, k), host
     parent_state = state[:, None].expand(b, k, *state.shape[1:])
-    visible = torch.zeros(b, k, max((num_steps - 1) * k, 1), dtype=torch.bool, device=dev)  # scratch ancestors
+    visible = torch.zeros(b, k, max(scratch_entries(num_steps, k), 1), dtype=torch.bool, device=dev)  # scratch ancestors
     own = torch.arange(k, device=dev)
     for s in range(1, num_steps):
         first = (s - 1) * k  # this step's scratch entries: [first, first + k)
@@ -94,7 +94,7 @@ def grow_trees_on_device(
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices  # (B, k): the first beam
     beam_nodes, beam_scores, beam_tokens = 1 + order, scores.gather(1, order), tokens.gather(1, order)
     parent_state = state[:, None].expand(b, k, *state.shape[1:])
-    visible = torch.zeros(b, k, max((num_steps - 1) * k, 1), dtype=torch.bool, device=dev)  # scratch ancestors
+    visible = torch.zeros(b, k, max(scratch_entries(num_steps, k), 1), dtype=torch.bool, device=dev)  # scratch ancestors
     own = torch.arange(k, device=dev)
     batch_rows = torch.arange(b, device=dev)[:, None]
     for s in range(1, num_steps):

@@ -62,10 +62,6 @@ class EagleDrafter(Drafter):
         if spec.token_map:
             self.head.set_hot_ids(load_token_map(spec.token_map))
         self.aux_layers = self.head.cfg.aux_layer_ids
-        self.scratch = (spec.num_steps - 1) * spec.topk  # draft K/V entries after L per request
-        spare = ctx.max_len - ctx.max_seq_len
-        if self.scratch > spare:
-            raise ValueError(f"num_steps: (num_steps - 1) * topk = {self.scratch} exceeds {spare} scratch entries")
         layer_cfg = self.head.cfg.layer_config()
         self.cache = KVCache(layer_cfg, ctx.num_slots, ctx.max_len, ctx.dtype, ctx.device)
         self.rope = tuple(t.to(ctx.device) for t in rope_table(layer_cfg, ctx.max_len, ctx.dtype))
@@ -76,11 +72,11 @@ class EagleDrafter(Drafter):
         self.features = torch.zeros(ctx.num_slots, ctx.max_len, self.head.cfg.feature_size, dtype=ctx.dtype,
                                     device=ctx.device)
         self.synced = [0] * ctx.num_slots  # per slot: positions the head's cache holds (the rest wait in `features`)
-        self.full_shape = DraftShape.configured(spec)
+        self.draft_plan = ctx.draft_plan  # its scratch K/V fit the cache's spare positions (`SpecConfig`)
         # EAGLE-3 reads the target's fused features on catch-up and its own states in the beam
         widths = (self.head.cfg.feature_size, self.head.cfg.hidden_size)
         self.runner = HeadRunner(spec.algorithm, self.head, self.rope, self.cache, ctx.runtime, widths)
-        self.runner.capture_drafts(self._draft_static, self.full_shape)
+        self.runner.capture_drafts(self._draft_static, self.draft_plan.shape)
 
     # ---- one head forward over the draft cache ------------------------------------------------
 
@@ -189,17 +185,17 @@ class EagleDrafter(Drafter):
 
     def _draft_static(self, slots: torch.Tensor, base: torch.Tensor, roots: torch.Tensor) -> TreeBatch:
         """The configured shape's draft with keys over the whole cache slot: what `DraftGraphs` captures."""
-        return self._draft(slots, base, roots, self.full_shape, self.cache.max_len)
+        return self._draft(slots, base, roots, self.draft_plan.shape, self.cache.max_len)
 
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> TreeBatch:
-        shape = shape or self.full_shape
+        shape = shape or self.draft_plan.shape
         self._catch_up(seqs)
         host_slots, cache_lens = [s.slot for s in seqs], [s.cache_len for s in seqs]
         roots = [s.token_ids[-1] for s in seqs]
         batch = self.runner.draft(shape, host_slots, cache_lens, roots)
         if batch is not None:  # None: not the captured shape, or more requests than the largest bucket
             return batch
-        key_len = max(cache_lens) + max((shape.num_steps - 1) * shape.topk, 1)  # prefix + the beam's scratch
+        key_len = max(cache_lens) + max(shape.scratch, 1)  # prefix + the beam's scratch
         base, root_t = to_device([cache_lens, roots], self.device)  # (B,) each
         return self._draft(host_slots, base, root_t, shape, key_len)
 

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from itertools import islice
 
 from specserve.config import SpecConfig
+from specserve.draft_plan import DraftPlan
 from specserve.drafters.base import DraftContext, Drafter, SequenceView
 from specserve.tree import DraftShape, DraftTree
 
@@ -267,17 +268,18 @@ class NgramDrafter(Drafter):
 
     @classmethod
     def build(cls, spec: SpecConfig, ctx: DraftContext) -> Drafter:
-        return cls(spec)  # drafts from the request's tokens alone
+        return cls(ctx.draft_plan)  # drafts from the request's tokens alone
 
-    def __init__(self, spec: SpecConfig) -> None:
-        _check(spec)
-        self.spec = spec
+    def __init__(self, draft_plan: DraftPlan) -> None:
+        """draft_plan: its shape, and its SpecConfig's ngram knobs (checked by `SpecConfig`)."""
+        self.draft_plan = draft_plan
+        self.spec = draft_plan.spec
         self._tries: dict[str, NgramTrie] = {}
         self._slots: dict[str, int] = {}  # request id -> its slot (where its trie stays after it ends)
         self._kept: dict[int, NgramTrie] = {}  # slot -> the trie of the request that left it
 
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree]:
-        shape = shape or DraftShape.configured(self.spec)
+        shape = shape or self.draft_plan.shape
         return [self._propose_one(s.request_id, getattr(s, "slot", None), s.token_ids, shape.num_draft_tokens)
                 for s in seqs]
 
@@ -310,24 +312,3 @@ class NgramDrafter(Drafter):
             fill(out, trie, matches, spec)
         return DraftTree.from_parents(out.tokens, out.parents)
 
-
-def _check(spec: SpecConfig) -> None:
-    if spec.num_draft_tokens < 1:
-        raise ValueError(f"num_draft_tokens: must be >= 1 for ngram, got {spec.num_draft_tokens}")
-    if not 1 <= spec.ngram_min_match_window <= spec.ngram_max_match_window:
-        raise ValueError(
-            "ngram_min_match_window: need 1 <= ngram_min_match_window <= ngram_max_match_window, got "
-            f"{spec.ngram_min_match_window} and {spec.ngram_max_match_window}"
-        )
-    if spec.ngram_branch_length <= spec.ngram_max_match_window:
-        raise ValueError(
-            f"ngram_branch_length: must exceed ngram_max_match_window ({spec.ngram_max_match_window}), "
-            f"got {spec.ngram_branch_length}"
-        )
-    if not 1 <= spec.ngram_min_bfs_breadth <= spec.ngram_max_bfs_breadth:
-        raise ValueError(
-            "ngram_min_bfs_breadth: need 1 <= ngram_min_bfs_breadth <= ngram_max_bfs_breadth, got "
-            f"{spec.ngram_min_bfs_breadth} and {spec.ngram_max_bfs_breadth}"
-        )
-    if spec.ngram_capacity < 1:
-        raise ValueError(f"ngram_capacity: must be >= 1, got {spec.ngram_capacity}")

@@ -59,7 +59,8 @@ class StandaloneDrafter(Drafter):
         else:
             self.model = first_layers(ctx.target, spec.standalone_num_layers or ctx.target.cfg.num_layers // 4)
         self.model.requires_grad_(False)
-        scratch = (spec.num_steps - 1) * spec.topk + 1  # + the root, which sits after the target's cache_len
+        self.draft_plan = ctx.draft_plan
+        scratch = ctx.draft_plan.scratch + 1  # + the root, which sits after the target's cache_len
         if scratch > ctx.max_len - ctx.max_seq_len:
             raise ValueError(f"num_steps: (num_steps - 1) * topk = {scratch - 1} exceeds the scratch entries")
         self.model.init_rope(ctx.max_len)
@@ -93,7 +94,7 @@ class StandaloneDrafter(Drafter):
         return probs.cpu(), tokens.cpu()
 
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree]:
-        shape = shape or DraftShape.configured(self.spec)
+        shape = shape or self.draft_plan.shape
         host_slots = [s.slot for s in seqs]
         starts = [self.cached[s.slot] for s in seqs]
         news = [s.token_ids[start:] for s, start in zip(seqs, starts)]  # uncached tokens, root last

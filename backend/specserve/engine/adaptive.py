@@ -4,7 +4,7 @@ A shape is the drafter's tree of `num_draft_tokens` n verified (root included),
 grown for min(num_steps, n - 1) draft steps at the configured topk (EAGLE-2's dynamic tree keeps
 the n - 1 likeliest nodes). n = 1 is plain decoding: no draft forward at all, and model-based
 drafters defer their catch-up until they draft again. The menu is n = 1, 2, 3, 4, 6, 8, 12, ...
-up to the configured num_draft_tokens.
+up to the configured num_draft_tokens (`draft_plan.shape_menu`).
 
 `ShapeChooser` keeps, per batch-size bucket and shape, an estimate of the step's wall time
 (measured at warm-up, then on every step: the median of the first samples, then a moving average
@@ -46,17 +46,6 @@ from collections.abc import Sequence
 
 from specserve.runtime.paths import RunningAverage
 from specserve.tree import DraftShape
-
-MENU_NUM_DRAFT_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-
-
-def shape_menu(num_steps: int, topk: int, num_draft_tokens: int) -> tuple[DraftShape, ...]:
-    """The shapes a step may choose, smallest first; the last is the configured one."""
-    sizes = [n for n in MENU_NUM_DRAFT_TOKENS if n < num_draft_tokens] + [num_draft_tokens]
-    return tuple(
-        DraftShape(n, min(num_steps, n - 1), topk if n > 1 else 1) if n > 1 else DraftShape(1, 0, 1)
-        for n in sizes
-    )
 
 
 class ShapeChooser:

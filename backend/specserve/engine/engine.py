@@ -11,31 +11,32 @@ Each `step()`:
   4. appends tokens, checks stop conditions, and returns one `RequestOutput` delta per request.
 
 `algorithm=none` is the degenerate tree (root only), so plain decoding is the same code path.
-Each step's tree shape comes from `adaptive.ShapeChooser` (the configured shape alone when the user
-pins it): a step that would not pay for its draft decodes plainly. `StepProfile` accumulates where
-step time goes. The engine knows nothing about Triton; `loop.py` runs it on a thread, `triton_model.py` serves it.
+Each step's tree shape comes from `adaptive.ShapeChooser` over the menu of the engine's
+`DraftPlan` (the configured shape alone when the user pins it), its costs measured first by
+`warm_up`: a step that would not pay for its draft decodes plainly. `verification.Verifier` decides
+what a step accepts; `profile.StepProfile` accumulates where step time goes. The engine knows
+nothing about Triton; `loop.py` runs it on a thread, `triton_model.py` serves it.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-import specserve_kernels as K
 from specserve.config import EngineConfig, SamplingParams
+from specserve.draft_plan import DraftPlan
 from specserve.drafters import DraftContext, Drafter
 from specserve.drafters.factory import build_drafter
-from specserve.engine.adaptive import ShapeChooser, shape_menu
+from specserve.engine.adaptive import ShapeChooser
 from specserve.engine.detokenize import IncrementalDetokenizer
 from specserve.engine.outputs import (
     FINISH_ABORT,
@@ -49,15 +50,10 @@ from specserve.engine.outputs import (
 )
 from specserve.engine.prefill_budget import PrefillBudget
 from specserve.engine.prefix_cache import PrefixCache, PromptCounters, RunningRows
-from specserve.engine.sampling import (
-    apply_penalties,
-    draw_uniforms,
-    suppress_eos,
-    target_probs,
-    token_logprobs,
-)
+from specserve.engine.profile import StepProfile, step_clock
+from specserve.engine.verification import Verifier
+from specserve.engine.warm_up import warm_up
 from specserve.host_memory import keep_freed_memory
-from specserve.methods import method
 from specserve.models.kv_cache import KVCache
 from specserve.models.weights import load_llama
 from specserve.runtime.memory import DeviceMemory, check_kv_cache_fits
@@ -67,69 +63,7 @@ from specserve.runtime.target import TargetRunner
 from specserve.staging import to_device
 from specserve.tree import DraftShape, DraftTree, TreeBatch
 
-log = logging.getLogger(__name__)
-
-MAX_TREE_NODES = 64  # the cache keeps this many spare positions so padded tree nodes never overflow
 MAX_PACKED_TOKENS = 32768  # prompt tokens per prefill forward (its staged inputs fit the staging ring)
-WARM_UP_TEXT = (
-    "The quick brown fox jumps over the lazy dog. Speculative decoding drafts a few tokens cheaply and "
-    "verifies them with one forward of the target model, so the output stays exactly the same. "
-)
-
-
-@dataclass(frozen=True)
-class Verified:
-    """What one verify step decided, read to the host once. Per row: `emitted` the tokens it
-    appends (its accepted drafts, then the bonus token; as many as its accept length), `accepted`
-    its accepted node indices (as many), `logprobs` each token's where the request asked for
-    them (see `sampling.token_logprobs`), `tree_sizes` its tree's node count; `result` on the device."""
-
-    result: K.VerifyResult
-    emitted: list[list[int]]
-    logprobs: list[list[dict[int, tuple[float, int]]] | None]
-    accepted: list[list[int]]
-    tree_sizes: list[int]
-
-
-@dataclass
-class StepProfile:
-    """Seconds spent per phase of the verify steps so far (prefill steps are left out).
-
-    draft: drafter.propose (catch-up forward included); forward: the target's verify forward;
-    verify: acceptance and KV compaction (the step's one host sync); drafter_update: on_accept;
-    bookkeeping: the rest of the step (appending tokens, stop checks, detokenizing, outputs).
-    drafting_steps: the steps that drafted; draft_forwards: the draft model forwards their
-    proposes ran (catch-ups included); draft_model: the part of the draft phase spent inside those
-    forwards and the draft model's output layer (`Drafter.forward_seconds`). device_wait: time the
-    host waited for the device (the step's host read, and the profile's own syncs on CUDA), so
-    host_work = total - device_wait is the host's share of a step (on a CPU, all of it).
-    """
-
-    steps: int = 0
-    drafting_steps: int = 0
-    draft_forwards: int = 0
-    draft: float = 0.0
-    draft_model: float = 0.0
-    forward: float = 0.0
-    verify: float = 0.0
-    drafter_update: float = 0.0
-    total: float = 0.0  # whole verify steps, outputs included
-    device_wait: float = 0.0
-
-    def per_step_ms(self) -> dict[str, float]:
-        """Milliseconds per step of each phase, bookkeeping = total - the timed phases; the draft
-        phase also per drafting step and per draft forward."""
-        counts = ("steps", "drafting_steps", "draft_forwards")
-        n = max(self.steps, 1)
-        out = {k: round(v * 1e3 / n, 3) for k, v in asdict(self).items() if k not in counts}
-        out["bookkeeping"] = round(out["total"] - out["draft"] - out["forward"] - out["verify"] - out["drafter_update"], 3)
-        out["host_work"] = round(out["total"] - out["device_wait"], 3)
-        if self.drafting_steps:
-            out["draft_per_drafting_step"] = round(self.draft * 1e3 / self.drafting_steps, 3)
-        if self.draft_forwards:
-            out["draft_per_forward"] = round(self.draft * 1e3 / self.draft_forwards, 3)
-            out["draft_model_per_forward"] = round(self.draft_model * 1e3 / self.draft_forwards, 3)
-        return {k: getattr(self, k) for k in counts} | out
 
 
 @dataclass(eq=False)
@@ -193,7 +127,9 @@ class Request:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.spec = config.spec.resolved()
+        self.draft_plan = DraftPlan.of(config.spec)
+        self.spec = self.draft_plan.spec
+        max_nodes = self.draft_plan.max_nodes  # spare cache positions per slot: padded tree nodes never overflow
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
@@ -203,28 +139,29 @@ class Engine:
         self.model_config = self.model.cfg
         self.plan = RuntimePlan.from_config(config)
         num_slots = config.max_batch_size + self.plan.spare_slots  # static buckets' padding rows write in the spare
-        check_kv_cache_fits(config, self.model_config, num_slots, config.max_seq_len + MAX_TREE_NODES,
-                            min(self.spec.num_draft_tokens, MAX_TREE_NODES), DeviceMemory.of(self.device))
-        self.cache = KVCache(self.model_config, num_slots, config.max_seq_len + MAX_TREE_NODES, config.torch_dtype,
+        check_kv_cache_fits(config, self.model_config, num_slots, config.max_seq_len + max_nodes,
+                            self.draft_plan.shape.num_draft_tokens, DeviceMemory.of(self.device))
+        self.cache = KVCache(self.model_config, num_slots, config.max_seq_len + max_nodes, config.torch_dtype,
                              config.device)
         self.model.init_rope(self.cache.max_len)
         self.tokenizer = Tokenizer.from_file(f"{config.model_dir}/tokenizer.json")
         self.eos_ids = self._eos_ids()
+        self.verifier = Verifier(self.eos_ids, self.device)
         self.drafter: Drafter = build_drafter(self.spec, DraftContext(
             target=self.model, model_dir=config.model_dir, num_slots=config.max_batch_size + self.plan.spare_slots,
             max_len=self.cache.max_len, max_seq_len=config.max_seq_len, dtype=config.torch_dtype, device=config.device,
-            runtime=self.plan,
+            draft_plan=self.draft_plan, runtime=self.plan,
         ))
         self.runner = TargetRunner(
-            self.model, self.cache, config, self.plan, aux_layers=self.drafter.aux_layers, num_draft_tokens=min(self.spec.num_draft_tokens, MAX_TREE_NODES),
+            self.model, self.cache, config, self.plan, aux_layers=self.drafter.aux_layers,
+            num_draft_tokens=self.draft_plan.shape.num_draft_tokens,
         )
         # after the runner, which reserves the static buckets' padding slot
         self.prefix_cache = PrefixCache(self.cache, config.enable_prefix_caching, config.prefix_cache_max_tokens)
         self.prompt_counters = PromptCounters()
-        self._default_generator = torch.Generator().manual_seed(0)
-        self._forced_shape: DraftShape | None = None  # warm-up runs each shape in turn
-        self._observe = True  # whether steps feed the chooser's estimates
-        self._warming_up = False  # steps then seed the chooser's time estimates (`ShapeChooser.observe`)
+        self.forced_shape: DraftShape | None = None  # every step drafts it (the warm-up runs each shape in turn)
+        self.observe_steps = True  # whether steps feed the chooser's estimates
+        self.warming_up = False  # steps then seed the chooser's time estimates (`ShapeChooser.observe`)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._inbox: deque[Request] = deque()
@@ -234,16 +171,12 @@ class Engine:
         self.running: list[Request] = []
         self.profile = StepProfile()
         self.prefill_budget = PrefillBudget(config.prompt_tokens_per_step)
-        spec = self.spec
-        full = DraftShape.configured(spec)
-        pinned = not config.spec.adaptive or bool(config.spec.num_steps or config.spec.topk or config.spec.num_draft_tokens)
-        menu = (full,) if pinned or not method(spec.algorithm).drafts else shape_menu(spec.num_steps, spec.topk, spec.num_draft_tokens)
+        menu = self.draft_plan.menu
         self.chooser = ShapeChooser(menu, self.runner.buckets, drafts_catch_up=self.drafter.catches_up)
         # seeding every tree size of the menu lets the warm-up's shape timings run on the faster path
-        self.runner.seed_paths([1, *(min(s.num_draft_tokens, MAX_TREE_NODES) for s in menu)], self.cache.num_free,
-                               config.max_seq_len)
+        self.runner.seed_paths(list(self.draft_plan.tree_sizes), self.cache.num_free, config.max_seq_len)
         if len(menu) > 1:
-            self._warm_up()
+            warm_up(self)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
@@ -324,36 +257,6 @@ class Engine:
         self.prefill_budget.observe(end - step_start, sum(len(c.tokens) for _, c in work), bool(decoding))
         self._outputs = []
         return outputs
-
-    @torch.inference_mode()
-    def _warm_up(self, steps_per_shape: int = 2) -> None:
-        """Measure every shape's step time at every batch-size bucket on a synthetic prompt (the
-        first step of each shape is discarded), so the chooser starts from this machine's costs."""
-        prompt = self.tokenizer.encode(WARM_UP_TEXT * 2, add_special_tokens=False).ids
-        prompt = prompt[: max(1, self.config.max_seq_len // 4)]
-        params = SamplingParams(max_tokens=self.config.max_seq_len - len(prompt), ignore_eos=True)
-        start = time.perf_counter()
-        self._warming_up = True
-        for bs in self.chooser.buckets:
-            ids = [self.add_request(prompt, params, request_id=f"warm-up-{bs}-{i}") for i in range(bs)]
-            self.step()  # admit and prefill
-            while any(r.prefilling for r in self.running):  # a prompt longer than max_num_batched_tokens
-                self.step()
-            for shape in self.chooser.menu:
-                for i in range(steps_per_shape):
-                    self._forced_shape, self._observe = shape, i > 0
-                    self.step()
-            for rid in ids:
-                self.abort(rid)
-            self.step()
-        self._forced_shape, self._observe, self._warming_up = None, True, False
-        self.chooser.forget_acceptance()
-        self.profile = StepProfile()
-        self.prefill_budget.decode_s = None  # warm-up steps ran every shape; a prompt token's cost holds
-        self.prefix_cache.forget()  # the synthetic prompt is no one's prefix
-        self.prompt_counters = PromptCounters()
-        log.info("adaptive speculation: %d shapes x batch sizes %s measured in %.1f s",
-                 len(self.chooser.menu), self.chooser.buckets, time.perf_counter() - start)
 
     def fail_running(self, error: str) -> list[RequestOutput]:
         """After an exception inside a step: the outputs that step had made (aborts, timeouts), and an
@@ -441,17 +344,14 @@ class Engine:
 
     def _first_tokens(self, reqs: list[Request], logits: torch.Tensor, rows: list[int]) -> None:
         """Sample each request's first token from its prompt's last logits: rows of logits (K, 1, V)."""
-        if len(rows) < logits.shape[0]:
-            logits = logits[to_device(rows, self.device)]
-        roots = TreeBatch.root_only(to_device([r.token_ids[-1] for r in reqs], self.device))
-        v = self._verify(reqs, roots, logits, prefill=True)
+        v = self.verifier.first_tokens(reqs, logits, rows)
         for r, tokens, lp in zip(reqs, v.emitted, v.logprobs):
             self._append_tokens(r, tokens, lp)
 
     def _fit_trees(self, reqs: list[Request], proposal: list[DraftTree] | TreeBatch) -> TreeBatch:
         """Trim each tree to the context its request has left (nodes are parent-ordered, so a
         prefix is a tree) and batch them on the device. A drafter's on-device batch passes as is."""
-        rooms = [min(self.config.max_seq_len - r.cache_len, MAX_TREE_NODES) for r in reqs]
+        rooms = [min(self.config.max_seq_len - r.cache_len, self.draft_plan.max_nodes) for r in reqs]
         if isinstance(proposal, TreeBatch):
             if proposal.tokens.shape[1] <= min(rooms):
                 return proposal
@@ -463,8 +363,8 @@ class Engine:
         return TreeBatch.from_trees(trees).to(self.device)
 
     def _shape_for(self, batch_size: int) -> DraftShape:
-        if self._forced_shape is not None:
-            return self._forced_shape
+        if self.forced_shape is not None:
+            return self.forced_shape
         limit = self.spec.disable_by_batch_size
         if limit and batch_size >= limit:
             return DraftShape(1, 0, 1)
@@ -495,10 +395,10 @@ class Engine:
                                         host_lens, [r.slot for r in reqs])
         t2 = clock()
         p.forward += t2 - t1
-        v = self._verify(reqs, batch, out.logits)
+        v = self.verifier.accept(reqs, batch, out.logits, self.cache.data, slots, cache_lens)
         result, emitted, logprobs = v.result, v.emitted, v.logprobs
-        if not batch.is_root_only:
-            K.compact_kv(self.cache.data, slots, cache_lens, result.accepted_nodes, result.accept_length)
+        if self.device.type != "cpu":  # on a GPU the step's host read waits for its queued work
+            p.device_wait += v.device_wait
         t3 = clock()
         p.verify += t3 - t2
         p.steps += 1
@@ -517,84 +417,17 @@ class Engine:
         accepted = [result.accepted_nodes[i, : len(emitted[i])] for i in range(len(reqs))]
         self.drafter.on_accept(reqs, out, accepted)
         p.drafter_update += clock() - t4
-        if self._observe:
+        if self.observe_steps:
             lengths = [len(e) for e in emitted]
             seconds = clock() - start if settled and not catching_up else None
             nested = None
             if shape.drafts and self.drafter.nested_trees and len(self.chooser.menu) > 1:
                 nested = v.accepted
-            self.chooser.observe(len(reqs), shape, seconds, lengths, nested, warm_up=self._warming_up)
+            self.chooser.observe(len(reqs), shape, seconds, lengths, nested, warm_up=self.warming_up)
 
     def _clock(self) -> float:
-        """Host time; on CUDA, after the queued work (only when profiling: it costs a sync)."""
-        now = time.perf_counter()
-        if self.config.profile and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            waited = time.perf_counter()
-            self.profile.device_wait += waited - now
-            return waited
-        return now
-
-    def _verify(self, reqs: list[Request], batch: TreeBatch, logits: torch.Tensor, prefill: bool = False) -> Verified:
-        """logits (B, N, V) at the tree nodes -> what the step verified (`Verified`).
-
-        Greedy rows and sampled rows go to their own kernel call; results are merged by row.
-        """
-        b, n = batch.tokens.shape
-        for i, r in enumerate(reqs):
-            suppress_eos(logits[i], batch.depth[i], self.eos_ids, r.params.min_tokens - r.num_output_tokens)
-            apply_penalties(logits[i], r.params, r.token_ids, len(r.prompt_ids), batch.tokens[i], batch.mask[i])
-        dev = logits.device
-        greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
-        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        links = (batch.tokens, batch.first_child, batch.next_sibling)
-        if not sampled:  # all greedy (the common case): one kernel over the whole batch, no row gathers
-            result = K.verify_greedy(*links, logits.argmax(-1))
-            return self._emitted(reqs, batch, logits, result, prefill)
-        accepted = torch.full((b, n), -1, dtype=torch.int64, device=dev)
-        accept_length = torch.zeros(b, dtype=torch.int64, device=dev)
-        bonus = torch.zeros(b, dtype=torch.int64, device=dev)
-        if greedy:
-            g = to_device(greedy, dev)
-            res = K.verify_greedy(*(x[g] for x in links), logits[g].argmax(-1))
-            accepted[g], accept_length[g], bonus[g] = res.accepted_nodes, res.accept_length, res.bonus_tokens
-        if sampled:
-            s = to_device(sampled, dev)
-            probs = torch.stack([target_probs(logits[i], reqs[i].params) for i in sampled])  # (Bs, N, V)
-            coins = to_device(torch.stack([draw_uniforms(n + 1, reqs[i].generator or self._default_generator)
-                                           for i in sampled]), dev)
-            res = K.verify_sample(*(x[s] for x in links), probs, coins[:, :-1].contiguous(), coins[:, -1].contiguous())
-            accepted[s], accept_length[s], bonus[s] = res.accepted_nodes, res.accept_length, res.bonus_tokens
-        result = K.VerifyResult(accepted_nodes=accepted, accept_length=accept_length, bonus_tokens=bonus)
-        return self._emitted(reqs, batch, logits, result, prefill)
-
-    def _emitted(self, reqs: list[Request], batch: TreeBatch, logits: torch.Tensor, result: K.VerifyResult,
-                 prefill: bool) -> Verified:
-        """The step's one host read: per row, the tokens it emits, its accepted nodes and tree size
-        (its wait for the device counts in the profile, prefills left out)."""
-        n = batch.tokens.shape[1]
-        accepted = result.accepted_nodes
-        path_tokens = torch.gather(batch.tokens, 1, accepted.clamp(min=0))  # (B, N): token of accepted node j
-        # one row per request: [path tokens (N), accepted nodes (N), accept length, bonus token, tree size]
-        extra = torch.stack([result.accept_length, result.bonus_tokens, batch.num_draft_tokens], dim=1)
-        read = time.perf_counter()
-        rows = self._read(torch.cat([path_tokens, accepted, extra], dim=1))
-        if self.device.type != "cpu" and not prefill:  # on a GPU the read waits for the step's queued work
-            self.profile.device_wait += time.perf_counter() - read
-        emitted = [r[1 : r[2 * n]] + [r[2 * n + 1]] for r in rows]
-        # token j of a row was drawn at its accepted node j (node 0 = the root)
-        logprobs = [
-            token_logprobs(logits[i, accepted[i, : len(tokens)]], tokens, r.params.logprobs)
-            if r.params.logprobs is not None else None
-            for i, (r, tokens) in enumerate(zip(reqs, emitted))
-        ]
-        return Verified(result, emitted, logprobs, [r[n : n + len(e)] for r, e in zip(rows, emitted)],
-                        [r[2 * n + 2] for r in rows])
-
-    @staticmethod
-    def _read(rows: torch.Tensor) -> list[list[int]]:
-        """The step's one host read of device values (on a GPU it waits for the step's queued work)."""
-        return rows.tolist()
+        """Host time for the profile's phases (`profile.step_clock`)."""
+        return step_clock(self.profile, self.device, self.config.profile)
 
     def _append_tokens(self, req: Request, tokens: list[int],
                        logprobs: list[dict[int, tuple[float, int]]] | None = None) -> None:

@@ -1,0 +1,134 @@
+"""Verification: which draft nodes the target accepts, the tokens each request gains, and the
+compaction of the accepted nodes' K/V.
+
+`Verifier.accept` takes a verify forward's logits over a batch of trees: each row's logits are
+masked and penalised as its request asks (`sampling`), greedy rows go to `verify_greedy`, sampled
+rows to the lossless `verify_sample`, and the accepted nodes' K/V move to consecutive cache
+positions (`compact_kv`). `Verifier.first_tokens` samples a prompt's first token the same way,
+from its last logits (a root-only tree). Each reads the device once (`Verified`). This module
+does not draft, run the target or append tokens to requests: the engine does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+import specserve_kernels as K
+from specserve.engine.sampling import (
+    apply_penalties,
+    draw_uniforms,
+    suppress_eos,
+    target_probs,
+    token_logprobs,
+)
+from specserve.staging import to_device
+from specserve.tree import TreeBatch
+
+if TYPE_CHECKING:
+    from specserve.engine.engine import Request
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What one verify step decided, read to the host once. Per row: `emitted` the tokens it
+    appends (its accepted drafts, then the bonus token; as many as its accept length), `accepted`
+    its accepted node indices (as many), `logprobs` each token's where the request asked for
+    them (see `sampling.token_logprobs`), `tree_sizes` its tree's node count; `result` on the
+    device; `device_wait` the seconds the host read waited for the device's queued work."""
+
+    result: K.VerifyResult
+    emitted: list[list[int]]
+    logprobs: list[list[dict[int, tuple[float, int]]] | None]
+    accepted: list[list[int]]
+    tree_sizes: list[int]
+    device_wait: float = 0.0
+
+
+class Verifier:
+    """Acceptance for the engine's requests: `eos_ids` are masked before a request's min_tokens,
+    and requests without a seed draw their coins from one generator of the engine's."""
+
+    def __init__(self, eos_ids: tuple[int, ...], device: torch.device) -> None:
+        self.eos_ids = eos_ids
+        self.device = device
+        self._default_generator = torch.Generator().manual_seed(0)
+
+    def accept(self, reqs: Sequence[Request], batch: TreeBatch, logits: torch.Tensor, cache: torch.Tensor,
+               slots: torch.Tensor, cache_lens: torch.Tensor) -> Verified:
+        """logits (B, N, V) at the tree nodes -> the step's `Verified`; the accepted nodes' K/V in
+        `cache` (the target's KV data) compacted after each row's cache_lens (slots, cache_lens (B,))."""
+        v = self.verify(reqs, batch, logits)
+        if not batch.is_root_only:
+            K.compact_kv(cache, slots, cache_lens, v.result.accepted_nodes, v.result.accept_length)
+        return v
+
+    def first_tokens(self, reqs: Sequence[Request], logits: torch.Tensor, rows: list[int]) -> Verified:
+        """Each request's first token from its prompt's last logits: rows of logits (K, 1, V)."""
+        if len(rows) < logits.shape[0]:
+            logits = logits[to_device(rows, self.device)]
+        roots = TreeBatch.root_only(to_device([r.token_ids[-1] for r in reqs], self.device))
+        return self.verify(reqs, roots, logits)
+
+    def verify(self, reqs: Sequence[Request], batch: TreeBatch, logits: torch.Tensor) -> Verified:
+        """logits (B, N, V) at the tree nodes -> what the step verified (`Verified`).
+
+        Greedy rows and sampled rows go to their own kernel call; results are merged by row.
+        """
+        b, n = batch.tokens.shape
+        for i, r in enumerate(reqs):
+            suppress_eos(logits[i], batch.depth[i], self.eos_ids, r.params.min_tokens - r.num_output_tokens)
+            apply_penalties(logits[i], r.params, r.token_ids, len(r.prompt_ids), batch.tokens[i], batch.mask[i])
+        dev = logits.device
+        greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        links = (batch.tokens, batch.first_child, batch.next_sibling)
+        if not sampled:  # all greedy (the common case): one kernel over the whole batch, no row gathers
+            result = K.verify_greedy(*links, logits.argmax(-1))
+            return self._emitted(reqs, batch, logits, result)
+        accepted = torch.full((b, n), -1, dtype=torch.int64, device=dev)
+        accept_length = torch.zeros(b, dtype=torch.int64, device=dev)
+        bonus = torch.zeros(b, dtype=torch.int64, device=dev)
+        if greedy:
+            g = to_device(greedy, dev)
+            res = K.verify_greedy(*(x[g] for x in links), logits[g].argmax(-1))
+            accepted[g], accept_length[g], bonus[g] = res.accepted_nodes, res.accept_length, res.bonus_tokens
+        if sampled:
+            s = to_device(sampled, dev)
+            probs = torch.stack([target_probs(logits[i], reqs[i].params) for i in sampled])  # (Bs, N, V)
+            coins = to_device(torch.stack([draw_uniforms(n + 1, reqs[i].generator or self._default_generator)
+                                           for i in sampled]), dev)
+            res = K.verify_sample(*(x[s] for x in links), probs, coins[:, :-1].contiguous(), coins[:, -1].contiguous())
+            accepted[s], accept_length[s], bonus[s] = res.accepted_nodes, res.accept_length, res.bonus_tokens
+        result = K.VerifyResult(accepted_nodes=accepted, accept_length=accept_length, bonus_tokens=bonus)
+        return self._emitted(reqs, batch, logits, result)
+
+    def _emitted(self, reqs: Sequence[Request], batch: TreeBatch, logits: torch.Tensor,
+                 result: K.VerifyResult) -> Verified:
+        """The step's one host read: per row, the tokens it emits, its accepted nodes and tree size."""
+        n = batch.tokens.shape[1]
+        accepted = result.accepted_nodes
+        path_tokens = torch.gather(batch.tokens, 1, accepted.clamp(min=0))  # (B, N): token of accepted node j
+        # one row per request: [path tokens (N), accepted nodes (N), accept length, bonus token, tree size]
+        extra = torch.stack([result.accept_length, result.bonus_tokens, batch.num_draft_tokens], dim=1)
+        read = time.perf_counter()
+        rows = self._read(torch.cat([path_tokens, accepted, extra], dim=1))
+        waited = time.perf_counter() - read
+        emitted = [r[1 : r[2 * n]] + [r[2 * n + 1]] for r in rows]
+        # token j of a row was drawn at its accepted node j (node 0 = the root)
+        logprobs = [
+            token_logprobs(logits[i, accepted[i, : len(tokens)]], tokens, r.params.logprobs)
+            if r.params.logprobs is not None else None
+            for i, (r, tokens) in enumerate(zip(reqs, emitted))
+        ]
+        return Verified(result, emitted, logprobs, [r[n : n + len(e)] for r, e in zip(rows, emitted)],
+                        [r[2 * n + 2] for r in rows], waited)
+
+    @staticmethod
+    def _read(rows: torch.Tensor) -> list[list[int]]:
+        """The step's one host read of device values (on a GPU it waits for the step's queued work)."""
+        return rows.tolist()
