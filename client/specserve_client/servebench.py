@@ -10,7 +10,8 @@ engine in-process, on the same MT-bench prompts (chat template, greedy, same max
 2. Triton, concurrency 1: the same prompts one after another over gRPC streaming;
 3. Triton, concurrency C (default 8): C clients draining the same prompt list; aggregate tokens/s.
 The server is started here (a `TritonProcess` on free ports, with --num-threads applied to its
-engine too) unless --url points at a running one. This module imports nothing of the server package.
+engine too) unless --url points at a running one. The in-process side runs in its own process,
+so this module has no import of the server package.
 """
 
 from __future__ import annotations
