@@ -1,5 +1,5 @@
 """`specserve` command line: prepare, generate, bench, train-drafter, train-drafters, dump-features,
-regenerate-data, export-prompts, serve, model-repository."""
+regenerate-data, export-prompts, serve, model-repository, in-process-bench."""
 
 from __future__ import annotations
 
@@ -249,6 +249,43 @@ def cmd_model_repository(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- `specserve in-process-bench`: the engine as llm_<variant> runs it, minus Triton -----------
+
+
+def cmd_in_process_bench(args: argparse.Namespace) -> int:
+    from specserve.serving.in_process import run_variant
+
+    try:
+        result = run_variant(ALIASES.get(args.variant, args.variant), args.dataset, args.num_prompts, args.max_tokens,
+                             Path(args.repository) if args.repository else None, args.num_threads)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(result)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    else:
+        print(text)
+    print(f"in-process engine ({result['variant']}): {result['tokens']} tokens in {result['seconds']:.2f}s = "
+          f"{result['tokens_per_s']:.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+def add_in_process_bench(sub: Any) -> None:
+    """The `in-process-bench` subcommand (what `specserve_client.servebench` runs beside Triton)."""
+    p = sub.add_parser("in-process-bench", help="tokens/s of llm_<variant>'s engine in-process (its config.pbtxt "
+                       "parameters, on an EngineLoop thread, one prompt at a time, chat template, greedy) as JSON")
+    p.add_argument("--variant", default="none", help=f"one of {', '.join(v.name for v in VARIANTS)}")
+    p.add_argument("--dataset", default="mtbench", help="mtbench or a PATH.jsonl")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repository", default=None, help="model repository (default: the project's)")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: the config's)")
+    p.add_argument("--json", default=None, help="write the JSON here (default: stdout)")
+    p.set_defaults(func=cmd_in_process_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -385,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-repository", default=None, help="default: the project's model_repository/")
     p.add_argument("--check", action="store_true", help="only report files that differ (exit 1 if any)")
     p.set_defaults(func=cmd_model_repository)
+
+    add_in_process_bench(sub)
     return parser
 
 

@@ -5,20 +5,23 @@ engine in-process, on the same MT-bench prompts (chat template, greedy, same max
         --json results/servebench.json
 
 1. in-process: `Engine` built from llm_<variant>'s config.pbtxt parameters, run by its
-   `EngineLoop` thread, one request at a time (tokens/s = generated tokens / wall time, prefill included);
+   `EngineLoop` thread, one request at a time (tokens/s = generated tokens / wall time, prefill included):
+   the server package's `specserve in-process-bench`, run here as a subprocess (JSON back);
 2. Triton, concurrency 1: the same prompts one after another over gRPC streaming;
 3. Triton, concurrency C (default 8): C clients draining the same prompt list; aggregate tokens/s.
 The server is started here (a `TritonProcess` on free ports, with --num-threads applied to its
-engine too) unless --url points at a running one.
+engine too) unless --url points at a running one. The in-process side runs in its own process,
+so this module has no import of the server package.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import queue
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,38 +33,26 @@ from specserve_client.stream import collect, grpc_stream
 from specserve_client.variants import variant_name
 
 
-def in_process(variant_params: dict[str, str], prompt_ids: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """The engine on its own `EngineLoop` thread (built there too), as the Triton model runs it, minus Triton."""
-    from specserve.config import SamplingParams
-    from specserve.engine.engine import Engine, merge_outputs
-    from specserve.engine.loop import EngineLoop
-    from specserve.serving.parameters import engine_config_from_parameters
-
-    loop = EngineLoop(lambda: Engine(engine_config_from_parameters(variant_params)))
-
-    def run(ids: list[int], params: SamplingParams) -> Any:
-        done, merged = threading.Event(), [None]
-
-        def on_output(out: Any) -> None:
-            merged[0] = merge_outputs(merged[0], out)
-            if out.finished:
-                done.set()
-
-        loop.submit(ids, params, on_output)
-        done.wait()
-        return merged[0]
-
-    try:
-        run(prompt_ids[0], SamplingParams(max_tokens=4))  # warm-up
-        outputs, start = [], time.perf_counter()
-        for ids in prompt_ids:
-            outputs.append(run(ids, SamplingParams(max_tokens=max_tokens)))
-        elapsed = time.perf_counter() - start
-    finally:
-        loop.shutdown()
-    tokens = sum(len(o.token_ids) for o in outputs)
-    gc.collect()
-    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "token_ids": [o.token_ids for o in outputs]}
+def in_process(variant: str, dataset: str, num_prompts: int, max_tokens: int, repository: Path | None,
+               num_threads: int | None) -> dict[str, Any]:
+    """`specserve in-process-bench` (the server package's command) in a subprocess of this
+    interpreter, its JSON read back: engine, tokens, seconds, tokens_per_s, token_ids."""
+    with tempfile.TemporaryDirectory(prefix="specserve-servebench-") as tmp:
+        out = Path(tmp) / "in_process.json"
+        command = [sys.executable, "-m", "specserve.cli", "in-process-bench", "--variant", variant,
+                   "--dataset", dataset, "--num-prompts", str(num_prompts), "--max-tokens", str(max_tokens),
+                   "--json", str(out)]
+        if repository is not None:
+            command += ["--repository", str(repository)]
+        if num_threads:
+            command += ["--num-threads", str(num_threads)]
+        proc = subprocess.run(command, check=False)
+        if proc.returncode != 0 or not out.is_file():
+            raise RuntimeError(
+                f"the in-process engine (`{' '.join(command[1:4])}`) exited with code {proc.returncode}; "
+                "it needs the server package `specserve` (install the project root)"
+            )
+        return json.loads(out.read_text())
 
 
 def through_triton(url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int) -> dict[str, Any]:
@@ -115,25 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=Path("results/servebench.json"))
     args = p.parse_args(argv)
 
-    from specserve.serving.parameters import model_dir_from_parameters
-    from specserve.serving.parsing import PromptTokenizer
-    from specserve.serving.server import default_repository, read_parameters
-
-    repository = args.repository or default_repository()
-    params = read_parameters(repository / f"llm_{args.variant}" / "config.pbtxt")
     overrides = {"num_threads": str(args.num_threads)} if args.num_threads else {}
-    params.update(overrides)
     prompts = load_prompts(args.dataset, args.num_prompts)
-    tokenizer = PromptTokenizer(model_dir_from_parameters(params))
-    prompt_ids = [tokenizer.encode(q, True) for q in prompts]
 
     print(f"in-process engine ({args.variant}), {len(prompts)} prompts x {args.max_tokens} tokens ...", flush=True)
-    local = in_process(params, prompt_ids, args.max_tokens)
+    local = in_process(args.variant, args.dataset, args.num_prompts, args.max_tokens, args.repository, args.num_threads)
     print(f"  {local['tokens_per_s']:.1f} tok/s", flush=True)
 
     model = f"llm_{args.variant}"
     log = args.json.with_suffix(".tritonserver.log")
-    with server_for(args.variant, args.url, repository, overrides, log) as url:
+    with server_for(args.variant, args.url, args.repository, overrides, log) as url:
         collect(grpc_stream(url, model, prompts[0], max_tokens=4, apply_chat_template=True))  # warm-up
         print("Triton, concurrency 1 ...", flush=True)
         c1 = through_triton(url, model, prompts, args.max_tokens, 1)
@@ -147,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         "variant": args.variant,
         "num_prompts": len(prompts),
         "max_tokens": args.max_tokens,
-        "engine": {k: params.get(k) for k in ("algorithm", "max_batch_size", "max_seq_len", "dtype", "num_threads")},
+        "engine": local["engine"],
         "in_process_tokens_per_s": local["tokens_per_s"],
         "triton_c1_tokens_per_s": c1["tokens_per_s"],
         "triton_c1_mean_ttft_s": c1["mean_ttft_s"],

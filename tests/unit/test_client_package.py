@@ -1,5 +1,7 @@
 """`specserve_client` stands alone: no module imports torch, the server package or transformers at
-import time, so `pip install ./client` gives a working `specserve-client` without them."""
+import time, so `pip install ./client` gives a working `specserve-client` without them; and no
+module under client/ imports the server package at all, not even inside a function, so the
+dependency runs one way (the server reads the client's datasets) and the packages form no cycle."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pytest
 CLIENT_DIR = Path(__file__).resolve().parents[2] / "client"
 PACKAGE_DIR = CLIENT_DIR / "specserve_client"
 SERVER_SIDE = ("torch", "specserve", "specserve_kernels", "transformers")
+SERVER_PACKAGES = ("specserve", "specserve_kernels")  # the project's own server-side packages
 INSTALL_TIMEOUT_S = 180
 # pip's messages when the package index (or a mirror of it) cannot serve the dependencies.
 NO_INDEX = (
@@ -55,6 +58,35 @@ def test_no_module_imports_server_side_packages_at_import_time():
         if name in SERVER_SIDE
     ]
     assert not offending, "server-side imports at module level:\n" + "\n".join(offending)
+
+
+def every_import(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, top-level package) of every absolute import statement in the module, function and
+    class bodies included."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name.split(".")[0]) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module.split(".")[0]))
+    return found
+
+
+def test_every_import_sees_function_bodies():
+    tree = ast.parse("import os\ndef f():\n    from specserve.config import X\n    class C:\n        import specserve\n")
+    assert every_import(tree) == [(1, "os"), (3, "specserve"), (5, "specserve")]
+
+
+def test_nothing_under_client_imports_the_server_package():
+    modules = sorted(CLIENT_DIR.rglob("*.py"))
+    assert PACKAGE_DIR / "servebench.py" in modules
+    offending = [
+        f"{path.relative_to(CLIENT_DIR)}:{line}: import {name}"
+        for path in modules
+        for line, name in every_import(ast.parse(path.read_text(), filename=str(path)))
+        if name in SERVER_PACKAGES
+    ]
+    assert not offending, "the client imports the server package:\n" + "\n".join(offending)
 
 
 BLOCKED_IMPORT_SCRIPT = textwrap.dedent(

@@ -48,3 +48,41 @@ def test_bad_draft_models_are_refused(tiny_target_dir, tiny_llama_factory):
     other = tiny_llama_factory(vocab_size=97, num_layers=2)
     with pytest.raises(ValueError, match="drafter_path: draft vocabulary"):
         _engine(tiny_target_dir, "standalone", drafter_path=str(other))
+
+
+def test_every_draft_model_forward_runs_through_its_runner(tiny_target_dir):
+    """The catch-ups over prompt chunks (`write_kv`) and the drafts' forwards (`forward`) are
+    `DraftModelRunner` calls, one per forward the drafter counts, and the draft model runs no
+    layers outside them."""
+    eng = _engine(tiny_target_dir, "standalone", standalone_num_layers=3, num_steps=3, topk=2, num_draft_tokens=6)
+    drafter, runner = eng.drafter, eng.drafter.runner
+    calls = {"write_kv": 0, "forward": 0, "layers_inside": 0, "layers_outside": 0}
+    inside = [False]
+
+    def counted(name):
+        method = getattr(runner, name)
+
+        def run(*args, **kwargs):
+            calls[name] += 1
+            inside[0] = True
+            try:
+                return method(*args, **kwargs)
+            finally:
+                inside[0] = False
+
+        return run
+
+    run_layers = drafter.model.run_layers
+
+    def layers(*args, **kwargs):
+        calls["layers_inside" if inside[0] else "layers_outside"] += 1
+        return run_layers(*args, **kwargs)
+
+    runner.write_kv, runner.forward = counted("write_kv"), counted("forward")
+    drafter.model.run_layers = layers
+    outs = eng.generate(_prompts(), SamplingParams(max_tokens=12, ignore_eos=True))
+    assert all(len(o.token_ids) == 12 for o in outs)
+    assert calls["write_kv"] >= len(outs)  # each prompt cached with its prefill
+    assert calls["forward"] > 0
+    assert calls["layers_outside"] == 0
+    assert calls["layers_inside"] == calls["write_kv"] + calls["forward"] == drafter.num_forwards

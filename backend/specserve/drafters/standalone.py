@@ -7,6 +7,7 @@ plus its final norm and lm_head (the same modules, no extra weights). It keeps i
 in that cache (the accepted tokens and the root), so no refresh after verify is needed. A prompt
 is cached chunk by chunk with its prefill (`on_prefill`); a slot's draft K/V stay after its request
 ends, and `copy_prefix` hands them to a request that reuses its prefix. Trees come from `beam.grow_trees` (topk=1 is a chain).
+Every draft-model forward runs through `runtime.draft_model.DraftModelRunner`.
 
 The draft model never sees the target's hidden states; it does not verify or sample.
 """
@@ -24,8 +25,9 @@ from specserve.drafters.base import DraftContext, Drafter, SequenceView
 from specserve.drafters.beam import grow_trees
 from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.kv_cache import KVCache
-from specserve.models.llama import ForwardOutput, KeyMask, LlamaModel, scattered_attention_inputs
+from specserve.models.llama import ForwardOutput, KeyMask, LlamaModel
 from specserve.models.weights import empty_modules, load_llama
+from specserve.runtime.draft_model import DraftModelRunner
 from specserve.runtime.prefill import PackedPrompts
 from specserve.staging import to_device
 from specserve.tree import DraftShape, DraftTree
@@ -65,6 +67,7 @@ class StandaloneDrafter(Drafter):
             raise ValueError(f"num_steps: (num_steps - 1) * topk = {scratch - 1} exceeds the scratch entries")
         self.model.init_rope(ctx.max_len)
         self.cache = KVCache(self.model.cfg, ctx.num_slots, ctx.max_len, ctx.dtype, ctx.device)
+        self.runner = DraftModelRunner(self.model, self.cache)  # runs every draft-model forward
         self.cached = [0] * ctx.num_slots  # per slot: tokens whose K/V are in the draft cache
         self.device = ctx.device
 
@@ -84,9 +87,8 @@ class StandaloneDrafter(Drafter):
                 continue
             tokens, positions = to_device([s.token_ids[start:end], list(range(start, end))], self.device)  # (T,) each
             mask = None if start == 0 else KeyMask(positions[:1])
-            a = scattered_attention_inputs(self.model.rope, positions[None], positions[None], [s.slot], mask, end)
             with self.model_forward():  # the layers alone: no logits needed
-                self.model.run_layers(tokens[None], lambda i, attn, x, a=a: attn(x, self.cache.layer(i), a))
+                self.runner.write_kv(tokens[None], positions[None], [s.slot], mask, end)
             self.cached[s.slot] = end
 
     def _topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,17 +107,15 @@ class StandaloneDrafter(Drafter):
         positions = start_t[:, None] + torch.arange(t, device=self.device)
         key_len = max(starts) + t
         mask = None if max(starts) == 0 else KeyMask(start_t)
-        a = scattered_attention_inputs(self.model.rope, positions, positions, host_slots, mask, key_len)
         with self.model_forward():
-            out = self.model(tokens, a, self.cache, logit_index=last)
-            probs, children = self._topk(out.logits[:, 0])  # (B, k): the roots' children
+            logits = self.runner.forward(tokens, positions, positions, host_slots, mask, key_len, logit_index=last)
+            probs, children = self._topk(logits[:, 0])  # (B, k): the roots' children
         for s in seqs:
             self.cached[s.slot] = len(s.token_ids)
 
         def step(beam_tokens, _state, positions, write_pos, mask, key_len):  # noqa: ANN001, ANN202
-            a = scattered_attention_inputs(self.model.rope, positions, write_pos, host_slots, mask, key_len)
             with self.model_forward():
-                logits = self.model(beam_tokens, a, self.cache).logits  # (B, k, V)
+                logits = self.runner.forward(beam_tokens, positions, write_pos, host_slots, mask, key_len)  # (B, k, V)
                 return (_state, *self._topk(logits))
 
         base = to_device([len(s.token_ids) for s in seqs], self.device)  # after the root

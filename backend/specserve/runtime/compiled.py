@@ -26,8 +26,10 @@ them a token sees. The step program computes every row's logits itself (a step n
 after the prefill program they come from the eager, prepacked lm_head at the positions asked for,
 so a prefill does not pay for every prompt position's logits.
 
-This module does not decide when programs are used (the engine and drafters do) and does nothing
-on CUDA.
+This module does not decide when programs are used: the runtime layer's runners do
+(`runtime.target.TargetRunner` for the target, `runtime.head.HeadRunner` for a draft head, by the
+`RuntimePlan` and, for the target's steps, `PathChooser`'s timings); the engine and the drafters
+never ask. It does nothing on CUDA.
 """
 
 from __future__ import annotations
