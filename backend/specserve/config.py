@@ -7,6 +7,8 @@ server can hand them back to the client unchanged.
 Every `EngineConfig` and `SpecConfig` field is an engine knob declared once, with its `Knob`
 (help, choices, edge name): the `specserve generate/bench` flags, the llm_<variant> config.pbtxt
 parameters and the parameter table of model_repository/README.md are generated from `knobs()`.
+The training commands' configs (`training.configs`, `training.regenerate`) declare their fields
+the same way, and their flags are generated from `config_knobs(cls)`.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from __future__ import annotations
 import functools
 import json
 import math
+import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -50,13 +53,16 @@ def resolve_device(device: str) -> str:
 
 @dataclass(frozen=True)
 class Knob:
-    """An engine knob's help and its edges: the CLI flag `--<edge>` and the config.pbtxt
+    """A config field's help and its edges: the CLI flag `--<edge>` and the config.pbtxt
     parameter `<edge>`, where `edge` is `name` or else the field's name.
 
     switch: the edges are an on/off switch (a flag without value, a true/false parameter) whose
     off and on give these field values. no_flag / no_param: why the knob is no CLI flag / no
     config.pbtxt parameter ("" = it is one). path: a relative path in config.pbtxt is resolved
-    against the project root. The last four attributes are the field's, filled in by `knobs()`.
+    against the project root. required: a field without default whose flag must be given (else
+    the command fills it). aliases: older names of the flag. parse: reads the flag's text (default:
+    the field's type). A tuple field's edge is its items joined by commas. The last four
+    attributes are the field's, filled in by `config_knobs()`.
     """
 
     help: str
@@ -66,9 +72,12 @@ class Knob:
     path: bool = False
     no_flag: str = ""
     no_param: str = ""
+    required: bool = False
+    aliases: tuple[str, ...] = ()
+    parse: Callable[[str], Any] | None = None
     field: str = ""
     default: Any = None  # MISSING: a required field
-    type: type = str
+    type: type = str  # tuple: a tuple of strings
     optional: bool = False  # None is a value: the edges' empty
 
     @property
@@ -79,13 +88,22 @@ class Knob:
     def flag(self) -> str:
         return "--" + self.edge.replace("_", "-")
 
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """The flag and its older names."""
+        return (self.flag, *("--" + a.replace("_", "-") for a in self.aliases))
+
     def from_edge(self, value: Any) -> Any:
-        """The field's value for a value at the edge (a switch's bool)."""
-        return self.switch[bool(value)] if self.switch else value
+        """The field's value for a value at the edge (a switch's bool, a tuple's comma-separated items)."""
+        if self.switch:
+            return self.switch[bool(value)]
+        return tuple(value.split(",")) if self.type is tuple and isinstance(value, str) else value
 
     def to_edge(self, value: Any) -> Any:
-        """The edge's value for a field value (a switch: whether it is on)."""
-        return value == self.switch[1] if self.switch else value
+        """The edge's value for a field value (a switch: whether it is on; a tuple: its items joined by commas)."""
+        if self.switch:
+            return value == self.switch[1]
+        return ",".join(value) if self.type is tuple and isinstance(value, tuple) else value
 
 
 def knob(default: Any = MISSING, **kw: Any) -> Any:
@@ -410,18 +428,26 @@ class EngineConfig:
 
 
 def _knob(cls: type, f: Any) -> Knob:
-    kinds = typing.get_args(hint := typing.get_type_hints(cls)[f.name]) or (hint,)
+    hint = typing.get_type_hints(cls)[f.name]
+    kinds = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    kind = next(k for k in kinds if k is not type(None))
     return replace(f.metadata["knob"], field=f.name, default=f.default, optional=type(None) in kinds,
-                   type=next(k for k in kinds if k is not type(None)))
+                   type=typing.get_origin(kind) or kind)
+
+
+@functools.cache
+def config_knobs(cls: type) -> tuple[Knob, ...]:
+    """The knobs of a config dataclass's fields, in order, their field's attributes filled in
+    (every field must be declared with `knob()`)."""
+    return tuple(_knob(cls, f) for f in fields(cls))
 
 
 @functools.cache
 def knobs() -> tuple[Knob, ...]:
-    """Every engine knob, its field's attributes filled in: EngineConfig's fields in order,
-    SpecConfig's in place of `spec`."""
+    """Every engine knob: EngineConfig's fields in order, SpecConfig's in place of `spec`."""
     out: list[Knob] = []
     for f in fields(EngineConfig):
-        out += [_knob(SpecConfig, g) for g in fields(SpecConfig)] if f.name == "spec" else [_knob(EngineConfig, f)]
+        out += config_knobs(SpecConfig) if f.name == "spec" else [_knob(EngineConfig, f)]
     return tuple(out)
 
 

@@ -12,7 +12,7 @@ from specserve.drafters.eagle_model import load_eagle
 from specserve.drafters.mtp_model import load_mtp
 from specserve.models.weights import load_llama
 from specserve.training.data import read_json_array, tokenize_conversation
-from specserve.training.train_drafter import TrainConfig, draft_vocabulary, learning_rate, train
+from specserve.training.train_drafter import TrainConfig, train
 
 CONVERSATIONS = [
     {"id": str(i), "conversations": [{"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
@@ -36,19 +36,6 @@ def test_assistant_mask_covers_exactly_the_answers(smollm2_dir):
     assert tok.decode([t for t, m in zip(ids, mask) if m]) == "Hello there friend"
     ids, mask = tokenize_conversation(tok, msgs, 5)
     assert len(ids) == 5 and not any(mask)  # truncated before the answer
-
-
-def test_draft_vocabulary_is_most_frequent_assistant_tokens():
-    samples = [([5, 5, 5, 7, 9], [True, True, True, True, False]), ([7, 11], [True, True])]
-    assert draft_vocabulary(samples, 2, always=(2,)).tolist() == [2, 5]  # 2 forced, then 5 (3x) over 7 (2x)
-    assert draft_vocabulary(samples, 3, always=()).tolist() == [5, 7, 11]
-
-
-def test_learning_rate_warms_up_and_decays_by_steps_or_time():
-    tc = TrainConfig(algorithm="eagle3", model_dir="m", out_dir="o", lr=1.0, warmup_steps=10, max_minutes=10)
-    assert learning_rate(tc, 0, 100, 0) == pytest.approx(0.1)
-    assert learning_rate(tc, 50, 100, 0) == pytest.approx(0.525)
-    assert learning_rate(tc, 50, 100, 600) == pytest.approx(0.05)  # time is up: the floor
 
 
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3", "mtp"])

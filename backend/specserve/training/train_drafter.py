@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import random
 import sys
 import time
-from collections import Counter
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -47,26 +44,9 @@ from specserve.models.weights import load_llama
 from specserve.training.configs import RECIPES, TrainConfig
 from specserve.training.data import training_samples
 from specserve.training.features import FeatureStore, target_features
+from specserve.training.steps import batches, draft_vocabulary, learning_rate, padded
 
 log = logging.getLogger(__name__)
-
-
-# ---- data --------------------------------------------------------------------------------------
-
-def draft_vocabulary(samples: list[tuple[list[int], list[bool]]], size: int, always: tuple[int, ...]) -> torch.Tensor:
-    """The `size` most frequent assistant tokens (plus `always`), sorted ascending."""
-    counts = Counter(t for ids, mask in samples for t, m in zip(ids, mask) if m)
-    forced = sorted(set(always))[:size]
-    frequent = [t for t, _ in counts.most_common() if t not in forced][: size - len(forced)]
-    return torch.tensor(sorted(forced + frequent), dtype=torch.int64)
-
-
-def batches(samples: list, batch_size: int, seed: int) -> list[list[int]]:
-    """Indices grouped into batches of similar length (less padding), in a seeded random order."""
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i][0]))
-    groups = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    random.Random(seed).shuffle(groups)
-    return groups
 
 
 # ---- the model pieces --------------------------------------------------------------------------
@@ -159,19 +139,6 @@ def head_objective(algorithm: str, head: DraftHead, tokens: torch.Tensor, mask: 
     return loss, out
 
 
-def padded(samples: list, ids: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Conversations `ids` -> (tokens (B, T) zero-padded, loss mask (B, T): position j counts when
-    token j+1 is an answer token)."""
-    t = max(len(samples[i][0]) for i in ids)
-    tokens = torch.zeros(len(ids), t, dtype=torch.int64)
-    mask = torch.zeros(len(ids), t, dtype=torch.bool)
-    for r, i in enumerate(ids):
-        tok, am = samples[i]
-        tokens[r, : len(tok)] = torch.tensor(tok)
-        mask[r, : len(tok) - 1] = torch.tensor(am[1:])
-    return tokens.to(device), mask.to(device)
-
-
 def expected_accepted(agreement: list[float]) -> float:
     """Draft tokens a chain would get accepted per step if step k's agreement held independently:
     sum over k of the product of the first k+1 agreements (the score the best head is kept by)."""
@@ -209,14 +176,11 @@ def write_curve(out_dir: Path, curve: list[dict]) -> None:
     plt.close(fig)
 
 
-def learning_rate(tc: TrainConfig, step: int, total: int, seconds: float) -> float:
-    """Linear warm-up, then cosine decay over the run's progress: the larger of the step fraction
-    and, under max_minutes, the time fraction (so a time-limited run still ends at a low rate)."""
-    progress = step / total
-    if tc.max_minutes:
-        progress = max(progress, seconds / (tc.max_minutes * 60))
-    warm = min(1.0, (step + 1) / tc.warmup_steps)
-    return tc.lr * warm * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+def progress(tc: TrainConfig, step: int, total: int, seconds: float) -> float:
+    """The run's progress for the learning-rate schedule: the larger of the step fraction and,
+    under max_minutes, the time fraction (so a time-limited run still ends at a low rate)."""
+    done = step / total
+    return max(done, seconds / (tc.max_minutes * 60)) if tc.max_minutes else done
 
 
 # ---- the loop ----------------------------------------------------------------------------------
@@ -330,7 +294,7 @@ def train(tc: TrainConfig) -> Path:
         ids = plan[step]
         loss, steps = objective(ids)
         for group in opt.param_groups:
-            group["lr"] = learning_rate(tc, step, total, time.time() - start)
+            group["lr"] = learning_rate(tc.lr, step, progress(tc, step, total, time.time() - start), tc.warmup_steps)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)

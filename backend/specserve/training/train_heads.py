@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import random
 import shutil
 import tarfile
 import tempfile
@@ -44,6 +42,7 @@ from specserve.models.weights import load_llama
 from specserve.training.configs import RECIPES, HeadsConfig
 from specserve.training.corpus import Corpus
 from specserve.training.features import target_features
+from specserve.training.steps import batches, draft_vocabulary, learning_rate, padded
 from specserve.training.train_drafter import (
     expected_accepted,
     head_objective,
@@ -55,44 +54,7 @@ log = logging.getLogger(__name__)
 
 
 Sample = tuple[np.ndarray, int]  # (ids (T,), prompt length): the answer is ids[prompt length:]
-
-
-def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int, always: tuple[int, ...]) -> torch.Tensor:
-    """The `size` most frequent answer tokens (plus `always`), sorted ascending."""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for ids, p in samples:
-        counts += np.bincount(ids[p:], minlength=vocab_size)[:vocab_size]
-    counts[list(always)] = np.iinfo(np.int64).max
-    chosen = np.argsort(-counts, kind="stable")[:size]
-    return torch.from_numpy(np.sort(chosen)).to(torch.int64)
-
-
-def batches(samples: list[Sample], batch_tokens: int, max_rows: int, seed: int) -> list[list[int]]:
-    """Row indices in batches of similar length (rows x longest <= batch_tokens), in a seeded order."""
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i][0]))
-    out, cur = [], []
-    for i in order:
-        if cur and ((len(cur) + 1) * len(samples[i][0]) > batch_tokens or len(cur) == max_rows):
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        out.append(cur)
-    random.Random(seed).shuffle(out)
-    return out
-
-
-def padded(samples: list[Sample], rows: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows -> (tokens (B, T) zero-padded, loss mask (B, T): position j counts when token j+1 is an
-    answer token)."""
-    t = max(len(samples[i][0]) for i in rows)
-    tokens = np.zeros((len(rows), t), dtype=np.int64)
-    mask = np.zeros((len(rows), t), dtype=bool)
-    for r, i in enumerate(rows):
-        ids, p = samples[i]
-        tokens[r, : len(ids)] = ids
-        mask[r, max(p - 1, 0) : len(ids) - 1] = True
-    return torch.from_numpy(tokens).to(device), torch.from_numpy(mask).to(device)
+WARMUP_SHARE = 0.1  # the warm-up ends within this share of the training time (a slow machine makes few steps)
 
 
 class Batcher:
@@ -114,13 +76,6 @@ class Batcher:
         tokens, mask = padded(self.samples, rows, self.hc.device)
         hidden, aux = target_features(self.target, self.cache, tokens, self.aux_layers)
         return {"tokens": tokens, "mask": mask, "hidden": hidden, "aux_hidden": aux}
-
-
-def learning_rate(hc: HeadsConfig, step: int, progress: float) -> float:
-    """Linear warm-up over warmup_steps (or the first tenth of the training time, if that ends
-    first: a short run on a slow machine makes few steps), then cosine decay to 5 % over the time."""
-    warm = min(1.0, max((step + 1) / hc.warmup_steps, progress / 0.1))
-    return hc.lr * warm * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
 @torch.no_grad()
@@ -198,7 +153,7 @@ def train_drafters(hc: HeadsConfig) -> dict:
         raise ValueError(f"corpus: {len(samples)} usable rows, holdout {hc.holdout}: nothing left to train on")
     train_rows, held_rows = samples[: -hc.holdout], samples[-hc.holdout :]
     target = load_llama(hc.model_dir, dtype, dev).requires_grad_(False)
-    draft_ids = draft_vocabulary(train_rows, hc.draft_vocab_size, target.cfg.vocab_size, target.cfg.eos_token_ids)
+    draft_ids = draft_vocabulary(train_rows, hc.draft_vocab_size, target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size)
     heads = {a: HEADS[a].new(target, draft_ids).to(dev).train() for a in hc.algorithms}
     batcher = Batcher(target, samples, hc)
     label_head = batcher.label_head(draft_ids)
@@ -206,7 +161,7 @@ def train_drafters(hc: HeadsConfig) -> dict:
     max_steps = max(RECIPES[a].steps for a in heads)
     rope = tuple(r.to(dev) for r in rope_table(next(iter(heads.values())).cfg.layer_config(), hc.max_len + max_steps, dtype))
     n_train = len(train_rows)
-    held = batches(held_rows, hc.batch_tokens, hc.max_rows, hc.seed)
+    held = batches(held_rows, hc.max_rows, hc.seed, hc.batch_tokens)
     held = [[n_train + i for i in b] for b in held]
     served = served_agreement(hc, target, batcher, held, rope, bf16)
     t0 = time.time()
@@ -219,7 +174,7 @@ def train_drafters(hc: HeadsConfig) -> dict:
     losses = {a: [] for a in heads}
     step_seconds = 0.0  # the longest step so far: one more must end before the reserve
     while time.time() + step_seconds < deadline - reserve:
-        plan = batches(train_rows, hc.batch_tokens, hc.max_rows, hc.seed + epoch)
+        plan = batches(train_rows, hc.max_rows, hc.seed + epoch, hc.batch_tokens)
         for rows in plan:
             step_start = time.time()
             progress = (step_start - train_start) / max(deadline - reserve - train_start, 1e-9)
@@ -231,7 +186,7 @@ def train_drafters(hc: HeadsConfig) -> dict:
                 loss, _ = head_objective(a, head, b["tokens"], b["mask"], b["hidden"], b["aux_hidden"], probs,
                                          RECIPES[a].steps, rope, bf16, RECIPES[a].feature_noise)
                 for group in opts[a].param_groups:
-                    group["lr"] = learning_rate(hc, step, progress)
+                    group["lr"] = learning_rate(hc.lr, step, progress, hc.warmup_steps, WARMUP_SHARE)
                 opts[a].zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params[a], 0.5)
