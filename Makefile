@@ -46,7 +46,7 @@ lint: setup
 	$(VENV)/bin/ruff check backend kernels client tests bench
 
 test: setup prepare lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 BENCH := $(VENV)/bin/specserve bench --num-prompts 20 --max-new-tokens 128
 ALL_SPEC := ngram,eagle,eagle3,mtp,standalone

@@ -240,7 +240,7 @@ def cmd_in_process_bench(args: argparse.Namespace) -> int:
     from specserve.serving.in_process import run_variant
 
     try:
-        result = run_variant(ALIASES.get(args.variant, args.variant), args.dataset, args.num_prompts, args.max_tokens,
+        result = run_variant(canonical(args.variant), args.dataset, args.num_prompts, args.max_tokens,
                              Path(args.repository) if args.repository else None, args.num_threads)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
