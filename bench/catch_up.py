@@ -19,6 +19,7 @@ import torch
 from specserve import cli
 from specserve.engine.engine import Engine
 from specserve.hardware import describe
+from specserve.methods import HEAD_METHODS
 from specserve.models.cpu_linear import median_ms
 from specserve.models.llama import KeyMask
 from specserve.runtime.few_row_head import FEW_ROWS
@@ -36,7 +37,7 @@ def forward(program, feature_size: int, start: int, rows: int) -> None:  # noqa:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--algorithm", default="eagle3", choices=["eagle", "eagle3", "mtp"])
+    p.add_argument("--algorithm", default="eagle3", choices=HEAD_METHODS)
     p.add_argument("--rows", default="1,4,16,24,48,96,192")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--json", type=Path)

@@ -73,12 +73,12 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for algorithm in sorted({r["algorithm"] for r in rows}):
+    for i, algorithm in enumerate(sorted({r["algorithm"] for r in rows})):
         for topk in sorted({r["topk"] for r in rows if r["algorithm"] == algorithm}):
             pts = sorted((r["num_draft_tokens"], r["accept_length"], r["speedup"]) for r in rows
                          if r["algorithm"] == algorithm and r["topk"] == topk)
             x = [p[0] for p in pts]
-            style = "o-" if algorithm == "eagle3" else "s--"
+            style = ("o-", "s--", "^:")[i % 3]
             axes[0].plot(x, [p[1] for p in pts], style, label=f"{algorithm} topk={topk}")
             axes[1].plot(x, [p[2] for p in pts], style, label=f"{algorithm} topk={topk}")
     axes[0].set(xlabel="num_draft_tokens (tree size)", ylabel="accept length", xscale="log", title="acceptance")

@@ -193,7 +193,7 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
 
         hf_model = AutoModelForCausalLM.from_pretrained(config.model_dir, dtype=config.torch_dtype).eval()
         hf = HFRun(hf_model, max_new_tokens, base_engine.eos_ids)
-        if any(s.algorithm == "ngram" for s in specs):  # HF's own n-gram drafting, the like-for-like baseline
+        if any(method(s.algorithm).hf_lookup_baseline for s in specs):  # HF's own n-gram drafting
             lookup = HFRun(hf_model, max_new_tokens, base_engine.eos_ids, prompt_lookup_num_tokens=10)
     base = EngineRun(base_engine, max_new_tokens)
     runs = {spec.algorithm: EngineRun(Engine(replace(config, spec=spec)), max_new_tokens) for spec in specs}
@@ -257,7 +257,7 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
             if "draft_model_per_forward" in prof:  # a draft model's forward against a plain decode step
                 row["draft_forward_vs_decode"] = round(prof["draft_model_per_forward"]
                                                        / report["baseline_profile_ms"]["forward"], 3)
-        if lookup is not None and algorithm == "ngram":
+        if lookup is not None and method(algorithm).hf_lookup_baseline:
             row["vs_hf_prompt_lookup"] = round(run.tokens_per_s / lookup.tokens_per_s, 3)
         if hf is not None:
             row["vs_hf"] = round(run.tokens_per_s / hf.tokens_per_s, 3)

@@ -279,8 +279,7 @@ class SpecConfig:
         m = method(self.algorithm)
         if m.drafts:
             _check_tree_limits(*m.shape(self.num_steps, self.topk, self.num_draft_tokens), self.num_draft_tokens)
-        if m.drafter == "ngram":
-            _check_ngram(self)
+        _check_ngram(self)  # whichever method runs: a bad value is an error, not ignored
 
     def resolved(self) -> SpecConfig:
         """Fill unset (0) values with the method's default shape (`methods.Method.shape`)."""
@@ -307,7 +306,7 @@ def _check_tree_limits(num_steps: int, topk: int, num_draft_tokens: int, configu
 
 
 def _check_ngram(spec: SpecConfig) -> None:
-    """NGRAM's knobs, checked where the method reads them."""
+    """NGRAM's knobs (checked for every method, as every knob is)."""
     if not 1 <= spec.ngram_min_match_window <= spec.ngram_max_match_window:
         raise ValueError(
             "ngram_min_match_window: need 1 <= ngram_min_match_window <= ngram_max_match_window, got "

@@ -7,7 +7,8 @@ are accepted as aliases wherever a method is named.
 
 Per method, decided here once: which drafter class runs it (`drafter`, built by
 `drafters.factory`), which target features a draft head reads, whether it ships a hot-vocabulary
-token map, and its default tree shape. This module imports nothing heavy (no torch): the CLI and
+token map, its default tree shape, how its head is trained (`Recipe`) and which committed drafter
+the served variant uses. This module imports nothing heavy (no torch): the CLI and
 the model repository read it.
 """
 
@@ -44,24 +45,46 @@ def one_mtp_step(steps: int, topk: int, tokens: int) -> Shape:
 
 
 @dataclass(frozen=True)
+class Recipe:
+    """How a drafting method's head is trained (`train-drafter`, `train-drafters`)."""
+
+    name: str  # as the model card says it
+    steps: int  # unrolled draft steps when `train-drafters` trains the heads together
+    alone_steps: int  # unrolled draft steps when `train-drafter` trains this head alone (no --ttt-steps)
+    feature_noise: float = 0.0  # width of the uniform noise on the features it reads (EAGLE: 0.2)
+    feature_regression: bool = False  # EAGLE's smooth-L1 of step 0's output to the next feature, token loss x 0.1
+
+
+DRAFTERS = "specserve.drafters"
+
+
+@dataclass(frozen=True)
 class Method:
+    """Everything that differs from one drafting method to the next. Adding a method: a row in
+    `METHODS` and, for a new kind of drafter, its class (`drafter`); a new head format also goes
+    into `drafters.heads.HEADS` under the method's name."""
+
     name: str
     title: str  # for people: the paper's name
     description: str  # one line: what drafts
-    drafter: str  # which drafter class runs it: "none", "ngram", "head" (EagleDrafter), "model" (StandaloneDrafter)
+    drafter: str  # the class that runs it, "module:Class" (`drafters.factory` imports it when first built)
     shape: Callable[[int, int, int], Shape]  # the tree shape from the configured (possibly unset) one
     head_features: str = ""  # draft heads: the target features a position reads, "hidden" or "aux_hidden"
     token_map: bool = False  # draft heads: a hot-vocabulary token map ships with the head
     head_in_target: bool = False  # draft heads: may ship inside the target's checkpoint (DeepSeek's MTP layers)
+    draft_model: bool = False  # drafts with a small LM of its own (its KV cache is that model's layers)
+    recipe: Recipe | None = None  # draft heads: how they are trained
+    served: tuple[tuple[str, str], ...] = ()  # llm_<name>'s drafter parameters, paths relative to the project
+    hf_lookup_baseline: bool = False  # HF's prompt-lookup decoding is its like-for-like baseline (`bench`)
     aliases: tuple[str, ...] = ()
 
     @property
     def drafts(self) -> bool:
-        return self.drafter != "none"
+        return self.shape is not root_only
 
     @property
     def is_head(self) -> bool:
-        return self.drafter == "head"
+        return bool(self.head_features)
 
     @property
     def fuses_layers(self) -> bool:
@@ -69,25 +92,45 @@ class Method:
         return self.head_features == "aux_hidden"
 
 
+def _served(name: str, token_map: bool = False) -> tuple[tuple[str, str], ...]:
+    """The committed drafter of llm_<name> (and its token map)."""
+    folder = f"model_repository/llm_{name}/drafter"
+    return (("drafter_path", folder),) + ((("token_map", f"{folder}/token_map.pt"),) if token_map else ())
+
+
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("none", "plain decoding", "plain decoding, the baseline", "none", root_only, aliases=("base",)),
-    Method("ngram", "NGRAM", "n-gram drafts from the request's own tokens", "ngram", ngram_chain),
-    Method("eagle", "EAGLE-2", "EAGLE-2 (EAGLE-1/2 heads) with an FR-Spec token map", "head", sglang_tree,
-           head_features="hidden", token_map=True, aliases=("eagle2",)),
-    Method("eagle3", "EAGLE-3", "EAGLE-3", "head", sglang_tree, head_features="aux_hidden"),
-    Method("mtp", "MTP", "a DeepSeek-layout MTP head with its hot-vocabulary token map", "head", one_mtp_step,
-           head_features="hidden", token_map=True, head_in_target=True),
-    Method("standalone", "standalone draft model", "a small draft model at drafter_path, else the target's first layers", "model",
-           sglang_tree),
+    Method("none", "plain decoding", "plain decoding, the baseline", f"{DRAFTERS}.base:NoDrafter", root_only,
+           aliases=("base",)),
+    Method("ngram", "NGRAM", "n-gram drafts from the request's own tokens", f"{DRAFTERS}.ngram:NgramDrafter",
+           ngram_chain, hf_lookup_baseline=True),
+    Method("eagle", "EAGLE-2", "EAGLE-2 (EAGLE-1/2 heads) with an FR-Spec token map", f"{DRAFTERS}.eagle:EagleDrafter",
+           sglang_tree, head_features="hidden", token_map=True, served=_served("eagle", token_map=True),
+           recipe=Recipe("EAGLE-2", steps=3, alone_steps=1, feature_noise=0.2, feature_regression=True),
+           aliases=("eagle2",)),
+    Method("eagle3", "EAGLE-3", "EAGLE-3", f"{DRAFTERS}.eagle:EagleDrafter", sglang_tree, head_features="aux_hidden",
+           served=_served("eagle3"), recipe=Recipe("EAGLE-3", steps=5, alone_steps=5)),
+    Method("mtp", "MTP", "a DeepSeek-layout MTP head with its hot-vocabulary token map", f"{DRAFTERS}.eagle:EagleDrafter",
+           one_mtp_step, head_features="hidden", token_map=True, head_in_target=True,
+           served=_served("mtp", token_map=True), recipe=Recipe("MTP (DeepSeek-V3 NextN layout)", steps=3, alone_steps=3)),
+    Method("standalone", "standalone draft model", "a small draft model at drafter_path, else the target's first layers",
+           f"{DRAFTERS}.standalone:StandaloneDrafter", sglang_tree, draft_model=True),
 )}
 ALGORITHMS = tuple(METHODS)
 HEAD_METHODS = tuple(m.name for m in METHODS.values() if m.is_head)
+RECIPES = {m.name: m.recipe for m in METHODS.values() if m.recipe is not None}
+TRAINED_TOGETHER = ("eagle3", "eagle", "mtp")  # what `train-drafters` trains by default, in this order
 ALIASES = {alias: m.name for m in METHODS.values() for alias in m.aliases}
+
+
+def renamed(name: str) -> str:
+    """The method's name for a name it went by earlier (`base` -> `none`); any other name as it is.
+    Every place that takes a method's name resolves it here (or through `canonical`)."""
+    return ALIASES.get(name, name)
 
 
 def canonical(name: str) -> str:
     """A method's name for any name it goes by; a ValueError names the accepted ones."""
-    name = ALIASES.get(name, name)
+    name = renamed(name)
     if name not in METHODS:
         raise ValueError(f"algorithm: must be one of {', '.join(ALGORITHMS)}, got {name!r}")
     return name

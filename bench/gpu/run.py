@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from specserve.config import EngineConfig, ModelConfig, SpecConfig
+from specserve.methods import method
 from specserve.models.attention import make_attention_backend, resolve_attention
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel
@@ -174,8 +175,8 @@ def bench_variants(model_dir: str, device: torch.device, algorithms: list[str], 
     base = EngineConfig(model_dir=model_dir, max_batch_size=1, max_seq_len=2048, device=str(device))
     rows = []
     for alg in algorithms:
-        shapes = {"pinned": PINNED.get(alg, PINNED["eagle"])} if alg != "none" else {"pinned": {}}
-        if adaptive and alg != "none":
+        shapes = {"pinned": pinned_shape(alg)}
+        if adaptive and method(alg).drafts:
             shapes["adaptive"] = {}
         for shape_name, shape in shapes.items():
             spec = SpecConfig(algorithm=alg, **served_drafter(alg), **shape)
@@ -195,8 +196,14 @@ def bench_variants(model_dir: str, device: torch.device, algorithms: list[str], 
     return rows
 
 
-PINNED = {"ngram": dict(num_draft_tokens=8), "mtp": dict(num_steps=1, topk=2, num_draft_tokens=3),
-          "eagle": dict(num_steps=5, topk=4, num_draft_tokens=8)}
+def pinned_shape(algorithm: str) -> dict[str, int]:
+    """The tree a pinned run uses: the method's default, with 8 draft tokens where it sets none of
+    its own (NGRAM's chain of 8 instead of 12; the heads' 5/4/8; MTP's 1/2/3); {} for `none`."""
+    m = method(algorithm)
+    if not m.drafts:
+        return {}
+    steps, topk, tokens = m.shape(0, 0, 0 if m.is_head else 8)
+    return {"num_steps": steps, "topk": topk, "num_draft_tokens": tokens}
 
 
 def hf_static_generate(model_dir: str, device: torch.device, prompts: list[list[int]], max_new_tokens: int) -> dict:

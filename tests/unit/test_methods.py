@@ -10,7 +10,7 @@ import pytest
 
 from specserve.cli import build_parser, main
 from specserve.config import SpecConfig
-from specserve.drafters.eagle_model import HEADS as HEAD_CLASSES
+from specserve.drafters.eagle_model import HEAD_CLASSES
 from specserve.drafters.heads import HEADS
 from specserve.methods import ALGORITHMS, ALIASES, HEAD_METHODS, METHODS, canonical, method
 from specserve.serving.repository import VARIANTS, served_drafter
@@ -85,6 +85,66 @@ def _method_name_tests(path: Path) -> list[str]:
     return found
 
 
-def test_models_drafters_engine_and_training_never_test_a_method_name():
-    files = [p for d in ("models", "runtime", "drafters", "engine", "training") for p in (BACKEND / d).glob("*.py")]
-    assert files and [hit for p in files for hit in _method_name_tests(p)] == []
+CLIENT_MIRROR = REPO / "client" / "specserve_client" / "variants.py"  # the client imports nothing of specserve
+
+
+def _code_files() -> list[Path]:
+    """Every Python file of the server package, the client and the benchmarks but the registry."""
+    files = [p for d in (BACKEND, REPO / "client", REPO / "bench") for p in d.rglob("*.py")]
+    return [p for p in files if p != BACKEND / "methods.py"]
+
+
+def _method_name_tables(path: Path) -> list[str]:
+    """dict / tuple / list / set literals with two or more methods' names as keys or items: a
+    per-method table kept somewhere other than `methods.METHODS`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        items = node.keys if isinstance(node, ast.Dict) else node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else []
+        names = {i.value for i in items if isinstance(i, ast.Constant) and (i.value in METHODS or i.value in ALIASES)}
+        if len(names) >= 2:
+            found.append(f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}:{node.lineno} {sorted(names)}")
+    return found
+
+
+def test_no_code_tests_a_method_name():
+    files = _code_files()
+    assert len(files) > 80 and [hit for p in files for hit in _method_name_tests(p)] == []
+
+
+def test_per_method_facts_live_in_one_table():
+    """Outside methods.py nothing lists methods by name; the client's copy of the aliases (it imports
+    nothing of specserve) is the one exception, kept equal to them above."""
+    hits = [hit for p in _code_files() if p != CLIENT_MIRROR for hit in _method_name_tables(p)]
+    assert hits == []
+    assert _method_name_tables(CLIENT_MIRROR)  # the check sees the one table it lets through
+
+
+def test_the_check_finds_a_table_and_a_name_test(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('SHAPES = {"eagle": 1, "mtp": 2}\nif algorithm == "ngram":\n    pass\n')
+    assert len(_method_name_tables(bad)) == 1 and len(_method_name_tests(bad)) == 1
+
+
+def test_aliases_are_resolved_in_one_place():
+    """Only methods.py reads ALIASES (through `renamed` / `canonical`)."""
+    def reads_aliases(path: Path) -> bool:
+        return any(isinstance(n, ast.Name) and n.id == "ALIASES" or isinstance(n, ast.alias) and n.name == "ALIASES"
+                   for n in ast.walk(ast.parse(path.read_text())))
+
+    assert [p.relative_to(REPO) for p in _code_files() if reads_aliases(p)] == []
+
+
+def test_a_method_is_built_from_its_row(monkeypatch):
+    """The drafter class comes from the row: a new method needs no table besides METHODS."""
+    import dataclasses
+    import types
+
+    from specserve.drafters import factory
+    from specserve.drafters.base import NoDrafter
+
+    row = dataclasses.replace(METHODS["none"], name="plain2", drafter="specserve.drafters.base:NoDrafter")
+    monkeypatch.setitem(METHODS, "plain2", row)
+    spec = types.SimpleNamespace(algorithm="plain2")  # what build_drafter reads of a SpecConfig
+    built = []
+    monkeypatch.setattr(NoDrafter, "build", classmethod(lambda cls, spec, ctx: built.append(cls) or "drafter"))
+    assert factory.build_drafter(spec, None) == "drafter" and built == [NoDrafter]

@@ -43,7 +43,7 @@ from specserve.models.weights import empty_modules, read_safetensors, take
 class EagleConfig:
     """A draft head's shape, read from its HF-style config.json."""
 
-    algorithm: str  # "eagle" (EAGLE-1/2) or "eagle3": the key of its class in HEADS
+    algorithm: str  # "eagle" (EAGLE-1/2) or "eagle3": the key of its class in HEAD_CLASSES
     hidden_size: int
     intermediate_size: int
     num_heads: int
@@ -58,8 +58,8 @@ class EagleConfig:
     aux_layer_ids: tuple[int, ...] = field(default=())  # EAGLE-3: target layers whose inputs are fused
 
     def __post_init__(self) -> None:
-        if self.algorithm not in HEADS:
-            raise ValueError(f"algorithm: must be one of {tuple(HEADS)}, got {self.algorithm!r}")
+        if self.algorithm not in HEAD_CLASSES:
+            raise ValueError(f"algorithm: must be one of {tuple(HEAD_CLASSES)}, got {self.algorithm!r}")
         fused = self.head_class.fused_layers
         if fused > 1 and len(self.aux_layer_ids) != fused:
             raise ValueError(f"eagle_aux_hidden_state_layer_ids: {self.head_class.title} fuses {fused} layers, "
@@ -67,7 +67,7 @@ class EagleConfig:
 
     @property
     def head_class(self) -> type[EagleHead]:
-        return HEADS[self.algorithm]
+        return HEAD_CLASSES[self.algorithm]
 
     @property
     def feature_size(self) -> int:
@@ -295,7 +295,7 @@ class Eagle3Head(EagleHead):
         return {"t2d": t2d}
 
 
-HEADS: dict[str, type[EagleHead]] = {c.algorithm: c for c in (Eagle2Head, Eagle3Head)}
+HEAD_CLASSES: dict[str, type[EagleHead]] = {c.algorithm: c for c in (Eagle2Head, Eagle3Head)}
 
 
 class SharedLmHead:

@@ -53,10 +53,10 @@ def draft_kv_bytes_per_token(config: EngineConfig, target: ModelConfig) -> int:
     EAGLE-3 / EAGLE / MTP layouts keep the target's heads), a standalone draft model its own
     layers (the target's first `standalone_num_layers` when it has no drafter_path)."""
     spec, dtype = config.spec, config.torch_dtype
-    kind = method(spec.algorithm).drafter
-    if kind == "head":
+    m = method(spec.algorithm)
+    if m.is_head:
         return kv_bytes_per_token(target, 1, dtype)
-    if kind == "model":
+    if m.draft_model:
         if spec.drafter_path:
             draft = ModelConfig.from_dir(spec.drafter_path)
             return kv_bytes_per_token(draft, draft.num_layers, dtype)

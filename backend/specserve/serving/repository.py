@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve.config import knobs
-from specserve.methods import canonical, method
+from specserve.methods import METHODS, canonical, method
 from specserve.prepare import repo_root
 from specserve.serving.contract import CONTRACT_INPUTS, INTERNAL_INPUTS, OUTPUTS, RequestLimits
 from specserve.serving.parameters import SERVING_PARAMETERS, default_text, engine_parameters, parameter_text
@@ -58,20 +58,7 @@ class Variant:
         return method(self.name).description
 
 
-VARIANTS: tuple[Variant, ...] = (
-    Variant("none"),
-    Variant("ngram"),
-    Variant("eagle", {
-        "drafter_path": "model_repository/llm_eagle/drafter",
-        "token_map": "model_repository/llm_eagle/drafter/token_map.pt",
-    }),
-    Variant("eagle3", {"drafter_path": "model_repository/llm_eagle3/drafter"}),
-    Variant("mtp", {
-        "drafter_path": "model_repository/llm_mtp/drafter",
-        "token_map": "model_repository/llm_mtp/drafter/token_map.pt",
-    }),
-    Variant("standalone"),
-)
+VARIANTS: tuple[Variant, ...] = tuple(Variant(m.name, dict(m.served)) for m in METHODS.values())  # one per method
 
 
 def served_drafter(algorithm: str) -> dict[str, str]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from specserve.methods import ALIASES
+from specserve.methods import renamed
 from specserve.prepare import repo_root
 
 EXIT_TIMEOUT_S = 10
@@ -297,7 +297,7 @@ def serve(
     """Run tritonserver until Ctrl-C / SIGTERM; returns an exit code."""
     repository = Path(repository or default_repository())
     available = list_variants(repository)
-    chosen = available if variants is None else [ALIASES.get(v, v) for v in variants]  # base -> none, ...
+    chosen = available if variants is None else [renamed(v) for v in variants]  # base -> none, ...
     missing = [v for v in chosen if v not in available]
     if missing or not chosen:
         print(f"serve: unknown variant(s) {missing or chosen}; {repository} has {available}", file=sys.stderr)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specserve.config import knob, resolve_device
-from specserve.methods import ALIASES, HEAD_METHODS
+from specserve.methods import HEAD_METHODS, RECIPES, TRAINED_TOGETHER, renamed
 
 CONTENT_FIELDS = ("model_dir", "data", "num_conversations", "max_len", "seed", "dtype", "aux")  # a dump's content
 TRAIN_DTYPES = ("bfloat16", "float32")  # the frozen target's dtypes training runs in
@@ -53,7 +53,7 @@ class TrainConfig:
     """`specserve train-drafter`: one head trained against the frozen target."""
 
     algorithm: str = knob(required=True, aliases=("method",), choices=HEAD_METHODS,
-                          parse=lambda name: ALIASES.get(name, name),
+                          parse=renamed,
                           help="the drafter to train: eagle (EAGLE-2), eagle3 or mtp (a DeepSeek-layout MTP head); "
                                "--method is the same flag's older name")
     model_dir: str = knob(help=MODEL_DIR_HELP)
@@ -87,7 +87,7 @@ class TrainConfig:
         object.__setattr__(self, "device", resolve_device(self.device))
         if self.dtype not in TRAIN_DTYPES:
             raise ValueError(f"dtype: must be bfloat16 or float32, got {self.dtype!r}")
-        object.__setattr__(self, "algorithm", ALIASES.get(self.algorithm, self.algorithm))
+        object.__setattr__(self, "algorithm", renamed(self.algorithm))
         if self.algorithm not in HEAD_METHODS:
             raise ValueError(f"algorithm: must be one of {', '.join(HEAD_METHODS)}, got {self.algorithm!r}")
         for name in ("num_conversations", "max_len", "batch_size", "epochs", "draft_vocab_size"):
@@ -97,24 +97,6 @@ class TrainConfig:
     @property
     def steps_per_sample(self) -> int:
         return self.ttt_steps or RECIPES[self.algorithm].alone_steps
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """How one drafting method's head is trained."""
-
-    name: str  # as the model card says it
-    steps: int  # unrolled draft steps when `train-drafters` trains the heads together
-    alone_steps: int  # unrolled draft steps when `train-drafter` trains this head alone (no --ttt-steps)
-    feature_noise: float = 0.0  # width of the uniform noise on the features it reads (EAGLE: 0.2)
-    feature_regression: bool = False  # EAGLE's smooth-L1 of step 0's output to the next feature, token loss x 0.1
-
-
-RECIPES = {
-    "eagle3": Recipe("EAGLE-3", steps=5, alone_steps=5),
-    "eagle": Recipe("EAGLE-2", steps=3, alone_steps=1, feature_noise=0.2, feature_regression=True),
-    "mtp": Recipe("MTP (DeepSeek-V3 NextN layout)", steps=3, alone_steps=3),
-}
 
 
 @dataclass(frozen=True)
@@ -135,7 +117,7 @@ class HeadsConfig:
     generate_batch_size: int = knob(256, no_flag=FROM_PYTHON, help="prompts answered together while generating")
     archive_dir: str | None = knob(None, help="also write each head as tar parts of at most 16 MiB here (what a GPU "
                                    "run returns)")
-    algorithms: tuple[str, ...] = knob(("eagle3", "eagle", "mtp"), help="the heads to train, comma-separated")
+    algorithms: tuple[str, ...] = knob(TRAINED_TOGETHER, help="the heads to train, comma-separated")
     minutes: float = knob(6.0, help="the whole command's time limit")
     max_len: int = knob(640, help="tokens of a row read (prompt and answer)")
     batch_tokens: int = knob(16384, help="rows x padded length per batch")
@@ -155,7 +137,7 @@ class HeadsConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", resolve_device(self.device))
-        object.__setattr__(self, "algorithms", tuple(ALIASES.get(a, a) for a in self.algorithms))
+        object.__setattr__(self, "algorithms", tuple(renamed(a) for a in self.algorithms))
         unknown = [a for a in self.algorithms if a not in RECIPES]
         if unknown or not self.algorithms:
             raise ValueError(f"algorithms: each of {sorted(RECIPES)}, got {list(self.algorithms)}")
