@@ -5,8 +5,9 @@
 
 What a change that must not alter behaviour is checked against: the embedded SmolLM2 in float32,
 eager forwards (no compiled program: which path a step takes depends on timings), each method with
-its default tree shape pinned (no adaptive choice: that too depends on timings) and the drafters
-the served variants use, prompts in batches of `--batch-size`. Both the ids and each request's
+its default tree shape pinned (no adaptive choice: that too depends on timings), the draft heads'
+float32 output layer kept (the int8 one is picked by timing) and the drafters the served variants
+use, prompts in batches of `--batch-size`. Both the ids and each request's
 accept length must be equal: the first says the output is the target's, the second that the
 drafts are the same. It measures no speed.
 """
@@ -22,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def greedy_ids(algorithms: list[str], num_prompts: int, max_new_tokens: int, batch_size: int) -> dict:
+    import specserve.drafters.eagle_model as eagle_model
+    import specserve.drafters.mtp_model as mtp_model
     from specserve.config import EngineConfig, SamplingParams, SpecConfig
     from specserve.engine.engine import Engine
     from specserve.prepare import default_model_dir
@@ -29,6 +32,8 @@ def greedy_ids(algorithms: list[str], num_prompts: int, max_new_tokens: int, bat
     from specserve.serving.repository import served_drafter
     from specserve_client.datasets import load_questions
 
+    for module in (eagle_model, mtp_model):  # no timed choice of the heads' output layer
+        module.fastest_logits_layer = lambda weight, rows=(1, 4): None
     model_dir = str(default_model_dir())
     params = SamplingParams(max_tokens=max_new_tokens)
     report: dict = {"num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "batch_size": batch_size, "runs": {}}
