@@ -40,3 +40,20 @@ def test_estimates_follow_the_machine_and_a_prompt_always_progresses():
     budget.observe(0.010 + 10.0, prompt_tokens=100, decoding=True)  # a stall: 0.1 s a token
     assert budget.tokens(decoding=True, unlimited=4096) == MIN_CHUNK
     assert PrefillBudget(limit=7, decode_s=0.01, token_s=1.0).tokens(decoding=True, unlimited=64) == 7
+
+
+def test_a_fixed_cost_per_forward_does_not_shrink_the_chunks_to_the_floor():
+    """Prompt work costs 30 ms a forward plus 0.4 ms a token (an eager forward on 2 cores), a decode
+    step 35 ms: the chunk that costs three decode steps is (105 - 30) / 0.4 = 187 tokens. Priced per
+    token alone, the streams' 30-token prompts (1.4 ms a token) would make it 75."""
+    budget = PrefillBudget(limit=512)
+    cost = lambda n: 0.030 + 0.0004 * n  # noqa: E731
+    for n in (30, 30, 30, 30):  # the streams' own prompts, nothing decoding yet
+        budget.observe(cost(n), prompt_tokens=n, decoding=False)
+    budget.observe(0.035, prompt_tokens=0, decoding=True)
+    assert budget.tokens(decoding=True, unlimited=4096) == 75  # one size seen: per token alone
+    for _ in range(3):  # a long prompt beside the streams
+        n = budget.tokens(decoding=True, unlimited=4096)
+        budget.observe(0.035 + cost(n), prompt_tokens=n, decoding=True)
+    assert budget.overhead_s == pytest.approx(0.030) and budget.token_s == pytest.approx(0.0004)
+    assert budget.tokens(decoding=True, unlimited=4096) == 187
