@@ -37,7 +37,10 @@ class PrefillBudget:
     decode_s: float | None = None  # a step without prompt work, seconds
     token_s: float | None = None  # a prompt token, seconds (the fit's slope)
     overhead_s: float = 0.0  # a step's prompt work's fixed part, seconds
-    samples: deque[tuple[int, float]] = field(default_factory=deque)  # (prompt tokens, seconds)
+    samples: deque[tuple[int, float]] = field(init=False)  # (prompt tokens, seconds), the last `window`
+
+    def __post_init__(self) -> None:
+        self.samples = deque(maxlen=self.window)
 
     def tokens(self, decoding: bool, unlimited: int) -> int:
         """Prompt tokens this step may compute; `unlimited` stands for a limit of 0 (whole prompts)."""
@@ -56,8 +59,6 @@ class PrefillBudget:
         if decoding and self.decode_s is None:
             return  # no decode time to take out yet
         self.samples.append((prompt_tokens, max(step_s - (self.decode_s if decoding else 0.0), 0.0)))
-        while len(self.samples) > self.window:
-            self.samples.popleft()
         self._fit()
 
     def _fit(self) -> None:
