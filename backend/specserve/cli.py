@@ -216,7 +216,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     repo = Path(args.model_repository) if args.model_repository else repo_root() / "model_repository"
     variants = args.variants.split(",") if args.variants else None
-    return serve(repo, variants, args.http_port, args.grpc_port, args.metrics_port)
+    parameters = dict(item.partition("=")[::2] for item in args.parameter)
+    if bad := [item for item in args.parameter if "=" not in item or not item.partition("=")[0]]:
+        print(f"error: --parameter takes KEY=VALUE, got {bad}", file=sys.stderr)
+        return 2
+    return serve(repo, variants, args.http_port, args.grpc_port, args.metrics_port, parameters, args.log)
 
 
 def cmd_model_repository(args: argparse.Namespace) -> int:
@@ -333,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--parameter", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config.pbtxt parameter of every served llm model, set on a temporary copy (repeatable)")
+    p.add_argument("--log", type=Path, default=None, help="write tritonserver's output to this file")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("model-repository", help="write every config.pbtxt of the model repository from one description")

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
-from specserve_client.local_server import server_module
+from specserve_client.local_server import local_server
 from specserve_client.prefixbench import chatml
 from specserve_client.stream import grpc_inputs, request_inputs
 from specserve_client.variants import variant_name
@@ -267,15 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     kinds = tuple(args.kinds.split(","))
     if not kinds or not set(kinds) <= set(KIND_WEIGHTS):
         p.error(f"--kinds: choose among {', '.join(KIND_WEIGHTS)}, got {args.kinds!r}")
-    server_side = server_module()  # the soak always starts its own server
     args.out.mkdir(parents=True, exist_ok=True)
-    ports = [server_side.free_port() for _ in range(3)]
-    repository = server_side.copy_repository(
-        server_side.default_repository(), args.out / "model_repository",
-        {f"llm_{args.variant}": {"prefix_cache_max_tokens": str(args.prefix_cache_max_tokens)}})
-    with server_side.TritonProcess(repository, server_side.models_for([args.variant]), *ports,
-                                   log=args.out / "tritonserver.log") as server:
-        report = soak(server.grpc_url, server.metrics_url, server.proc.pid, args.variant, args.minutes, args.concurrency,
+    parameters = {"prefix_cache_max_tokens": str(args.prefix_cache_max_tokens)}
+    with local_server(args.variant, parameters=parameters, log=args.out / "tritonserver.log") as server:
+        report = soak(server.grpc_url, server.metrics_url, server.pid, args.variant, args.minutes, args.concurrency,
                       args.sample_s, args.connection_per_request, kinds, args.prefix_cache_max_tokens,
                       args.max_rss_growth_mb)
     (args.out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -4,16 +4,19 @@ moment (the log says so), and answers as the engine of its configuration does be
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine import precompile
 from specserve.engine.engine import Engine
-from specserve.serving.server import TritonProcess, copy_repository, default_repository, free_port
+from specserve.serving.server import default_repository
+from specserve_client.local_server import LocalServer, local_server
 from specserve_client.stream import collect, grpc_stream
 
 pytestmark = pytest.mark.e2e
@@ -24,13 +27,15 @@ EAGER, SWITCHED = "serving eagerly while its compiled programs build", "switched
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, engine_params: dict[str, str]) -> Iterator[TritonProcess]:
-    root = tmp_path_factory.mktemp("triton-startup")
+def started(tmp_path_factory: pytest.TempPathFactory, engine_params: dict[str, str]) -> Iterator[tuple[LocalServer, Path]]:
+    """llm_eagle3 started as the client's benchmarks start a server (`specserve serve` as a command);
+    once the module is done, tritonserver is gone."""
+    log = tmp_path_factory.mktemp("triton-startup") / "tritonserver.log"
     params = engine_params | {"serve_while_compiling": "true", "adaptive": "false"}
-    repo = copy_repository(default_repository(), root / "model_repository", {"llm_eagle3": params})
-    process = TritonProcess(repo, ["llm_eagle3"], free_port(), free_port(), free_port(), log=root / "tritonserver.log")
-    with process:
-        yield process
+    with local_server("eagle3", parameters=params, log=log) as server:
+        yield server, log
+    with pytest.raises(ProcessLookupError):
+        os.kill(server.pid, 0)
 
 
 def greedy(config: EngineConfig, ids: list[int]) -> list[int]:
@@ -39,13 +44,14 @@ def greedy(config: EngineConfig, ids: list[int]) -> list[int]:
         return pool.submit(lambda: Engine(config).generate([ids], SamplingParams(max_tokens=24))[0].token_ids).result()
 
 
-def test_the_model_answers_eagerly_then_switches_to_its_compiled_programs(server, smollm2_dir, tokenizer, e2e):
+def test_the_model_answers_eagerly_then_switches_to_its_compiled_programs(started, smollm2_dir, tokenizer, e2e):
     served = EngineConfig(
         model_dir=str(smollm2_dir), max_batch_size=e2e.slots, max_seq_len=e2e.max_seq_len, dtype="float32",
         spec=SpecConfig(algorithm="eagle3", drafter_path=str(default_repository() / "llm_eagle3" / "drafter"),
                         adaptive=False))
     ids = tokenizer.encode(PROMPT, True)
-    log = server.log.read_text
+    server, log_path = started
+    log = log_path.read_text
     first = collect(grpc_stream(server.grpc_url, "llm_eagle3", PROMPT, max_tokens=24, apply_chat_template=True,
                                 timeout_s=TIMEOUT_S))
     assert EAGER in log()

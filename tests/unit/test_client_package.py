@@ -89,6 +89,22 @@ def test_nothing_under_client_imports_the_server_package():
     assert not offending, "the client imports the server package:\n" + "\n".join(offending)
 
 
+def loads_by_name(tree: ast.Module) -> list[int]:
+    """Lines that import a module named at run time (`importlib.import_module`, `__import__`): a
+    way around `every_import`."""
+    return sorted(n.lineno for n in ast.walk(tree)
+                  if isinstance(n, ast.Name) and n.id in ("__import__", "import_module")
+                  or isinstance(n, ast.Attribute) and n.attr == "import_module")
+
+
+def test_nothing_under_client_loads_a_module_by_name():
+    tree = ast.parse("import importlib\nx = __import__('a')\ny = importlib.import_module('b')\nimportlib.util.find_spec('c')\n")
+    assert loads_by_name(tree) == [2, 3]
+    offending = [f"{path.relative_to(CLIENT_DIR)}:{line}" for path in sorted(CLIENT_DIR.rglob("*.py"))
+                 for line in loads_by_name(ast.parse(path.read_text(), filename=str(path)))]
+    assert not offending, "the client loads modules by name (start the server as a command):\n" + "\n".join(offending)
+
+
 BLOCKED_IMPORT_SCRIPT = textwrap.dedent(
     """
     import contextlib, importlib, io, pkgutil, sys

@@ -293,8 +293,14 @@ def serve(
     http_port: int = 8000,
     grpc_port: int = 8001,
     metrics_port: int = 8002,
+    parameters: Mapping[str, str] | None = None,
+    log: Path | None = None,
 ) -> int:
-    """Run tritonserver until Ctrl-C / SIGTERM; returns an exit code."""
+    """Run tritonserver until Ctrl-C / SIGTERM; returns an exit code.
+
+    parameters: config.pbtxt parameters set on every served llm_<variant>, on a temporary copy of
+    the repository (the repository itself is not written). log: tritonserver's output goes there.
+    """
     repository = Path(repository or default_repository())
     available = list_variants(repository)
     chosen = available if variants is None else [renamed(v) for v in variants]  # base -> none, ...
@@ -302,7 +308,16 @@ def serve(
     if missing or not chosen:
         print(f"serve: unknown variant(s) {missing or chosen}; {repository} has {available}", file=sys.stderr)
         return 2
-    server = TritonProcess(repository, models_for(chosen), http_port, grpc_port, metrics_port)
+    with tempfile.TemporaryDirectory(prefix="specserve-serve-") as tmp:
+        if parameters:
+            overrides = {f"llm_{v}": dict(parameters) for v in chosen}
+            repository = copy_repository(repository, Path(tmp) / "model_repository", overrides)
+        return _run_until_stopped(TritonProcess(repository, models_for(chosen), http_port, grpc_port, metrics_port,
+                                                log=log), chosen)
+
+
+def _run_until_stopped(server: TritonProcess, chosen: list[str]) -> int:
+    """Start `server`, say where it listens once ready (with its pid), stop it on SIGINT / SIGTERM."""
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -314,8 +329,10 @@ def serve(
             if server.proc is not None and server.proc.poll() is not None:
                 print(f"serve: tritonserver exited with code {server.proc.returncode}", file=sys.stderr)
                 return server.proc.returncode or 1
+        assert server.proc is not None
         print(
-            f"serve: ready\n  HTTP     http://{server.http_url}  (POST /v2/models/llm_<variant>/generate_stream)\n"
+            f"serve: ready (tritonserver pid {server.proc.pid})\n"
+            f"  HTTP     http://{server.http_url}  (POST /v2/models/llm_<variant>/generate_stream)\n"
             f"  gRPC     {server.grpc_url}\n  metrics  {server.metrics_url}\n"
             f"  models   {', '.join(f'llm_{v}' for v in chosen)}\nCtrl-C to stop.",
             flush=True,
