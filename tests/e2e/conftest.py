@@ -19,9 +19,11 @@ SLOTS = 4
 MAX_SEQ_LEN = 512
 DTYPE = "float32"
 QUEUE = 16  # more than the 16 concurrent streams of one test minus the 4 slots
-# the compiled programs from the first request on (tests/e2e/test_startup.py serves while they build)
+# the compiled programs from the first request on (tests/e2e/test_startup.py serves while they build), on
+# every step, as the reference engine: outputs do not depend on which path start-up timings pick, and no
+# model spends its start timing paths (the choice is the unit tests' subject; test_startup serves it)
 ENGINE_PARAMS = {"max_batch_size": str(SLOTS), "max_seq_len": str(MAX_SEQ_LEN), "dtype": DTYPE, "max_queue_size": str(QUEUE),
-                 "serve_while_compiling": "false"}
+                 "serve_while_compiling": "false", "compiled_steps": "always"}
 VARIANTS = ("none", "ngram", "eagle", "eagle3", "mtp", "standalone")
 
 
@@ -74,7 +76,7 @@ def reference_engine(smollm2_dir: Path):
     from specserve.engine.engine import Engine
 
     return Engine(EngineConfig(model_dir=str(smollm2_dir), max_batch_size=SLOTS, max_seq_len=MAX_SEQ_LEN, dtype=DTYPE,
-                               cpu_compile=True))
+                               cpu_compile=True, compiled_steps="always"))
 
 
 @pytest.fixture(scope="session")

@@ -36,7 +36,9 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path, engine_params: dict[str, str],
            faults: Path) -> Iterator[TritonProcess]:
     root = tmp_path_factory.mktemp("triton-health")
-    repo = copy_repository(default_repository(), root / "model_repository", {"llm_none": engine_params})
+    # eager engines: what is tested is how a failing engine ends its requests, not its forwards
+    params = engine_params | {"disable_cpu_compile": "true"}
+    repo = copy_repository(default_repository(), root / "model_repository", {"llm_none": params})
     for model, fault_in in FAULTY.items():
         (repo / model / "1").mkdir(parents=True)
         shutil.copy(Path(__file__).with_name("fault_model.py"), repo / model / "1" / "model.py")

@@ -31,7 +31,8 @@ def started(tmp_path_factory: pytest.TempPathFactory, engine_params: dict[str, s
     """llm_eagle3 started as the client's benchmarks start a server (`specserve serve` as a command);
     once the module is done, tritonserver is gone."""
     log = tmp_path_factory.mktemp("triton-startup") / "tritonserver.log"
-    params = engine_params | {"serve_while_compiling": "true", "adaptive": "false"}
+    # the served default: paths chosen by timings
+    params = engine_params | {"serve_while_compiling": "true", "adaptive": "false", "compiled_steps": "auto"}
     with local_server("eagle3", parameters=params, log=log) as server:
         yield server, log
     with pytest.raises(ProcessLookupError):

@@ -12,6 +12,8 @@ import pytest
 from specserve.config import SamplingParams
 
 MAX_TOKENS = 32
+# the compiled engines take the e2e servers' slots and context, so they load the programs those compiled
+SERVED_E2E = {"max_batch_size": 4, "max_seq_len": 512}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,7 @@ def test_adaptive_shapes_are_lossless(engine_factory, mtbench_prompts, reference
 @pytest.fixture(scope="module")
 def compiled_reference(engine_factory, mtbench_prompts) -> list[list[int]]:
     """`none` on the compiled target forward (as served on CPU)."""
-    engine = engine_factory(cpu_compile=True)
+    engine = engine_factory(cpu_compile=True, **SERVED_E2E)
     assert engine.runner.compiled is not None
     return [o.token_ids for o in engine.generate(mtbench_prompts, SamplingParams(max_tokens=MAX_TOKENS))]
 
@@ -88,10 +90,10 @@ def compiled_reference(engine_factory, mtbench_prompts) -> list[list[int]]:
 @pytest.mark.parametrize("algorithm", ["ngram", "eagle", "eagle3", "mtp"])
 def test_compiled_adaptive_is_lossless(engine_factory, mtbench_prompts, compiled_reference, algorithm):
     """The served default on CPU: compiled target and draft-head forwards, adaptive shapes switching
-    every other step; equal to compiled `none` at batch 8 and one request at a time."""
+    every other step; equal to compiled `none` with 4 slots (the e2e servers' shape) and one request at a time."""
     from specserve.serving.repository import served_drafter
 
-    engine = engine_factory(algorithm=algorithm, cpu_compile=True, **served_drafter(algorithm))
+    engine = engine_factory(algorithm=algorithm, cpu_compile=True, **SERVED_E2E, **served_drafter(algorithm))
     assert engine.runner.compiled is not None
     assert algorithm == "ngram" or engine.drafter.runner.compiled is not None
     engine.chooser.explore_every = 2
