@@ -54,3 +54,26 @@ def test_every_model_has_a_version_folder_in_the_checkout():
     for config in repo.glob("*/config.pbtxt"):
         assert (config.parent / "1").is_dir(), f"{config.parent.name}/1 is missing"
         assert any((config.parent / "1").iterdir()), f"{config.parent.name}/1 is empty (not tracked by git)"
+
+def test_serve_sets_parameters_on_a_copy_of_the_repository(monkeypatch):
+    import specserve.serving.server as server
+
+    seen = {}
+
+    def run(process, chosen):  # stands in for starting tritonserver
+        seen["params"] = read_parameters(process.repository / "llm_none" / "config.pbtxt")
+        seen["models"], seen["log"] = process.models, process.log
+        return 0
+
+    monkeypatch.setattr(server, "_run_until_stopped", run)
+    assert server.serve(None, ["none"], parameters={"max_batch_size": "3"}, log=Path("/tmp/x.log")) == 0
+    assert seen["params"]["max_batch_size"] == "3" and seen["log"] == Path("/tmp/x.log")
+    assert seen["models"] == models_for(["none"])
+    assert "max_batch_size" not in read_parameters(default_repository() / "llm_none" / "config.pbtxt")
+
+
+def test_serve_command_takes_parameters_as_key_value(capsys):
+    from specserve.cli import main
+
+    assert main(["serve", "--variants", "none", "--parameter", "max_batch_size"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err
