@@ -216,10 +216,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     repo = Path(args.model_repository) if args.model_repository else repo_root() / "model_repository"
     variants = args.variants.split(",") if args.variants else None
-    parameters = dict(item.partition("=")[::2] for item in args.parameter)
     if bad := [item for item in args.parameter if "=" not in item or not item.partition("=")[0]]:
         print(f"error: --parameter takes KEY=VALUE, got {bad}", file=sys.stderr)
         return 2
+    parameters = dict(item.partition("=")[::2] for item in args.parameter)
     return serve(repo, variants, args.http_port, args.grpc_port, args.metrics_port, parameters, args.log)
 
 

@@ -12,8 +12,9 @@ a decode step's time is a moving average over steps without prompt work; the pro
 (its time less a decode step's, when requests decoded in it) is fitted as a fixed part plus a cost
 per token over the last `window` steps with prompt work (least squares; per token alone while their
 sizes do not differ). The fixed part matters: priced per token alone, small chunks look dear and the
-budget shrinks to its floor. Until both are known the configured budget holds. This module does not choose which requests' chunks run
-(the engine takes them in arrival order) or how they are packed (`runtime.prefill`).
+budget shrinks to its floor. Until both are known the configured budget holds. This module does not
+choose which requests' chunks run (the engine takes them in arrival order) or how they are packed
+(`runtime.prefill`).
 """
 
 from __future__ import annotations
