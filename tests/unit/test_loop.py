@@ -1,13 +1,16 @@
 """EngineLoop with a fake engine: built on its own thread, startup errors re-raised, deltas routed,
-a failing step ends only that step's requests, an upgraded engine takes over only when idle."""
+a failing step ends only that step's requests, an upgraded engine takes new requests while the
+one it replaced finishes its own, also under constant load."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from specserve.config import SamplingParams
+from specserve.engine import loop as loop_module
 from specserve.engine.loop import EngineLoop, EngineStopped
 from specserve.engine.outputs import FINISH_ERROR, FINISH_LENGTH, EngineLoad, RequestOutput
 
@@ -69,7 +72,7 @@ def test_startup_error_is_raised_to_the_caller():
         EngineLoop(broken)
 
 
-def test_an_upgrade_is_built_when_ready_and_takes_over_at_an_idle_moment():
+def test_an_upgrade_is_built_when_ready_and_takes_new_requests():
     state: list[bool | None] = [None]
     building, release = threading.Event(), threading.Event()
 
@@ -88,9 +91,74 @@ def test_an_upgrade_is_built_when_ready_and_takes_over_at_an_idle_moment():
         done = threading.Event()
         loop.submit([2], SamplingParams(max_tokens=1), lambda out: done.set())
         release.set()
-        assert done.wait(5) and loop.upgraded.wait(5)  # the old engine served it, then the new one took over
+        assert done.wait(5) and loop.upgraded.wait(5)  # the old engine served it, the new one takes over
         assert loop.engine is not first and first.pending == []
         assert _run(loop, [3]).finish_reason == FINISH_LENGTH and loop.engine.built_on == "specserve-engine"
+    finally:
+        loop.shutdown()
+
+
+class SlowEngine(FakeEngine):
+    """Ends one request a step, `steps_per_request` steps after it arrived; counts prompts as computed."""
+
+    def __init__(self, steps_per_request: int = 3) -> None:
+        super().__init__()
+        self.steps_per_request, self.ages, self.computed = steps_per_request, {}, 0
+
+    def add_request(self, prompt_ids, params, request_id=None) -> str:
+        rid = super().add_request(prompt_ids, params, request_id)
+        self.computed += len(prompt_ids)
+        return rid
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(0.01)
+        with self._lock:
+            for rid in self.pending:
+                self.ages[rid] = self.ages.get(rid, 0) + 1
+            done = [r for r in self.pending if self.ages[r] >= self.steps_per_request]
+            self.pending = [r for r in self.pending if r not in done]
+        return [RequestOutput(r, [1], "x", finished=True, finish_reason=FINISH_LENGTH) for r in done]
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(0, len(self.pending), len(self.pending), prompt_tokens_computed=self.computed)
+
+
+def test_an_upgrade_under_constant_load_takes_over_while_the_old_engine_finishes_its_requests(monkeypatch):
+    """Never idle: the upgrade is built between steps once it waited UPGRADE_WAIT_S; every request
+    ends, the old engine's in it, and the prompt counters never fall."""
+    monkeypatch.setattr(loop_module, "UPGRADE_WAIT_S", 0.2)
+    loads: list[EngineLoad] = []
+    loop = EngineLoop(SlowEngine, on_step=loads.append)
+    first = loop.engine
+    ended: list[str] = []
+    lock = threading.Lock()
+
+    def submit(i: int) -> None:
+        loop.submit([i, i], SamplingParams(max_tokens=1), lambda out: out.finished and (lock.acquire(), ended.append(out.request_id), lock.release()))
+
+    try:
+        for i in range(4):
+            submit(i)
+        loop.upgrade_when_ready(lambda: True, SlowEngine)
+        deadline = time.monotonic() + 5
+        i = 4
+        while not loop.upgraded.is_set() and time.monotonic() < deadline:  # a request every step: never idle
+            submit(i)
+            i += 1
+            time.sleep(0.01)
+        assert loop.upgraded.is_set() and loop.engine is not first
+        held_by_old = list(first.pending)
+        assert held_by_old, "the old engine still held requests when the new one took over"
+        for _ in range(3):
+            submit(i)
+            i += 1
+        deadline = time.monotonic() + 5
+        while len(ended) < i and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(ended) == i and len(set(ended)) == i  # every request ended, once
+        assert first.pending == [] and loop._draining is None  # the old engine finished and was dropped
+        computed = [load.prompt_tokens_computed for load in loads]
+        assert computed == sorted(computed) and computed[-1] == 2 * i  # both engines' prompts, never falling
     finally:
         loop.shutdown()
 

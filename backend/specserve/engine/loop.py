@@ -12,9 +12,11 @@ request gets a final error output, `submit` refuses with `EngineStopped`, and `o
 the server (which marks the model not ready).
 
 Upgrade. `upgrade_when_ready(ready, factory)` replaces the engine by a better-built one (a server
-starts on an eager engine while its compiled programs build elsewhere): once `ready()` says so and
-the engine is idle, the loop thread builds `factory()`'s engine; requests that arrive meanwhile
-wait in the running engine, which serves them, and the new one takes over at its next idle moment.
+starts on an eager engine while its compiled programs build elsewhere). Once `ready()` says so,
+the loop thread builds `factory()`'s engine at the next idle moment, or between two steps when no
+idle moment came within `UPGRADE_WAIT_S` (a model under constant load; its streams pause for the
+build). New requests go to the new engine at once; the old one finishes the requests it holds,
+stepped beside the new one, and is dropped when it has none left.
 
 Cancellation is the caller's: `abort(request_id)` from any thread ends the request within a
 step. `on_step` receives the engine's load whenever it changes (the serving gauges); a caller
@@ -26,8 +28,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import traceback
 from collections.abc import Callable
+from dataclasses import astuple
 from typing import TYPE_CHECKING
 
 from specserve.config import SamplingParams
@@ -39,6 +43,9 @@ if TYPE_CHECKING:  # importing the engine imports torch: this module is imported
 log = logging.getLogger(__name__)
 
 OutputCallback = Callable[[RequestOutput], None]
+
+UPGRADE_WAIT_S = 2.0  # a ready upgrade waits this long for an idle moment, then is built between steps
+UPGRADE_POLL_S = 0.5  # how often a busy loop asks whether the upgrade is ready
 
 
 class EngineStopped(RuntimeError):
@@ -70,8 +77,11 @@ class EngineLoop:
         self.stopped_reason: str | None = None  # set when the loop stopped by failure
         self._last_load: EngineLoad | None = None
         self._upgrade: tuple[Callable[[], bool | None], Callable[[], Engine]] | None = None
-        self._next_engine: Engine | None = None
-        self.upgraded = threading.Event()  # set once the engine was replaced
+        self._ready_since: float | None = None  # when `ready()` first said True while the engine was busy
+        self._next_poll = 0.0
+        self._draining: Engine | None = None  # the engine an upgrade replaced, finishing its requests
+        self._retired = EngineLoad(0, 0, 0)  # the prompt counters of engines dropped after an upgrade
+        self.upgraded = threading.Event()  # set once new requests go to the upgraded engine
         self._thread = threading.Thread(target=self._start, args=(engine_factory,), name="specserve-engine",
                                         daemon=True)
         self._thread.start()
@@ -111,15 +121,15 @@ class EngineLoop:
         return rid
 
     def abort(self, request_id: str) -> None:
-        with self._lock:  # the engine holding the request: not one being swapped out
-            engine = self.engine
-        engine.abort(request_id)
+        for engine in self._engines():  # the one holding the request (an engine ignores ids it does not hold)
+            engine.abort(request_id)
         self._wake.set()
 
     def upgrade_when_ready(self, ready: Callable[[], bool | None], factory: Callable[[], Engine]) -> None:
-        """Replace the engine by `factory()`'s once `ready()` is True (polled on the loop thread
-        while idle; False: never, None: not yet), at an idle moment (see the module's docstring)."""
+        """Replace the engine by `factory()`'s once `ready()` is True (polled on the loop thread;
+        False: never, None: not yet), preferably at an idle moment (see the module's docstring)."""
         self._upgrade = (ready, factory)
+        self._ready_since, self._next_poll = None, 0.0
         self._wake.set()
 
     @property
@@ -132,71 +142,99 @@ class EngineLoop:
         with self._lock:
             pending = list(self._subs)
         for rid in pending:
-            self.engine.abort(rid)
+            self.abort(rid)
         self._wake.set()
         self._stop.set()
         self._thread.join(timeout)
 
+    def _engines(self) -> list[Engine]:
+        """The engine taking new requests, and the one an upgrade replaced while it still runs."""
+        with self._lock:
+            return [self.engine] if self._draining is None else [self.engine, self._draining]
+
     def _run(self) -> None:
         failures = 0
         while True:
-            if not self.engine.has_work():
+            engines = [e for e in self._engines() if e.has_work()]
+            if not engines:
+                self._retire_drained()
                 self._report_load()  # back to idle: the gauges read zero
                 if self._stop.is_set():
                     return
-                if self._swap_engine() or self._build_upgrade():
+                if self._build_upgrade(idle=True):
                     continue
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
                 continue
-            try:
-                outputs = self.engine.step()
-                failures = 0
-            except Exception as e:  # noqa: BLE001 - one bad step must not stop the server
-                failures += 1
-                log.error("engine step failed (%d in a row):\n%s", failures, traceback.format_exc())
-                outputs = self.engine.fail_running(f"engine error: {type(e).__name__}: {e}")
-                if failures >= self.max_failed_steps:
-                    self._deliver(outputs)
-                    raise RuntimeError(f"{failures} engine steps failed in a row; last: {type(e).__name__}: {e}") from e
-            # the load first: a client that has a response then reads gauges that count its request
-            self._report_load()
-            self._deliver(outputs)
+            if self._build_upgrade(idle=False):
+                continue
+            for engine in engines:
+                try:
+                    outputs = engine.step()
+                    failures = 0
+                except Exception as e:  # noqa: BLE001 - one bad step must not stop the server
+                    failures += 1
+                    log.error("engine step failed (%d in a row):\n%s", failures, traceback.format_exc())
+                    outputs = engine.fail_running(f"engine error: {type(e).__name__}: {e}")
+                    if failures >= self.max_failed_steps:
+                        self._deliver(outputs)
+                        raise RuntimeError(f"{failures} engine steps failed in a row; last: {type(e).__name__}: {e}") from e
+                # the load first: a client that has a response then reads gauges that count its request
+                self._report_load()
+                self._deliver(outputs)
+            self._retire_drained()
 
-    def _build_upgrade(self) -> bool:
-        """Build the upgraded engine if it is due; True if the loop should look at its work again."""
-        if self._upgrade is None:
+    def _build_upgrade(self, idle: bool) -> bool:
+        """Build the upgraded engine if it is due (see the module's docstring) and send new requests
+        to it; True if it was built (or found never to be)."""
+        if self._upgrade is None or self._draining is not None:
             return False
+        now = time.monotonic()
+        if not idle and now < self._next_poll:
+            return False
+        self._next_poll = now + UPGRADE_POLL_S
         ready, factory = self._upgrade
         state = ready()
         if state is None:
             return False
+        if state and not idle:
+            self._ready_since = self._ready_since or now
+            if now - self._ready_since < UPGRADE_WAIT_S:
+                return False
         self._upgrade = None
-        if state:
-            try:
-                self._next_engine = factory()
-            except Exception:  # noqa: BLE001 - the running engine keeps serving
-                log.error("engine upgrade failed; the running engine keeps serving:\n%s", traceback.format_exc())
+        if not state:
+            return True
+        try:
+            engine = factory()
+        except Exception:  # noqa: BLE001 - the running engine keeps serving
+            log.error("engine upgrade failed; the running engine keeps serving:\n%s", traceback.format_exc())
+            return True
+        with self._lock:  # requests submitted from now on enter the new engine
+            self.engine, self._draining = engine, self.engine
+        self.upgraded.set()
+        log.info("engine upgraded: new requests go to the new engine%s",
+                 "" if idle else "; the old one finishes the requests it holds")
+        self._retire_drained()
         return True
 
-    def _swap_engine(self) -> bool:
-        """Put the upgraded engine in place if one is built and the running one is idle."""
-        if self._next_engine is None:
-            return False
-        with self._lock:  # no request enters the old engine between the check and the swap
-            if self.engine.has_work():
-                return True
-            self.engine, self._next_engine = self._next_engine, None
-        self._last_load = None
-        self.upgraded.set()
-        log.info("engine upgraded: the new engine serves from now on")
-        return True
+    def _retire_drained(self) -> None:
+        """Drop the replaced engine once it holds no request (its prompt counters live on in the load)."""
+        old = self._draining
+        if old is None or old.has_work():
+            return
+        if self._on_step is not None:
+            load = old.load()
+            self._retired = EngineLoad(0, 0, 0, prompt_tokens_reused=self._retired.prompt_tokens_reused + load.prompt_tokens_reused,
+                                       prompt_tokens_computed=self._retired.prompt_tokens_computed + load.prompt_tokens_computed)
+        with self._lock:
+            self._draining = None
 
     def _report_load(self) -> None:
         """`on_step` with the engine's load, only when it changed (the gauges are an IPC each)."""
         if self._on_step is None:
             return
-        load = self.engine.load()
+        loads = [self._retired, *(e.load() for e in self._engines())]
+        load = EngineLoad(*(sum(values) for values in zip(*map(astuple, loads))))
         if load != self._last_load:
             self._last_load = load
             self._on_step(load)
