@@ -105,12 +105,14 @@ def resident_mb(pid: int) -> dict[str, float]:
 
 
 def server_memory(root_pid: int) -> dict:
-    """One memory sample of the server's processes: "rss_mb" (their sum), "by_process" (each one's
-    resident MB) and "parts" (each one's anon / file / shmem MB)."""
+    """One memory sample of the server's processes: "rss_mb" (the sum of tritonserver's and its
+    model stubs'; a model's compile process, which ends, is left out), "by_process" (each
+    process's resident MB, every descendant's) and "parts" (each one's anon / file / shmem MB)."""
     parts = {name: resident_mb(pid) for name, pid in server_processes(root_pid).items()}
     parts = {name: mb for name, mb in parts.items() if mb}
     by_process = {name: mb.pop("rss") for name, mb in parts.items()}
-    return {"rss_mb": round(sum(by_process.values()), 1), "by_process": by_process, "parts": parts}
+    serving = [mb for name, mb in by_process.items() if name.startswith(("tritonserver ", "stub "))]
+    return {"rss_mb": round(sum(serving), 1), "by_process": by_process, "parts": parts}
 
 
 def one_request(client: grpcclient.InferenceServerClient, model: str, values: dict, request_id: str,

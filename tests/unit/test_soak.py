@@ -120,3 +120,11 @@ def test_a_finished_stream_is_closed_and_an_abandoned_one_cancelled():
     left = _StreamingClient(tokens=3)
     assert soak.one_request(left, "llm_none", values, "r2", cancel_after=1) == "cancelled"
     assert left.stops and all(left.stops)
+
+
+def test_memory_counts_the_server_and_its_stubs_not_a_compile_process(monkeypatch):
+    processes = {"tritonserver (10)": 10, "stub llm_eagle3 (11)": 11, "python3 (12)": 12}
+    monkeypatch.setattr(soak, "server_processes", lambda root: processes)
+    monkeypatch.setattr(soak, "resident_mb", lambda pid: {"rss": float(pid * 10), "anon": 1.0})
+    sample = soak.server_memory(10)
+    assert sample["rss_mb"] == 210.0 and sample["by_process"]["python3 (12)"] == 120.0
