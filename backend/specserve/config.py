@@ -363,7 +363,8 @@ class EngineConfig:
     serve_while_compiling: bool = knob(True, help="served on CPU with compiled forwards: answer at once with the "
                                        "eager engine (the configured tree, no start-up timings) while a background "
                                        "process compiles or loads the programs; the model then switches, at its "
-                                       "first idle moment, to an engine that runs them (the log says when)",
+                                       "first idle moment (or between two steps under constant load), to an engine "
+                                       "that runs them (the log says when)",
                                        no_flag="generate and bench build their programs before the first request")
     step_matmul: str = knob("auto", choices=STEP_MATMULS,
                             help="the compiled few-row programs' matmuls: auto = the AVX2 few-row kernel in float32 "

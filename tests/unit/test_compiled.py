@@ -28,6 +28,7 @@ from specserve.runtime.compiled import (
     program_key,
     remove_stale,
 )
+from specserve.models.cpu_linear import padded_rows
 from specserve.runtime.few_row_head import FEW_ROWS
 from specserve.runtime.target import TargetRunner
 from specserve_kernels import few_row_gemm
@@ -84,7 +85,7 @@ def test_compiled_forward_matches_eager(tiny_target_dir, compile_dir, tmp_path, 
     assert sorted(p.name for p in compile_dir.glob("*.pt2")) == sorted([compiled.path.name, compiled.step_path.name])
     g = torch.Generator().manual_seed(3)
     slots = torch.tensor([2, 0, 1])  # not in order: keys are gathered per slot
-    lens = [7, 30, 12]
+    lens = [7, 27, 12]  # a prefill of 27 tokens: the program runs it padded to 28
 
     def both(tokens, positions, cache_lens, new_mask, host_lens, logit_index=None):
         a = model.attention_inputs(positions, slots[: len(tokens)], cache_lens, new_mask, eager_cache, host_lens,
@@ -110,6 +111,13 @@ def test_compiled_forward_matches_eager(tiny_target_dir, compile_dir, tmp_path, 
     depth = torch.tensor([0, 1, 1, 2])
     both(torch.randint(3, VOCAB, (2, 4), generator=g), cache_lens[:2, None] + 1 + depth, cache_lens[:2] + 1,
          _tree_mask(2), [n + 1 for n in lens[:2]])
+
+
+def test_programs_run_a_bounded_set_of_token_counts():
+    sizes = {padded_rows(t) for t in range(1, 2049)}
+    assert len(sizes) == 72 and max(sizes) == 2048
+    assert all(t <= padded_rows(t) <= t * 1.125 for t in range(1, 4097))
+    assert [padded_rows(t) for t in (16, 17, 18, 19, 33, 65, 1025)] == [16, 18, 18, 20, 36, 72, 1152]
 
 
 def test_a_second_build_loads_the_stored_package(tiny_target_dir, compile_dir):
@@ -205,7 +213,7 @@ def test_compiled_head_matches_eager(tmp_path, tiny_target_dir, compile_dir, alg
                                                                            runner(*a))[1]
     g = torch.Generator().manual_seed(9)
     cfg = compiled.head.cfg
-    b, t, first = 2, FEW_ROWS // 2 + 4, FEW_ROWS // 2 + 1  # the first catch-up: more than FEW_ROWS rows
+    b, t, first = 2, FEW_ROWS + 8, FEW_ROWS + 3  # the first catch-up: more than FEW_ROWS rows, padded to 20
     tokens = torch.randint(3, VOCAB, (b, t), generator=g)
     feats = torch.randn(b, t, cfg.feature_size, generator=g)
     positions = torch.arange(t).expand(b, t)

@@ -288,8 +288,9 @@ def test_a_packed_forward_equals_each_chunk_alone(tiny_target_dir):
     model.init_rope(128)
     cache = KVCache(model.cfg, 4, 128, torch.float32, "cpu")
     cache.data.normal_(generator=torch.Generator().manual_seed(0))  # the prefixes (and stale entries after them)
-    chunks = [PromptChunk(2, 0, tuple(_ids(9, 50))), PromptChunk(0, 30, tuple(_ids(5, 51))),
-              PromptChunk(3, 7, tuple(_ids(12, 52)))]
+    # on a CPU: queries of 19 and 21 tokens run padded to 20 and 22, keys to 20, 36 and 28
+    chunks = [PromptChunk(2, 0, tuple(_ids(19, 50))), PromptChunk(0, 30, tuple(_ids(5, 51))),
+              PromptChunk(3, 7, tuple(_ids(21, 52)))]
     before = cache.data.clone()
     packed = packed_forward(model, cache, PackedPrompts.of(chunks))
     packed_cache, cache.data[:] = cache.data.clone(), before

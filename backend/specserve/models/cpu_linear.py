@@ -30,6 +30,19 @@ from specserve_kernels import few_row_gemm
 FEW_ROWS = 64
 
 
+def padded_rows(n: int) -> int:
+    """The row count a oneDNN bf16 call of n rows runs at: n up to 16, else n rounded up to an
+    eighth of the power of two above it (at most 12.5 % padding; 72 sizes up to 2,048).
+
+    oneDNN builds kernels for every matmul and attention shape it meets and does not give all of
+    that memory back: a server whose prompt chunks and catch-ups took every length grew by hundreds
+    of MB a minute. A bounded set of shapes bounds it (docs/performance.md)."""
+    if n <= 16:
+        return n
+    step = 1 << ((n - 1).bit_length() - 4)
+    return -(-n // step) * step
+
+
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return (
         device.type == "cpu"
@@ -54,8 +67,14 @@ class PackedLinear(nn.Module):
         self.weight = weight.detach() if keep_weight else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in) bf16 -> (..., out) bf16; any leading shape, like F.linear."""
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        """x (..., in) bf16 -> (..., out) bf16; any leading shape, like F.linear. Runs `padded_rows` rows."""
+        rows = x.numel() // self.in_features
+        padded = padded_rows(rows)
+        if padded == rows:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        flat = torch.cat([x.reshape(rows, self.in_features), x.new_zeros(padded - rows, self.in_features)])
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        return out[:rows].reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"

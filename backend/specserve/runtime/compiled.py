@@ -19,6 +19,10 @@ in a compile cache under a key of everything the program depends on (`program_ke
 loads it in well under a second instead of compiling again. Processes that want the same package
 take turns through a file lock: one compiles, the others load.
 
+A forward of more new tokens than the step program takes runs padded to one of a bounded set of
+token counts (`cpu_linear.padded_rows`, at most 12.5 % more): oneDNN keeps memory for every
+shape it meets, and prompt chunks and catch-ups of every length grew a server without bound.
+
 The programs only read their KV cache: they return the new tokens' K/V, which are written
 afterwards with one indexed copy (inductor would copy a cache mutated inside the program whole).
 Keys are each request's first S cache entries followed by the new tokens; the mask says which of
@@ -52,6 +56,7 @@ from filelock import FileLock
 from torch import nn
 
 from specserve.hardware import cpu_flags
+from specserve.models.cpu_linear import padded_rows
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import Attend, Attention, ForwardOutput, LlamaModel
 from specserve_kernels import few_row_gemm
@@ -205,6 +210,18 @@ def aligned_keys(n: int) -> int:
     return max(KEY_ALIGN, -(-n // KEY_ALIGN) * KEY_ALIGN)
 
 
+def pad_columns(x: torch.Tensor, t: int, value: float = 0) -> torch.Tensor:
+    """x (B, T, ...) -> (B, t, ...): columns T.. filled with value."""
+    pad = x.new_full((x.shape[0], t - x.shape[1], *x.shape[2:]), value)
+    return torch.cat([x, pad], dim=1)
+
+
+def continued_positions(positions: torch.Tensor, t: int, limit: int) -> torch.Tensor:
+    """positions (B, T) -> (B, t): the padded columns continue each row's last position (below limit)."""
+    extra = torch.arange(1, t - positions.shape[1] + 1, device=positions.device)
+    return torch.cat([positions, (positions[:, -1:] + extra).clamp(max=limit - 1)], dim=1)
+
+
 class ReadOnlyForward(nn.Module):
     """What `CompiledTarget` exports: the target's layers over (cached prefix, new tokens).
 
@@ -289,10 +306,17 @@ class CompiledTarget:
         b, t = tokens.shape
         s = aligned_keys(max(host_cache_lens))
         assert self.fits(b, t, max(host_cache_lens)), "check fits() first"
+        small = b * t <= STEP_ROWS and self.step_runner is not None
+        padded = t if small else min(padded_rows(t), self.max_tokens)
+        if padded > t:  # padded tokens come after the real ones and see only themselves and the prefix
+            mask = torch.zeros(b, padded, padded, dtype=torch.bool, device=new_mask.device)
+            mask[:, :t, :t] = new_mask
+            mask[:, t:, t:] = torch.eye(padded - t, dtype=torch.bool, device=new_mask.device)
+            tokens, new_mask = pad_columns(tokens, padded), mask
+            positions = continued_positions(positions, padded, self.model.rope[0].shape[0])
         # the program reads its inputs with the strides it was exported with: contiguous, and the cache's own
         inputs = (x.contiguous() for x in (tokens, positions, slots, cache_lens, new_mask))
-        small = b * t <= STEP_ROWS and self.step_runner is not None
-        outputs = (self.step_runner if small else self.runner)(*inputs, prefix_keys(self.cache, s))
+        outputs = [o[:, :t] for o in (self.step_runner if small else self.runner)(*inputs, prefix_keys(self.cache, s))]
         write_new_kv(self.cache, slots, cache_lens[:, None] + torch.arange(t, device=tokens.device), outputs[1])
         aux = outputs[2] if self.aux_layers else None
         if not small:
@@ -371,12 +395,21 @@ class CompiledHead:
                 mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """As the head's eager forward over the cache: mask (B, 1, T, key_len) over cache entries,
         the new ones (write_pos) included; writes their K/V. -> h (B, T, H)."""
-        key_len = mask.shape[-1]
-        s = aligned_keys(key_len)
+        (b, t), key_len = tokens.shape, mask.shape[-1]
         assert self.fits(key_len), "check fits() first"
-        padded = torch.zeros(*mask.shape[:-1], s, dtype=torch.bool, device=mask.device)
-        padded[..., :key_len] = mask
-        inputs = (x.contiguous() for x in (tokens, hidden, positions, write_pos, slots, padded))
+        padded = min(padded_rows(t), self.cache.max_len - 1)
+        if padded > t and not self.fits(key_len + 1):
+            padded = t
+        # padded tokens take cache entry key_len, past every real token's keys, and see only that entry
+        s = aligned_keys(key_len + (padded > t))
+        full = torch.zeros(b, 1, padded, s, dtype=torch.bool, device=mask.device)
+        full[:, :, :t, :key_len] = mask
+        full[:, :, t:, key_len:key_len + 1] = padded > t
+        if padded > t:
+            tokens, hidden = pad_columns(tokens, padded), pad_columns(hidden, padded)
+            positions = continued_positions(positions, padded, self.rope[0].shape[0])
+            write_pos = pad_columns(write_pos, padded, key_len)
+        inputs = (x.contiguous() for x in (tokens, hidden, positions, write_pos, slots, full))
         h, new_kv = self.runners[hidden.shape[-1]](*inputs, prefix_keys(self.cache, s))
-        write_new_kv(self.cache, slots, write_pos, new_kv)
-        return h
+        write_new_kv(self.cache, slots, write_pos[:, :t], new_kv[:, :t])
+        return h[:, :t]

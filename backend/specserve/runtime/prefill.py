@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from specserve.models.attention import AttentionInputs
+from specserve.models.cpu_linear import padded_rows
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, LlamaModel
 from specserve.staging import to_device
@@ -87,15 +88,27 @@ class PackedAttention:
     """An attention backend for one packed forward: per chunk, SDPA of its queries over its slot's
     keys [0, end): causal for a fresh prompt; after a prefix, causal aligned to the last key (the
     whole prefix and the chunk causally): on CUDA `causal_lower_right`, which flash attention runs
-    without a mask in memory, elsewhere a (T, end) mask built once per forward."""
+    without a mask in memory, elsewhere a mask built once per forward. On a CPU each chunk's
+    queries and keys are padded to `padded_rows` sizes (oneDNN keeps memory for every shape it
+    meets; `runtime.compiled`); the padded queries are dropped, no real query sees a padded key."""
 
     name = "packed"
     needs_plan = False
     reads_mask = False
 
-    def __init__(self, packed: PackedPrompts, device: torch.device) -> None:
-        self.spans = [(c.slot, c.end, packed.columns(i)) for i, c in enumerate(packed.chunks)]
-        self.masks = [None if c.start == 0 else lower_right(len(c.tokens), c.end, device) for c in packed.chunks]
+    def __init__(self, packed: PackedPrompts, device: torch.device, max_len: int) -> None:
+        """max_len: the cache's entries per slot (padded keys stay within the slot)."""
+        self.spans = []  # (slot, queries run (padded), keys read, the chunk's columns, mask; None: causal)
+        for i, c in enumerate(packed.chunks):
+            t, cols = len(c.tokens), packed.columns(i)
+            if device.type == "cuda":
+                self.spans.append((c.slot, t, c.end, cols, None if c.start == 0 else lower_right(t, c.end, device)))
+            elif c.start == 0:  # queries and keys padded alike: causal keeps every real query on real keys
+                rows = min(padded_rows(t), max_len)
+                self.spans.append((c.slot, rows, rows, cols, None))
+            else:
+                rows, keys = padded_rows(t), min(padded_rows(c.end), max_len)
+                self.spans.append((c.slot, rows, keys, cols, lower_right(t, c.end, device, rows, keys)))
 
     def plan(self, a: AttentionInputs, host_cache_lens: list[int]) -> None:
         return None
@@ -103,20 +116,27 @@ class PackedAttention:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: AttentionInputs) -> torch.Tensor:
         """q (1, Hq, N, D) -> (1, N, Hq * D)."""
         outs = []
-        for (slot, end, cols), mask in zip(self.spans, self.masks):
+        for slot, rows, end, cols, mask in self.spans:
+            queries = q[:, :, cols]
+            t = queries.shape[2]
+            if rows > t:
+                queries = torch.cat([queries, queries.new_zeros(*queries.shape[:2], rows - t, queries.shape[3])], dim=2)
             keys, values = k_cache[slot : slot + 1, :, :end], v_cache[slot : slot + 1, :, :end]  # views (1, Hkv, end, D)
-            outs.append(F.scaled_dot_product_attention(q[:, :, cols], keys, values, attn_mask=mask,
-                                                       is_causal=mask is None, enable_gqa=True))
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                 enable_gqa=True)
+            outs.append(out[:, :, :t])
         out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (1, Hq, N, D)
         return out.transpose(1, 2).reshape(1, q.shape[2], -1)
 
 
-def lower_right(t: int, s: int, device: torch.device) -> torch.Tensor:
+def lower_right(t: int, s: int, device: torch.device, rows: int | None = None, keys: int | None = None) -> torch.Tensor:
     """The mask of t new tokens after s - t cached ones: key j visible to new token i when
-    j <= s - t + i. On CUDA a `CausalBias` (no (t, s) tensor), else that bool tensor."""
+    j <= s - t + i. On CUDA a `CausalBias` (no (t, s) tensor), else that bool tensor, of `rows`
+    x `keys` when padded (padded keys are past every real query's last key)."""
     if device.type == "cuda":
         return causal_lower_right(t, s)
-    return torch.arange(s, device=device)[None, :] <= (s - t) + torch.arange(t, device=device)[:, None]
+    rows, keys = rows or t, keys or s
+    return torch.arange(keys, device=device)[None, :] <= (s - t) + torch.arange(rows, device=device)[:, None]
 
 
 def packed_forward(model: LlamaModel, cache: KVCache, packed: PackedPrompts,
@@ -136,7 +156,7 @@ def packed_forward(model: LlamaModel, cache: KVCache, packed: PackedPrompts,
     a = AttentionInputs(
         slots=slots_t[:, 0], cache_lens=positions_t[:, 0], write_slots=slots_t, write_pos=positions_t,
         key_len=max(c.end for c in packed.chunks), mask=None, is_causal=False, slot_range=None,
-        cos=cos[positions_t].unsqueeze(2), sin=sin[positions_t].unsqueeze(2), backend=PackedAttention(packed, dev),
+        cos=cos[positions_t].unsqueeze(2), sin=sin[positions_t].unsqueeze(2), backend=PackedAttention(packed, dev, cache.max_len),
     )
     return model(tokens_t, a, cache, logit_index=last, aux_layers=aux_layers)
 

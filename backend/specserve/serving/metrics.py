@@ -155,7 +155,7 @@ class ServingMetrics:
         totals = (load.prompt_tokens_reused, load.prompt_tokens_computed)
         for counter, now, before in zip((self.prompt_tokens_cached, self.prompt_tokens_computed), totals,
                                         self._prompt_totals):
-            added = now - before  # the loop's totals never fall (an upgraded engine's start from its predecessor's)
+            added = now - before if now >= before else now  # fewer: totals that started again from 0
             if added:
                 counter.increment(float(added))
         self._prompt_totals = totals
