@@ -18,7 +18,10 @@ The server runs with `prefix_cache_max_tokens` = `--prefix-cache-max-tokens`. Wh
 it waits for the engine to drain and checks that the running / waiting gauges and the KV slots in
 use are back to 0. The resident memory of the server's processes (and its anon / file / shmem
 parts) and the cached-tokens gauge are sampled every `--sample-s` seconds; the gauge must never
-exceed the knob, and the memory must grow less than `--max-rss-growth-mb` after the first minute.
+exceed the knob, and the memory must grow less than `--max-rss-growth-mb` after start-up: the
+first minute, and the first minute after the model switched to its compiled programs (the log
+says when; the switch replaces the eager engine by one with the programs' memory). The growth
+after the first minute alone is reported too.
 Writes `<out>/soak.json`; exits 1 when a check fails. It starts its own server (free ports): it
 does not measure speed.
 """
@@ -201,9 +204,18 @@ def worker(url: str, variant: str, deadline: float, seed: int, outcomes: Counter
     client.close()
 
 
+SWITCHED = "switched to its compiled programs"  # the served model's log line (triton_model.py)
+
+
+def growth_after(memory: list[dict], start_s: float) -> float:
+    """How much "rss_mb" rose above its first sample at or after start_s (0: no sample there)."""
+    after = [m["rss_mb"] for m in memory if m["s"] >= start_s]
+    return round(max(after) - after[0], 1) if after else 0.0
+
+
 def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: float, concurrency: int,
          sample_s: float, connection_per_request: bool = False, kinds: tuple[str, ...] = tuple(KIND_WEIGHTS),
-         cache_max_tokens: int | None = None, max_rss_growth_mb: float = 200.0) -> dict:
+         cache_max_tokens: int | None = None, max_rss_growth_mb: float = 200.0, log: Path | None = None) -> dict:
     outcomes: Counter = Counter()
     failures: list[str] = []
     aborted_before = metric(metrics_url, "specserve:request_finished_total", finish_reason="abort")
@@ -215,10 +227,13 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
                for s in range(concurrency)]
     for t in threads:
         t.start()
-    memory = []
+    memory: list[dict] = []
+    switched_s = None
     while any(t.is_alive() for t in threads):
         memory.append({"s": round(time.monotonic() - start), **server_memory(server_pid),
                        "cached_tokens": metric(metrics_url, CACHED_GAUGE)})
+        if switched_s is None and log is not None and log.exists() and SWITCHED in log.read_text(errors="replace"):
+            switched_s = memory[-1]["s"]
         print(json.dumps({**memory[-1], **outcomes}), flush=True)
         for t in threads:
             t.join(timeout=sample_s / len(threads))
@@ -230,7 +245,8 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
     memory.append({"s": round(time.monotonic() - start), **server_memory(server_pid),
                    "cached_tokens": metric(metrics_url, CACHED_GAUGE)})
     after_first_minute = [m["rss_mb"] for m in memory if m["s"] >= 60] or [memory[0]["rss_mb"]]
-    growth = max(after_first_minute) - after_first_minute[0]
+    steady_from = 60 if switched_s is None else max(60, switched_s + 60)
+    growth = growth_after(memory, steady_from)
     cached_max = max(m["cached_tokens"] for m in memory)
     report = {
         "variant": variant, "minutes": minutes, "concurrency": concurrency,
@@ -239,7 +255,8 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
         "requests": sum(outcomes.values()), "failures": failures[:50], "num_failures": len(failures),
         "gauges_after": gauges, "engine_aborts": aborted, "rss_mb": {"first": memory[0]["rss_mb"], "after_1_min": after_first_minute[0],
                                            "max": max(m["rss_mb"] for m in memory), "last": memory[-1]["rss_mb"]},
-        "rss_growth_after_1_min_mb": round(growth, 1), "max_rss_growth_mb": max_rss_growth_mb,
+        "rss_growth_after_1_min_mb": growth_after(memory, 60), "switched_to_compiled_s": switched_s,
+        "rss_growth_after_start_up_mb": growth, "start_up_ends_s": steady_from, "max_rss_growth_mb": max_rss_growth_mb,
         "cached_tokens_max": cached_max, "prefix_cache_max_tokens": cache_max_tokens,
         "memory_samples": memory,
     }
@@ -263,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix-cache-max-tokens", type=int, default=4096,
                    help="the served model's prefix_cache_max_tokens; the cached-tokens gauge must stay within it")
     p.add_argument("--max-rss-growth-mb", type=float, default=200.0,
-                   help="the most the server's resident memory may grow after the first minute")
+                   help="the most the server's resident memory may grow after start-up (see above)")
     p.add_argument("--out", type=Path, default=Path("results/soak"))
     args = p.parse_args(argv)
     kinds = tuple(args.kinds.split(","))
@@ -274,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     with local_server(args.variant, parameters=parameters, log=args.out / "tritonserver.log") as server:
         report = soak(server.grpc_url, server.metrics_url, server.pid, args.variant, args.minutes, args.concurrency,
                       args.sample_s, args.connection_per_request, kinds, args.prefix_cache_max_tokens,
-                      args.max_rss_growth_mb)
+                      args.max_rss_growth_mb, args.out / "tritonserver.log")
     (args.out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "memory_samples"}, indent=1))
     return 0 if report["passed"] else 1

@@ -128,3 +128,10 @@ def test_memory_counts_the_server_and_its_stubs_not_a_compile_process(monkeypatc
     monkeypatch.setattr(soak, "resident_mb", lambda pid: {"rss": float(pid * 10), "anon": 1.0})
     sample = soak.server_memory(10)
     assert sample["rss_mb"] == 210.0 and sample["by_process"]["python3 (12)"] == 120.0
+
+
+def test_growth_counts_from_the_first_sample_after_start_up():
+    memory = [{"s": s, "rss_mb": mb} for s, mb in ((0, 100.0), (60, 150.0), (90, 900.0), (150, 910.0), (200, 905.0))]
+    assert soak.growth_after(memory, 60) == 760.0  # the switch to compiled programs included
+    assert soak.growth_after(memory, 150) == 0.0 and soak.growth_after(memory, 90) == 10.0
+    assert soak.growth_after(memory, 300) == 0.0
