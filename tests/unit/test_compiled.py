@@ -18,6 +18,7 @@ import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.engine import Engine
+from specserve.models.cpu_linear import padded_rows
 from specserve.models.kv_cache import KVCache
 from specserve.models.weights import load_llama
 from specserve.runtime.compiled import (
@@ -28,7 +29,6 @@ from specserve.runtime.compiled import (
     program_key,
     remove_stale,
 )
-from specserve.models.cpu_linear import padded_rows
 from specserve.runtime.few_row_head import FEW_ROWS
 from specserve.runtime.target import TargetRunner
 from specserve_kernels import few_row_gemm

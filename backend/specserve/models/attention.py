@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import specserve_kernels as K
 from specserve.config import ATTENTION_BACKENDS, ModelConfig
+from specserve.models.cpu_linear import EXACT_ROWS, padded_rows
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ class TorchAttention:
     `grouped_attention` on CUDA (its graphs capture it with a static key length).
 
     Reads each request's keys [0, key_len) of its slot: a view when the slots are consecutive,
-    else a gathered copy. Works on every device and inside CUDA graphs (static key_len).
+    else a gathered copy. Works on every device and inside CUDA graphs (static key_len). On a CPU,
+    a forward of more than EXACT_ROWS queries runs them and its keys at `padded_rows` sizes.
     """
 
     name = "torch"
@@ -74,20 +76,29 @@ class TorchAttention:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: AttentionInputs) -> torch.Tensor:
         b, _, t, _ = q.shape
+        key_len, mask = a.key_len, a.mask
+        if q.device.type == "cpu" and t > EXACT_ROWS and (a.is_causal or mask is not None):
+            # many queries: padded to `padded_rows` sizes, keys too (oneDNN keeps memory per shape);
+            # causal: as many keys as queries, so no real query sees a padded key; else masked off
+            rows = min(padded_rows(t), k_cache.shape[2]) if a.is_causal else padded_rows(t)
+            key_len = rows if a.is_causal else min(padded_rows(key_len), k_cache.shape[2])
+            q = F.pad(q, (0, 0, 0, rows - t))
+            if mask is not None:
+                mask = F.pad(mask, (0, key_len - a.key_len, 0, rows - t), value=False)
         if a.slot_range is not None:
             first, count = a.slot_range
-            keys = k_cache[first : first + count, :, : a.key_len]  # view: (B, Hkv, S, D)
-            values = v_cache[first : first + count, :, : a.key_len]
+            keys = k_cache[first : first + count, :, :key_len]  # view: (B, Hkv, S, D)
+            values = v_cache[first : first + count, :, :key_len]
         else:
-            keys = k_cache[a.slots, :, : a.key_len]  # gather copy: (B, Hkv, S, D)
-            values = v_cache[a.slots, :, : a.key_len]
+            keys = k_cache[a.slots, :, :key_len]  # gather copy: (B, Hkv, S, D)
+            values = v_cache[a.slots, :, :key_len]
         if a.is_causal:  # prefill of fresh sequences
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
         elif q.device.type == "cpu":  # decode / tree verify: the CPU flash kernel takes the mask and GQA as they are
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=a.mask, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         else:  # decode / tree verify on CUDA without flashinfer: few queries against a long prefix
             out = grouped_attention(q, keys, values, a.mask)
-        return out.transpose(1, 2).reshape(b, t, -1)
+        return out[:, :, :t].transpose(1, 2).reshape(b, t, -1)
 
 
 TORCH_ATTENTION = TorchAttention()  # stateless: one instance serves every model and drafter

@@ -28,16 +28,17 @@ from torch import nn
 from specserve_kernels import few_row_gemm
 
 FEW_ROWS = 64
+EXACT_ROWS = 16  # row counts up to this run as they are (decode, small trees): few shapes
 
 
 def padded_rows(n: int) -> int:
-    """The row count a oneDNN bf16 call of n rows runs at: n up to 16, else n rounded up to an
+    """The row count a oneDNN call of n rows runs at: n up to EXACT_ROWS, else n rounded up to an
     eighth of the power of two above it (at most 12.5 % padding; 72 sizes up to 2,048).
 
     oneDNN builds kernels for every matmul and attention shape it meets and does not give all of
     that memory back: a server whose prompt chunks and catch-ups took every length grew by hundreds
     of MB a minute. A bounded set of shapes bounds it (docs/performance.md)."""
-    if n <= 16:
+    if n <= EXACT_ROWS:
         return n
     step = 1 << ((n - 1).bit_length() - 4)
     return -(-n // step) * step
