@@ -6,9 +6,10 @@ AOTInductor (inductor's C++ backend) with the weights frozen and prepacked for o
 PyTorch spends a good part of a small model's step between the matmuls (dispatch, small ops); the
 compiled program does not (docs/performance.md has the figures).
 
-`CompiledTarget` is the target's forward in two programs: one for steps of at most `STEP_ROWS`
-rows (batch x tokens: decode and tree verification) and one for prefills, which keeps oneDNN's
-prepacked matmuls. In float32 on an AVX2 CPU the step program's matmuls are the few-row kernel
+`CompiledTarget` is the target's forward in two programs: one for forwards of a few rows (batch x
+tokens: decode, tree verification, short prompt chunks; `STEP_ROWS`, or `TEMPLATE_STEP_ROWS` with
+inductor's template matmuls, which beat the prefill program up to 64 rows: docs/performance.md)
+and one for prefills, which keeps oneDNN's prepacked matmuls. In float32 on an AVX2 CPU the step program's matmuls are the few-row kernel
 (`specserve_kernels.few_row_gemm`: each weight panel streamed once per step, in bf16 where the
 checkpoint's values are bf16 numbers, so the products stay float32's; faster there than
 inductor's matmuls, in a smaller program compiled sooner: docs/performance.md); elsewhere inductor autotunes
@@ -65,6 +66,7 @@ log = logging.getLogger(__name__)
 
 KEY_ALIGN = 16  # prefix keys read per request: a multiple of this (fewer distinct sizes, never 0 or 1)
 STEP_ROWS = 16  # forwards of at most this many rows (batch x tokens) run the step program
+TEMPLATE_STEP_ROWS = 64  # the same where its matmuls are inductor's (`choose_step_matmul`)
 PREFILL_CONFIGS = {"freezing": True}  # inductor settings: frozen weights, oneDNN's prepacked matmuls
 STEP_CONFIGS = {**PREFILL_CONFIGS, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 STALE_AFTER_DAYS = 14  # a compile-cache package unused this long is deleted when another is compiled
@@ -264,12 +266,13 @@ class CompiledTarget:
         key = program_key(model.state_dict().items(), "target", tuple(cache.data.shape), self.aux_layers,
                           max_batch_size, max_tokens)
         self.step_matmul = choose_step_matmul(model, cache_dir, step_matmul)
+        self.step_rows = TEMPLATE_STEP_ROWS if self.step_matmul == "inductor" else STEP_ROWS
         step_key = key if self.step_matmul == "inductor" else f"{key}-rows{few_row_gemm.source_digest()[:8]}"
         self.path, self.step_path = cache_dir / f"target-{key}.pt2", cache_dir / f"target-step-{step_key}.pt2"
         self.runner, self.compiled_now = load_or_compile(self.path, lambda: self._export(max_tokens, False))
         log.info("target step program: %s matmuls", self.step_matmul)
         step = compiled_or_none("target step program", lambda: load_or_compile(
-            self.step_path, lambda: self._export_step(min(STEP_ROWS, max_tokens)), STEP_CONFIGS))
+            self.step_path, lambda: self._export_step(min(self.step_rows, max_tokens)), STEP_CONFIGS))
         self.step_runner = step[0] if step else None
         self.compiled_now |= bool(step and step[1])
 
@@ -306,7 +309,7 @@ class CompiledTarget:
         b, t = tokens.shape
         s = aligned_keys(max(host_cache_lens))
         assert self.fits(b, t, max(host_cache_lens)), "check fits() first"
-        small = b * t <= STEP_ROWS and self.step_runner is not None
+        small = b * t <= self.step_rows and self.step_runner is not None
         padded = t if small else min(padded_rows(t), self.max_tokens)
         if padded > t:  # padded tokens come after the real ones and see only themselves and the prefix
             mask = torch.zeros(b, padded, padded, dtype=torch.bool, device=new_mask.device)
