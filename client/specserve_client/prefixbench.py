@@ -18,7 +18,8 @@ template of the served SmolLM2; `--system` sets its system turn), greedy:
                   vs the median gap before it arrived, and the long prompt's TTFT vs the same
                   length alone (another text: only the chat header is cached).
 
-Each scenario reports the `num_cached_tokens` its responses carry (`responses`: summed over every
+Requests reuse open gRPC connections, as a serving client does (`--connection-per-request`
+opens one for each instead). Each scenario reports the `num_cached_tokens` its responses carry (`responses`: summed over every
 request it sent) and, with --metrics-url, how much the server's
 `specserve:prompt_tokens_cached_total` / `_computed_total` grew meanwhile. The report
 is JSON. This module talks to a server; it starts none and imports nothing of the server package.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import random
 import re
 import statistics
@@ -244,10 +246,48 @@ def long_prompt(send: Send, system: str, streams: int, long_tokens: int, stream_
     }
 
 
+class Connections:
+    """gRPC clients whose connections stay open between requests, as a serving client's do: a
+    request takes an idle one (or opens one) and gives it back, so a TTFT is the request's own and
+    not a connection's set-up. `per_request`: a new connection for every request instead."""
+
+    def __init__(self, url: str, per_request: bool = False) -> None:
+        self.url, self.per_request = url, per_request
+        self._idle: queue.SimpleQueue = queue.SimpleQueue()
+
+    def open(self, count: int) -> None:
+        """Open `count` connections now (before anything is timed)."""
+        import tritonclient.grpc as grpcclient
+
+        if not self.per_request:
+            for _ in range(count):
+                client = grpcclient.InferenceServerClient(self.url)
+                client.is_server_live()
+                self._idle.put(client)
+
+    def stream(self, model: str, prompt: str, **kwargs: Any) -> Iterator[Delta]:
+        if self.per_request:
+            yield from grpc_stream(self.url, model, prompt, **kwargs)
+            return
+        try:
+            client = self._idle.get_nowait()
+        except queue.Empty:
+            import tritonclient.grpc as grpcclient
+
+            client = grpcclient.InferenceServerClient(self.url)
+        try:
+            yield from grpc_stream(self.url, model, prompt, client=client, **kwargs)
+        finally:
+            self._idle.put(client)
+
+
 def run(url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    connections = Connections(url, per_request=args.connection_per_request)
+    connections.open(max(args.streams + 1, args.shared_concurrency))
+
     def send(prompt: str, max_tokens: int, ignore_eos: bool = False) -> Iterator[Delta]:
-        return grpc_stream(url, model, prompt, max_tokens=max_tokens, temperature=0.0, apply_chat_template=False,
-                           ignore_eos=ignore_eos, timeout_s=args.timeout_s)
+        return connections.stream(model, prompt, max_tokens=max_tokens, temperature=0.0, apply_chat_template=False,
+                                  ignore_eos=ignore_eos, timeout_s=args.timeout_s)
 
     report: dict[str, Any] = {"model": model, "settings": {k: v for k, v in vars(args).items() if k != "json"}}
     scenarios = {
@@ -282,6 +322,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long-tokens", type=int, default=1500, help="long_prompt: its length (about)")
     p.add_argument("--stream-tokens", type=int, default=256, help="long_prompt: tokens each stream decodes")
     p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--connection-per-request", action="store_true",
+                   help="open a new gRPC connection for every request (its set-up then counts in the TTFT)")
     p.add_argument("--json", type=Path, help="also write the report here")
     return p.parse_args(argv)
 

@@ -179,22 +179,27 @@ def grpc_inputs(values: Mapping[str, Any], trtllm_format: bool = False) -> list[
 
 
 def grpc_stream(url: str, model: str, prompt: str, timeout_s: float = 600.0, trtllm_format: bool = False,
-                **kwargs: Any) -> Iterator[Delta]:
+                client: Any = None, **kwargs: Any) -> Iterator[Delta]:
     """Stream one request over gRPC (`start_stream` / `async_stream_infer`).
 
     Closing the generator early cancels the request on the server (`stop_stream(cancel_requests=True)`).
     kwargs: as `request_inputs` (max_tokens, temperature, stream, apply_chat_template, ...).
     trtllm_format: shape the inputs [1, 1], as `ensemble_<variant>` takes them.
+    client: a `tritonclient.grpc.InferenceServerClient` to stream on (its connection kept, one
+    stream at a time); by default one of its own, closed afterwards.
     """
-    return grpc_stream_inputs(url, model, grpc_inputs(request_inputs(prompt, **kwargs), trtllm_format), timeout_s)
+    return grpc_stream_inputs(url, model, grpc_inputs(request_inputs(prompt, **kwargs), trtllm_format), timeout_s,
+                              client)
 
 
-def grpc_stream_inputs(url: str, model: str, inputs: list[Any], timeout_s: float = 600.0) -> Iterator[Delta]:
+def grpc_stream_inputs(url: str, model: str, inputs: list[Any], timeout_s: float = 600.0,
+                       client: Any = None) -> Iterator[Delta]:
     """`grpc_stream` for ready-made `InferInput`s (any names and types, e.g. to test validation)."""
     import tritonclient.grpc as grpcclient
 
     responses: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
-    client = grpcclient.InferenceServerClient(url)
+    own = client is None
+    client = grpcclient.InferenceServerClient(url) if own else client
     finished = False
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -219,7 +224,8 @@ def grpc_stream_inputs(url: str, model: str, inputs: list[Any], timeout_s: float
                 return
     finally:
         client.stop_stream(cancel_requests=not finished)
-        client.close()
+        if own:
+            client.close()
 
 
 # ---- HTTP -----------------------------------------------------------------------------------
