@@ -264,4 +264,4 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - a broken client callback only affects its request
                 log.error("output callback failed for %s:\n%s", out.request_id, traceback.format_exc())
                 if not out.finished:
-                    self.engine.abort(out.request_id)
+                    self.abort(out.request_id)
