@@ -73,7 +73,7 @@ class PackedLinear(nn.Module):
         padded = padded_rows(rows)
         if padded == rows:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        flat = torch.cat([x.reshape(rows, self.in_features), x.new_zeros(padded - rows, self.in_features)])
+        flat = F.pad(x.reshape(rows, self.in_features), (0, 0, 0, padded - rows))
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return out[:rows].reshape(*x.shape[:-1], self.out_features)
 

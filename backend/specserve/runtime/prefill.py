@@ -119,8 +119,7 @@ class PackedAttention:
         for slot, rows, end, cols, mask in self.spans:
             queries = q[:, :, cols]
             t = queries.shape[2]
-            if rows > t:
-                queries = torch.cat([queries, queries.new_zeros(*queries.shape[:2], rows - t, queries.shape[3])], dim=2)
+            queries = F.pad(queries, (0, 0, 0, rows - t))  # padded queries: zeros, dropped below
             keys, values = k_cache[slot : slot + 1, :, :end], v_cache[slot : slot + 1, :, :end]  # views (1, Hkv, end, D)
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=mask is None,
                                                  enable_gqa=True)
