@@ -12,6 +12,7 @@ import getpass
 import os
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,6 +138,22 @@ def test_a_second_build_loads_the_stored_package(tiny_target_dir, compile_dir):
     before = key()
     model.layers[0].mlp.down_proj.weight.data[0, 0] += 1  # other weights, another program
     assert key() != before
+
+
+def test_the_key_covers_the_code_the_programs_are_traced_from(monkeypatch):
+    """An edit to the model's or a head's code is another program, not a stale one from the cache."""
+    import specserve.drafters.eagle_model as eagle_model
+    import specserve.drafters.mtp_model as mtp_model
+    import specserve.models.llama as llama
+    import specserve.runtime.compiled as compiled
+
+    sources = compiled.traced_sources()
+    for module in (compiled, llama, eagle_model, mtp_model):
+        assert Path(module.__file__).read_bytes() in sources, module.__name__
+    weights = [("w", torch.ones(2))]
+    before = program_key(weights, "target")
+    monkeypatch.setattr(compiled, "traced_sources", lambda: sources + b"# edited")
+    assert program_key(weights, "target") != before
 
 
 def test_the_step_matmul_is_the_kernel_only_for_float32_where_it_runs(tmp_path):

@@ -9,14 +9,15 @@ compiled program does not (docs/performance.md has the figures).
 `CompiledTarget` is the target's forward in two programs: one for forwards of a few rows (batch x
 tokens: decode, tree verification, short prompt chunks; `STEP_ROWS`, or `TEMPLATE_STEP_ROWS` with
 inductor's template matmuls, which beat the prefill program up to 64 rows: docs/performance.md)
-and one for prefills, which keeps oneDNN's prepacked matmuls. In float32 on an AVX2 CPU the step program's matmuls are the few-row kernel
-(`specserve_kernels.few_row_gemm`: each weight panel streamed once per step, in bf16 where the
-checkpoint's values are bf16 numbers, so the products stay float32's; faster there than
-inductor's matmuls, in a smaller program compiled sooner: docs/performance.md); elsewhere inductor autotunes
-them between its C++ micro-kernel template and oneDNN (`STEP_CONFIGS`: the template wins at a few
-rows, where oneDNN's small-M kernels are far from the memory bound). `CompiledHead` is
-one forward of a one-layer draft head (EAGLE-2/3, MTP) over its own cache. Each package is stored
-in a compile cache under a key of everything the program depends on (`program_key`), so a restart
+and one for prefills, which keeps oneDNN's prepacked matmuls. In float32 on an AVX2 CPU the step
+program's matmuls are the few-row kernel (`specserve_kernels.few_row_gemm`: each weight panel
+streamed once per step, in bf16 where the checkpoint's values are bf16 numbers, so the products
+stay float32's; faster there than inductor's matmuls, in a smaller program compiled sooner:
+docs/performance.md); elsewhere inductor autotunes them between its C++ micro-kernel template and
+oneDNN (`STEP_CONFIGS`: the template wins at a few rows, where oneDNN's small-M kernels are far
+from the memory bound). `CompiledHead` is one forward of a one-layer draft head (EAGLE-2/3, MTP)
+over its own cache. Each package is stored in a compile cache under a key of everything the
+program depends on (`program_key`: weights, sizes, the code it is traced from), so a restart
 loads it in well under a second instead of compiling again. Processes that want the same package
 take turns through a file lock: one compiles, the others load.
 
@@ -39,6 +40,7 @@ never ask. It does nothing on CUDA.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -69,6 +71,10 @@ STEP_ROWS = 16  # forwards of at most this many rows (batch x tokens) run the st
 TEMPLATE_STEP_ROWS = 64  # the same where its matmuls are inductor's (`choose_step_matmul`)
 PREFILL_CONFIGS = {"freezing": True}  # inductor settings: frozen weights, oneDNN's prepacked matmuls
 STEP_CONFIGS = {**PREFILL_CONFIGS, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+# the modules whose code a program is traced from (under the specserve package): an edit to any of
+# them is another program, never a stale one loaded from the compile cache
+TRACED_SOURCES = ("runtime/compiled.py", "models/llama.py", "models/cpu_linear.py", "drafters/eagle_model.py",
+                  "drafters/mtp_model.py")
 STALE_AFTER_DAYS = 14  # a compile-cache package unused this long is deleted when another is compiled
 Runner = Callable[..., list[torch.Tensor]]
 _loaded: weakref.WeakValueDictionary[tuple[str, int], Runner] = weakref.WeakValueDictionary()  # (path, inode)
@@ -80,15 +86,23 @@ def can_compile(device: torch.device) -> bool:
     return device.type == "cpu" and shutil.which("g++") is not None
 
 
+@functools.cache
+def traced_sources() -> bytes:
+    """The source of every module whose code the programs are traced from (`TRACED_SOURCES`)."""
+    package = Path(__file__).resolve().parents[1]
+    return b"".join((package / name).read_bytes() for name in TRACED_SOURCES)
+
+
 def program_key(tensors: Iterable[tuple[str, torch.Tensor]], *parts: object) -> str:
     """A digest of everything a compiled program depends on: its weights as loaded (dtype
     included), `parts` (the cache's shape, whose strides are baked in; the sizes and outputs asked
-    for), this module's source, torch's version and the CPU's flags (the code is vectorised for them)."""
+    for), the code it is traced from (`traced_sources`), torch's version and the CPU's flags (the
+    code is vectorised for them)."""
     h = hashlib.sha256()
     for name, t in sorted(tensors, key=lambda item: item[0]):
         h.update(name.encode())
         h.update(t.detach().contiguous().view(torch.uint8).numpy())
-    h.update(repr((parts, torch.__version__, sorted(cpu_flags()), Path(__file__).read_bytes())).encode())
+    h.update(repr((parts, torch.__version__, sorted(cpu_flags()), traced_sources())).encode())
     return h.hexdigest()[:24]
 
 
