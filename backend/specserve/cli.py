@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import MISSING, replace
 from pathlib import Path
 from typing import Any
@@ -153,15 +154,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train_drafter(args: argparse.Namespace) -> int:
-    from specserve.training.train_drafter import train
-
+def _print_or_fail(work: Callable[[], object]) -> int:
+    """Print what `work()` returns; a user's error (a bad value, a missing file) -> `error: ...`, exit 2."""
     try:
-        print(train(_training_config(TrainConfig, args)))
+        print(work())
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from specserve.training.train_drafter import train
+
+    return _print_or_fail(lambda: train(_training_config(TrainConfig, args)))
 
 
 def cmd_train_drafters(args: argparse.Namespace) -> int:
@@ -181,34 +187,19 @@ def cmd_train_drafters(args: argparse.Namespace) -> int:
 def cmd_dump_features(args: argparse.Namespace) -> int:
     from specserve.training.features import dump
 
-    try:
-        print(dump(_training_config(DumpConfig, args)))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return _print_or_fail(lambda: dump(_training_config(DumpConfig, args)))
 
 
 def cmd_regenerate_data(args: argparse.Namespace) -> int:
     from specserve.training.regenerate import regenerate
 
-    try:
-        print(regenerate(_training_config(RegenerateConfig, args)))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return _print_or_fail(lambda: regenerate(_training_config(RegenerateConfig, args)))
 
 
 def cmd_export_prompts(args: argparse.Namespace) -> int:
     from specserve.training.regenerate import export_prompts
 
-    try:
-        print(export_prompts(args.out, args.data, args.num_conversations, args.seed))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return _print_or_fail(lambda: export_prompts(args.out, args.data, args.num_conversations, args.seed))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
