@@ -388,9 +388,13 @@ class EngineConfig:
     max_num_batched_tokens: int | None = knob(None, help="prompt tokens a step computes beside the decoding requests: "
                                               "a longer prompt is prefilled in chunks over several steps, while the "
                                               "running streams keep getting a token each step, beside them no more prompt tokens a step "
-                                              "than about 3 decode steps' time (measured) (vLLM's name; empty = "
+                                              "than prefill_stall_steps allows (vLLM's name; empty = "
                                               f"{CPU_BATCHED_TOKENS} on CPU, {GPU_BATCHED_TOKENS} on CUDA; 0 = whole "
                                               "prompts in one step)")
+    prefill_stall_steps: float = knob(3.0, help="beside decoding requests, a step computes no more prompt tokens than "
+                                      "cost this many of their decode steps (measured on this engine's own steps), so "
+                                      "a stream's longest gap stays near this plus one decode steps; fewer: smoother "
+                                      "streams, a long prompt answered later; 0 = max_num_batched_tokens alone")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", resolve_device(self.device))  # frozen: resolved once, here
@@ -403,6 +407,8 @@ class EngineConfig:
         for name in ("prefix_cache_max_tokens", "max_num_batched_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.prefill_stall_steps < 0:
+            raise ValueError(f"prefill_stall_steps: must be >= 0, got {self.prefill_stall_steps}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("cuda_graph_max_bs", "max_queue_size", "request_timeout_s"):

@@ -155,14 +155,19 @@ def test_knob_defaults_and_validation():
         EngineConfig(model_dir="m", device="cpu", max_num_batched_tokens=-1)
     with pytest.raises(ValueError, match="^prefix_cache_max_tokens"):
         EngineConfig(model_dir="m", device="cpu", prefix_cache_max_tokens=-5)
+    assert cpu.prefill_stall_steps == 3.0
+    with pytest.raises(ValueError, match="^prefill_stall_steps: must be >= 0"):
+        EngineConfig(model_dir="m", device="cpu", prefill_stall_steps=-1)
 
 
 def test_knobs_are_config_parameters_and_flags():
     from specserve.serving.parameters import engine_config_from_parameters
 
     cfg = engine_config_from_parameters({"enable_prefix_caching": "false", "max_num_batched_tokens": "64",
-                                         "prefix_cache_max_tokens": "1000", "device": "cpu"})
+                                         "prefix_cache_max_tokens": "1000", "prefill_stall_steps": "1.5",
+                                         "device": "cpu"})
     assert (cfg.enable_prefix_caching, cfg.max_num_batched_tokens, cfg.prefix_cache_max_tokens) == (False, 64, 1000)
+    assert cfg.prefill_stall_steps == 1.5
     assert engine_config_from_parameters({"device": "cpu"}).prompt_tokens_per_step == 512
     with pytest.raises(ValueError, match="^max_num_batched_tokens: expected an integer"):
         engine_config_from_parameters({"max_num_batched_tokens": "many"})

@@ -227,10 +227,12 @@ def test_running_streams_get_a_token_every_step_while_a_long_prompt_is_chunked(t
     assert steps == 5  # 300 tokens, 64 a step
 
 
-def test_prompt_work_beside_decoding_streams_is_sized_by_measured_step_times(tiny_target_dir):
+@pytest.mark.parametrize("stall, beside", [(3.0, [60] * 5), (1.5, [30] * 10), (0.0, [256, 44])])
+def test_prompt_work_beside_decoding_streams_is_sized_by_measured_step_times(tiny_target_dir, stall, beside):
     """A decode step measured at 10 ms and a prompt token at 0.5 ms: beside decoding streams a step
-    computes 3 x 10 / 0.5 = 60 prompt tokens; the same prompt alone gets the configured 256 a step."""
-    engine = make_engine(tiny_target_dir, slots=3, max_seq_len=512, budget=256)
+    computes prefill_stall_steps x 10 / 0.5 prompt tokens (3: 60; 0: the configured 256, no bound);
+    the same prompt alone gets the configured 256 a step."""
+    engine = make_engine(tiny_target_dir, slots=3, max_seq_len=512, budget=256, prefill_stall_steps=stall)
     engine.prefill_budget.observe = lambda *args: None
     engine.prefill_budget.decode_s, engine.prefill_budget.token_s = 0.010, 0.0005
 
@@ -249,7 +251,7 @@ def test_prompt_work_beside_decoding_streams_is_sized_by_measured_step_times(tin
         engine.add_request(_ids(10, 30 + i), SamplingParams(max_tokens=100, ignore_eos=True), request_id=f"s{i}")
     engine.step()
     engine.add_request(_ids(300, 41), SamplingParams(max_tokens=1, ignore_eos=True), request_id="beside")
-    assert computed_per_step("beside") == [60] * 5
+    assert computed_per_step("beside") == beside
 
 
 def test_a_full_match_still_computes_the_last_prompt_token(tiny_target_dir):

@@ -170,7 +170,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.profile = StepProfile()
-        self.prefill_budget = PrefillBudget(config.prompt_tokens_per_step)
+        self.prefill_budget = PrefillBudget(config.prompt_tokens_per_step, stall=config.prefill_stall_steps)
         menu = self.draft_plan.menu
         self.chooser = ShapeChooser(menu, self.runner.buckets, drafts_catch_up=self.drafter.catches_up)
         # seeding every tree size of the menu lets the warm-up's shape timings run on the faster path

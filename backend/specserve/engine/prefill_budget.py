@@ -3,9 +3,10 @@
 `max_num_batched_tokens` (vLLM's knob) bounds the prompt tokens of any step. While requests are
 decoding, a step that also prefills delays each of their next responses by the prefill's time, so
 the budget is also sized from this engine's own measured times: the prompt tokens that cost at
-most `stall` decode steps (default 3: a stream's longest gap is then about 4 decode steps, where a
-512-token chunk on two CPU cores is 15). With nothing decoding, a step takes the whole configured
-budget: a prompt alone is prefilled in the fewest, most efficient forwards.
+most `stall` decode steps (`prefill_stall_steps`, default 3: a stream's longest gap is then about
+4 decode steps, where a 512-token chunk on two CPU cores is 15; 0: the configured limit alone).
+With nothing decoding, a step takes the whole configured budget: a prompt alone is prefilled in
+the fewest, most efficient forwards.
 
 Times come from the steps themselves (wall time, which on CUDA includes the step's one host read):
 a decode step's time is a moving average over steps without prompt work; the prompt work of a step
@@ -28,8 +29,8 @@ MIN_CHUNK = 16  # prompt tokens a step beside decoding computes at least (within
 @dataclass
 class PrefillBudget:
     """limit: the configured tokens per step (0 = whole prompts); stall: the prompt work a step may
-    add beside decoding requests, in decode steps' time; smoothing: weight of a new decode sample;
-    window: the steps with prompt work the fit reads."""
+    add beside decoding requests, in decode steps' time (0 = no bound but the limit);
+    smoothing: weight of a new decode sample; window: the steps with prompt work the fit reads."""
 
     limit: int
     stall: float = 3.0
@@ -46,7 +47,7 @@ class PrefillBudget:
     def tokens(self, decoding: bool, unlimited: int) -> int:
         """Prompt tokens this step may compute; `unlimited` stands for a limit of 0 (whole prompts)."""
         limit = self.limit or unlimited
-        if not decoding or self.decode_s is None or not self.token_s:
+        if not decoding or not self.stall or self.decode_s is None or not self.token_s:
             return limit
         return min(limit, max(MIN_CHUNK, int((self.stall * self.decode_s - self.overhead_s) / self.token_s)))
 
