@@ -15,8 +15,12 @@ template of the served SmolLM2; `--system` sets its system turn), greedy:
                   Median TTFT of those, beside the first's.
   long_prompt     --streams streams decode; a ~--long-tokens token prompt arrives while they do.
                   The longest gap between a stream's responses while that prompt is prefilled
-                  vs the median gap before it arrived, and the long prompt's TTFT vs the same
+                  vs the median gap before it arrived, once every stream decoded (the streams'
+                  own prompts are prefilled before that), and the long prompt's TTFT vs the same
                   length alone (another text: only the chat header is cached).
+
+The long texts (the shared system prompt, the long prompts) are drawn from --seed: a warm-up run
+with another seed shares nothing with the measured one but the chat header.
 
 Requests reuse open gRPC connections, as a serving client does (`--connection-per-request`
 opens one for each instead). Each scenario reports the `num_cached_tokens` its responses carry (`responses`: summed over every
@@ -190,8 +194,9 @@ def multi_turn(send: Send, system: str, num: int, turn_tokens: int) -> dict[str,
     }
 
 
-def shared_system(send: Send, system_tokens: int, num: int, concurrency: int, max_tokens: int) -> dict[str, Any]:
-    system = filler(system_tokens, seed=1)
+def shared_system(send: Send, system_tokens: int, num: int, concurrency: int, max_tokens: int,
+                  seed: int = 0) -> dict[str, Any]:
+    system = filler(system_tokens, seed=seed + 1)
     questions = [q1 for q1, _ in conversations(num + 1)]
     first = timed(send, chatml(system, [(questions[0], None)]), max_tokens)
     with ThreadPoolExecutor(concurrency) as pool:
@@ -211,8 +216,8 @@ def shared_system(send: Send, system_tokens: int, num: int, concurrency: int, ma
 
 
 def long_prompt(send: Send, system: str, streams: int, long_tokens: int, stream_tokens: int,
-                warm_responses: int = 8) -> dict[str, Any]:
-    alone = timed(send, chatml(system, [(filler(long_tokens, seed=2), None)]), 4)
+                warm_responses: int = 12, seed: int = 0) -> dict[str, Any]:
+    alone = timed(send, chatml(system, [(filler(long_tokens, seed=seed + 2), None)]), 4)
     questions = [q1 for q1, _ in conversations(streams)]
     decoding = [threading.Event() for _ in questions]  # set at a stream's `warm_responses`-th response
 
@@ -228,10 +233,11 @@ def long_prompt(send: Send, system: str, streams: int, long_tokens: int, stream_
         for ready in decoding:
             ready.wait()
         arrived = time.perf_counter()
-        contended = timed(send, chatml(system, [(filler(long_tokens, seed=3), None)]), 4)
+        contended = timed(send, chatml(system, [(filler(long_tokens, seed=seed + 3), None)]), 4)
         decoded = [r.result() for r in running]
     window = (arrived, contended.arrivals[0])
-    before = [g for r in decoded for end, g in r.gaps if end <= arrived]
+    decoding = max(r.arrivals[0] for r in decoded)  # from here every stream decodes
+    before = [g for r in decoded for end, g in r.gaps if end - g >= decoding and end <= arrived]
     during = [g for r in decoded for end, g in r.gaps if end > window[0] and end - g < window[1]]
     return {
         "streams": streams,
@@ -293,8 +299,9 @@ def run(url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
     scenarios = {
         "multi_turn": lambda: multi_turn(send, args.system, args.conversations, args.turn_tokens),
         "shared_system": lambda: shared_system(send, args.system_tokens, args.shared_requests,
-                                               args.shared_concurrency, args.turn_tokens),
-        "long_prompt": lambda: long_prompt(send, args.system, args.streams, args.long_tokens, args.stream_tokens),
+                                               args.shared_concurrency, args.turn_tokens, seed=args.seed),
+        "long_prompt": lambda: long_prompt(send, args.system, args.streams, args.long_tokens, args.stream_tokens,
+                                           seed=args.seed),
     }
     for name in args.scenarios.split(","):
         before = scrape(args.metrics_url, model)
@@ -321,6 +328,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=4, help="long_prompt: streams decoding when it arrives")
     p.add_argument("--long-tokens", type=int, default=1500, help="long_prompt: its length (about)")
     p.add_argument("--stream-tokens", type=int, default=256, help="long_prompt: tokens each stream decodes")
+    p.add_argument("--seed", type=int, default=0, help="draws the long texts (another one for a warm-up run)")
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--connection-per-request", action="store_true",
                    help="open a new gRPC connection for every request (its set-up then counts in the TTFT)")

@@ -27,6 +27,7 @@ from specserve.runtime.compiled import (
     CompiledTarget,
     can_compile,
     choose_step_matmul,
+    prefix_keys,
     program_key,
     remove_stale,
 )
@@ -138,6 +139,55 @@ def test_a_second_build_loads_the_stored_package(tiny_target_dir, compile_dir):
     before = key()
     model.layers[0].mlp.down_proj.weight.data[0, 0] += 1  # other weights, another program
     assert key() != before
+
+
+def test_a_running_program_lets_the_other_python_threads_run(tiny_target_dir, compile_dir):
+    """A server's other threads (sending responses, taking requests) run while a program computes:
+    it is called without the GIL. With a long switch interval a thread waiting for the GIL gets it
+    only when the calling thread lets it go: beside torch's own call (which keeps it) a counting
+    thread hardly counts, beside ours it counts all along."""
+    import sys
+    import threading
+
+    from specserve.runtime.unlocked import UnlockedRunner
+
+    model = load_llama(tiny_target_dir, torch.float32)
+    compiled = CompiledTarget(model, _cache(model), AUX, max_batch_size=3, max_tokens=64, cache_dir=compile_dir)
+    assert isinstance(compiled.runner, UnlockedRunner), "the programs keep the GIL: the extension did not load"
+    b, t = 3, 64
+    inputs = (torch.randint(3, VOCAB, (b, t)), torch.arange(t).expand(b, t).contiguous(), torch.arange(b),
+              torch.zeros(b, dtype=torch.int64), torch.ones(b, t, t, dtype=torch.bool).tril(),
+              prefix_keys(compiled.cache, 16))
+    torch.testing.assert_close(compiled.runner(*inputs)[0], compiled.runner.model(*inputs)[0], rtol=0, atol=0)
+
+    def counted_beside(call) -> int:  # noqa: ANN001
+        count, started, done = [0], threading.Event(), threading.Event()
+
+        def counter() -> None:
+            started.set()
+            while not done.is_set():
+                count[0] += 1
+                time.sleep(0)  # lets the GIL go at once: the calling thread never waits for it
+
+        thread = threading.Thread(target=counter)
+        thread.start()
+        started.wait()
+        before = count[0]
+        with torch.inference_mode():
+            for _ in range(20):
+                call(*inputs)
+        counted = count[0] - before
+        done.set()
+        thread.join()
+        return counted
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)  # the counter gets the GIL only when the calling thread lets it go
+    try:
+        held, released = counted_beside(compiled.runner.model), counted_beside(compiled.runner)
+    finally:
+        sys.setswitchinterval(interval)
+    assert released > 20 * max(held, 1), (held, released)
 
 
 def test_the_key_covers_the_code_the_programs_are_traced_from(monkeypatch):

@@ -62,6 +62,7 @@ from specserve.hardware import cpu_flags
 from specserve.models.cpu_linear import padded_rows
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import Attend, Attention, ForwardOutput, LlamaModel
+from specserve.runtime.unlocked import unlocked
 from specserve_kernels import few_row_gemm
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,8 @@ def load_or_compile(path: Path, export: Callable[[], torch.export.ExportedProgra
 
     Neither step leaves a copy of the program behind: inductor compiles in a scratch cache that
     is removed afterwards (the package holds everything a load needs), and the package is
-    unpacked into a scratch directory removed once its library is loaded. A program holds its
+    unpacked into a scratch directory removed once its library is loaded, and called without the
+    GIL (`runtime.unlocked`). A program holds its
     weights, so each copy would cost as much disk as the model. For the same reason a process
     loads a package once: engines that want the same program (the same weights, cache shape and
     outputs: `none`, NGRAM and EAGLE-2 beside each other in one bench) share the loaded one while
@@ -137,7 +139,7 @@ def load_or_compile(path: Path, export: Callable[[], torch.export.ExportedProgra
             remove_stale(path.parent)
         os.utime(path)  # a package's modification time is its last use
         with _scratch_env("TMPDIR", "specserve-aoti-"):  # where the loader unpacks the package
-            runner = torch._inductor.aoti_load_package(str(path))
+            runner = unlocked(torch._inductor.aoti_load_package(str(path)), path.parent / "kernels")
         _loaded[(str(path), path.stat().st_ino)] = runner
     log.info("%s %s in %.1f s", "compiled" if compiled_now else "loaded", path, time.perf_counter() - start)
     return runner, compiled_now
