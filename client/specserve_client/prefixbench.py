@@ -236,8 +236,8 @@ def long_prompt(send: Send, system: str, streams: int, long_tokens: int, stream_
         contended = timed(send, chatml(system, [(filler(long_tokens, seed=seed + 3), None)]), 4)
         decoded = [r.result() for r in running]
     window = (arrived, contended.arrivals[0])
-    decoding = max(r.arrivals[0] for r in decoded)  # from here every stream decodes
-    before = [g for r in decoded for end, g in r.gaps if end - g >= decoding and end <= arrived]
+    all_decode = max(r.arrivals[0] for r in decoded)  # from here every stream decodes
+    before = [g for r in decoded for end, g in r.gaps if end - g >= all_decode and end <= arrived]
     during = [g for r in decoded for end, g in r.gaps if end > window[0] and end - g < window[1]]
     return {
         "streams": streams,
