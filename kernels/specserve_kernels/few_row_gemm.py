@@ -26,9 +26,7 @@ AVX2 and FMA (`supported`).
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import platform
 import shutil
 from collections.abc import Iterator
@@ -37,6 +35,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from specserve_kernels import cpp_build
 
 log = logging.getLogger(__name__)
 
@@ -57,27 +57,12 @@ def _cpu_flags() -> frozenset[str]:
 def supported() -> bool:
     """Whether this machine can build and run the kernel: x86-64 with AVX2 and FMA, g++ and ninja."""
     return (platform.machine() in ("x86_64", "AMD64") and REQUIRED_FLAGS <= _cpu_flags()
-            and shutil.which("g++") is not None and _has_ninja())
-
-
-def _has_ninja() -> bool:
-    """torch's builder runs `ninja` from PATH; the PyPI package's binary (a dependency) sits beside
-    the interpreter, which is not on PATH when the venv is not activated (a Triton stub, `make test`)."""
-    from torch.utils.cpp_extension import is_ninja_available
-
-    try:
-        import ninja
-
-        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-    except ImportError:
-        pass  # a ninja on PATH serves as well
-    return is_ninja_available()
+            and shutil.which("g++") is not None and cpp_build.has_ninja())
 
 
 def source_digest() -> str:
     """What a compiled program that calls the op depends on: the kernel's source."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    return cpp_build.source_digest(SOURCE)
 
 
 _loaded: bool | None = None  # a process registers the op once, whichever build directory it came from
@@ -100,21 +85,10 @@ def loaded() -> bool:
 
 
 def _build(build_root: Path | None) -> bool:
-    from filelock import FileLock
-    from torch.utils.cpp_extension import load as build_extension
-
-    root = build_root or Path.home() / ".cache/specserve/kernels"
-    build_dir = root / f"few_row_gemm-{source_digest()}-torch{torch.__version__}"
-    build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        # torch's own build lock (`lock`, a file that exists) outlives a process killed mid-build, and
-        # every later build then waits on it forever; ours is released with its holder, so whoever
-        # holds it may remove a `lock` left behind
-        with FileLock(str(build_dir / "specserve.lock")):
-            (build_dir / "lock").unlink(missing_ok=True)
-            build_extension(name="specserve_few_row_gemm", sources=[str(SOURCE)], build_directory=str(build_dir),
-                            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                            is_python_module=False, verbose=False)
+        cpp_build.build("specserve_few_row_gemm", SOURCE, build_root or Path.home() / ".cache/specserve/kernels",
+                        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                        is_python_module=False)
     except Exception as e:  # the C++ toolchain: the op is an optimisation, so fall back
         log.warning("few-row matmul kernel not built, keeping the default matmuls (%s: %s)", type(e).__name__, e)
         return False

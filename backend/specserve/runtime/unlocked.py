@@ -4,8 +4,8 @@ torch's binding of a loaded AOTInductor package runs the whole forward holding P
 while a prompt chunk's forward runs (up to hundreds of ms on a CPU), the thread that sends
 responses and the threads that take requests wait: responses of one step left after the next
 forward. `unlocked(runner)` calls the same package's C++ `run` from a small extension that
-releases the GIL meanwhile (`cpu/unlocked_run.cpp`, built once per source and torch version with
-torch's C++ extension builder, like `specserve_kernels.few_row_gemm`). Where it cannot be built or
+releases the GIL meanwhile (`cpu/unlocked_run.cpp`, built once per source and torch version by
+`specserve_kernels.cpp_build`, like the few-row matmul kernel). Where it cannot be built or
 does not take torch's loader object, the runner is returned as it is (a warning says so).
 
 This module does not compile or load programs (`runtime.compiled` does) and does nothing on CUDA.
@@ -13,7 +13,6 @@ This module does not compile or load programs (`runtime.compiled` does) and does
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 from types import ModuleType
@@ -21,7 +20,8 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from filelock import FileLock
+
+from specserve_kernels import cpp_build
 
 log = logging.getLogger(__name__)
 
@@ -64,20 +64,8 @@ def _load(build_root: Path) -> ModuleType | None:
 
 
 def _build(build_root: Path) -> ModuleType | None:
-    from torch.utils.cpp_extension import load as build_extension
-
-    from specserve_kernels.few_row_gemm import _has_ninja
-
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    build_dir = build_root / f"unlocked_run-{digest}-torch{torch.__version__}"
-    build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        if not _has_ninja():
-            raise RuntimeError("no ninja to build with")
-        with FileLock(str(build_dir / "specserve.lock")):  # as few_row_gemm: torch's lock may outlive a killed build
-            (build_dir / "lock").unlink(missing_ok=True)
-            return build_extension(name="specserve_unlocked_run", sources=[str(SOURCE)],
-                                   build_directory=str(build_dir), extra_cflags=["-O2"], verbose=False)
+        return cpp_build.build("specserve_unlocked_run", SOURCE, build_root, extra_cflags=["-O2"])
     except Exception as e:  # noqa: BLE001 - the C++ toolchain: the programs still run, holding the GIL
         log.warning("compiled programs keep the GIL while they run: extension not built (%s: %s)",
                     type(e).__name__, e)

@@ -1,0 +1,55 @@
+"""C++ sources built into this process with torch's extension builder (g++, ninja): once per
+source and torch version under a build root, later calls and processes loading what was built.
+
+Shared by the few-row matmul kernel (`few_row_gemm`) and the runtime's GIL-free program call
+(`specserve.runtime.unlocked`). This module does not decide whether a build is wanted or what to
+do when it fails: `build` raises, the caller falls back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def has_ninja() -> bool:
+    """torch's builder runs `ninja` from PATH; the PyPI package's binary (a dependency) sits beside
+    the interpreter, which is not on PATH when the venv is not activated (a Triton stub, `make test`)."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    try:
+        import ninja
+
+        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+    except ImportError:
+        pass  # a ninja on PATH serves as well
+    return is_ninja_available()
+
+
+def source_digest(source: Path) -> str:
+    return hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+
+
+def build(name: str, source: Path, build_root: Path, **options: Any) -> Any:
+    """torch's `cpp_extension.load` of `source` as extension `name` (options: its keyword
+    arguments) in `build_root/<stem>-<digest>-torch<version>`; what it returns (the module, or None
+    for `is_python_module=False`). Raises where it cannot build."""
+    from filelock import FileLock
+    from torch.utils.cpp_extension import load as build_extension
+
+    if not has_ninja():
+        raise RuntimeError("no ninja to build with")
+    build_dir = build_root / f"{source.stem}-{source_digest(source)}-torch{torch.__version__}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # torch's own build lock (`lock`, a file that exists) outlives a process killed mid-build, and
+    # every later build then waits on it forever; ours is released with its holder, so whoever
+    # holds it may remove a `lock` left behind
+    with FileLock(str(build_dir / "specserve.lock")):
+        (build_dir / "lock").unlink(missing_ok=True)
+        return build_extension(name=name, sources=[str(source)], build_directory=str(build_dir), verbose=False,
+                               **options)
