@@ -4,6 +4,7 @@ one it replaced finishes its own, also under constant load."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -16,16 +17,22 @@ from specserve.engine.outputs import FINISH_ERROR, FINISH_LENGTH, EngineLoad, Re
 
 
 class FakeEngine:
-    def __init__(self, fail_on: str | None = None) -> None:
+    """Ends each request in one step with its prompt's first token as output; names a request it is
+    given no id for from a count of its own, as `Engine` does."""
+
+    def __init__(self, fail_on: int | None = None) -> None:
         self.built_on = threading.current_thread().name
         self.pending: list[str] = []
-        self.fail_on = fail_on
+        self.prompts: dict[str, int] = {}
+        self.fail_on = fail_on  # a step holding this prompt raises
+        self._ids = itertools.count()
         self._lock = threading.Lock()
 
     def add_request(self, prompt_ids, params, request_id=None) -> str:
         with self._lock:
-            rid = request_id or f"r{len(self.pending)}-{prompt_ids[0]}"
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             self.pending.append(rid)
+            self.prompts[rid] = prompt_ids[0]
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -37,10 +44,10 @@ class FakeEngine:
     def step(self) -> list[RequestOutput]:
         with self._lock:
             batch, self.pending = self.pending, []
-        if self.fail_on in batch:
+        if any(self.prompts[r] == self.fail_on for r in batch):
             self.running = batch
             raise RuntimeError("boom")
-        return [RequestOutput(r, [1], "x", finished=True, finish_reason=FINISH_LENGTH) for r in batch]
+        return [RequestOutput(r, [self.prompts[r]], "x", finished=True, finish_reason=FINISH_LENGTH) for r in batch]
 
     def fail_running(self, error: str) -> list[RequestOutput]:
         outs = [RequestOutput(r, [], "", finished=True, finish_reason=FINISH_ERROR, error=error) for r in self.running]
@@ -117,7 +124,7 @@ class SlowEngine(FakeEngine):
                 self.ages[rid] = self.ages.get(rid, 0) + 1
             done = [r for r in self.pending if self.ages[r] >= self.steps_per_request]
             self.pending = [r for r in self.pending if r not in done]
-        return [RequestOutput(r, [1], "x", finished=True, finish_reason=FINISH_LENGTH) for r in done]
+        return [RequestOutput(r, [self.prompts[r]], "x", finished=True, finish_reason=FINISH_LENGTH) for r in done]
 
     def load(self) -> EngineLoad:
         return EngineLoad(0, len(self.pending), len(self.pending), prompt_tokens_computed=self.computed)
@@ -163,6 +170,54 @@ def test_an_upgrade_under_constant_load_takes_over_while_the_old_engine_finishes
         loop.shutdown()
 
 
+def test_requests_before_and_after_an_upgrade_never_share_an_id(monkeypatch):
+    """A long request the old engine holds and the new engine's first requests: each engine would
+    name its first request `req-0`; every callback gets its own request's outputs and one final."""
+    monkeypatch.setattr(loop_module, "UPGRADE_WAIT_S", 0.0)
+    loop = EngineLoop(lambda: SlowEngine(steps_per_request=40))
+    first = loop.engine
+    received: dict[int, list[RequestOutput]] = {}
+    done = threading.Semaphore(0)
+
+    def submit(prompt: int) -> str:
+        def on_output(out: RequestOutput, prompt: int = prompt) -> None:
+            received.setdefault(prompt, []).append(out)
+            if out.finished:
+                done.release()
+
+        return loop.submit([prompt], SamplingParams(max_tokens=1), on_output)
+
+    try:
+        ids = [submit(1000)]
+        loop.upgrade_when_ready(lambda: True, FakeEngine)
+        assert loop.upgraded.wait(5) and first.pending, "the old engine still holds the long request"
+        ids += [submit(i) for i in range(20)]
+        for _ in ids:
+            assert done.acquire(timeout=5)
+        assert len(set(ids)) == len(ids)
+        assert sorted(received) == [*range(20), 1000]
+        for prompt, outs in received.items():
+            assert [t for out in outs for t in out.token_ids] == [prompt]
+            assert [out.finished for out in outs] == [True]
+    finally:
+        loop.shutdown()
+
+
+def test_an_open_request_id_is_refused_not_overwritten():
+    loop = EngineLoop(lambda: SlowEngine(steps_per_request=50))
+    try:
+        got: list[RequestOutput] = []
+        loop.submit([5], SamplingParams(max_tokens=1), got.append, request_id="mine")
+        with pytest.raises(ValueError, match="request_id"):
+            loop.submit([6], SamplingParams(max_tokens=1), got.append, request_id="mine")
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [out.token_ids for out in got] == [[5]]
+    finally:
+        loop.shutdown()
+
+
 def test_an_upgrade_that_is_never_ready_or_fails_keeps_the_engine():
     for ready, factory in ((lambda: False, FakeEngine), (lambda: True, lambda: 1 / 0)):
         loop = EngineLoop(FakeEngine)
@@ -177,7 +232,7 @@ def test_an_upgrade_that_is_never_ready_or_fails_keeps_the_engine():
 
 
 def test_a_failing_step_errors_its_requests_and_the_loop_keeps_serving():
-    loop = EngineLoop(lambda: FakeEngine(fail_on="r0-7"))
+    loop = EngineLoop(lambda: FakeEngine(fail_on=7))
     try:
         out = _run(loop, [7])
         assert out.finish_reason == FINISH_ERROR and "boom" in (out.error or "")

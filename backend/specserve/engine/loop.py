@@ -18,6 +18,10 @@ idle moment came within `UPGRADE_WAIT_S` (a model under constant load; its strea
 build). New requests go to the new engine at once; the old one finishes the requests it holds,
 stepped beside the new one, and is dropped when it has none left.
 
+Request ids. The loop names every request it submits (`req-<n>`, one count for the loop, whichever
+engine takes the request), so the engines an upgrade puts side by side never hold the same id; a
+caller's own id that is already open is refused, never overwritten.
+
 Cancellation is the caller's: `abort(request_id)` from any thread ends the request within a
 step. `on_step` receives the engine's load whenever it changes (the serving gauges); a caller
 whose gauges are slow to set hands the value to a thread of its own. This module knows nothing
@@ -26,6 +30,7 @@ about Triton.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -67,6 +72,7 @@ class EngineLoop:
         on_stopped: called once, on the loop thread, with the reason, if the loop stops by failure.
         """
         self._subs: dict[str, OutputCallback] = {}
+        self._ids = itertools.count()  # request ids, one space for every engine this loop runs
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -110,12 +116,16 @@ class EngineLoop:
         on_output: OutputCallback,
         request_id: str | None = None,
     ) -> str:
-        """Queue a request; raises ValueError (naming the field) when it can never run, QueueFull
-        when the engine's queue is full, EngineStopped after the loop stopped."""
+        """Queue a request under `request_id` (default: the loop's next `req-<n>`); raises ValueError
+        (naming the field) when it can never run or its id is open already, QueueFull when the
+        engine's queue is full, EngineStopped after the loop stopped."""
         with self._lock:
             if self.stopped_reason is not None:
                 raise EngineStopped(self.stopped_reason)
-            rid = self.engine.add_request(prompt_ids, params, request_id)
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self._subs:
+                raise ValueError(f"request_id: {rid!r} is already in use by an unfinished request")
+            self.engine.add_request(prompt_ids, params, rid)
             self._subs[rid] = on_output
         self._wake.set()
         return rid
