@@ -179,12 +179,18 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding parameters. temperature == 0 means greedy.
+    """Per-request decoding parameters. temperature == 0 means greedy; a temperature below
+    `SAMPLING_EPS` decodes greedily too (it is stored as 0.0), as vLLM does.
 
     Penalties as vLLM applies them, before temperature: repetition_penalty divides positive
     (multiplies negative) logits of every token already in the prompt or the output;
     frequency_penalty subtracts per occurrence in the output, presence_penalty once per token
-    that occurred in the output.
+    that occurred in the output. cache_salt (vLLM's name): requests with different salts never
+    share cached prompt prefixes.
+
+    Every field's type is checked, strictly: an int field takes an int (not a bool), a float field
+    an int or a finite float (not a bool; stored as a float), so no request can build parameters
+    the engine's step would fail on. Each error is a ValueError whose message starts with the field.
     """
 
     max_tokens: int = 128
@@ -199,11 +205,65 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # per output token: its log-probability and this many top alternatives
+    cache_salt: str | None = None  # at most MAX_CACHE_SALT_CHARS characters, non-empty
+
+    SAMPLING_EPS = 1e-5  # vLLM's: a lower temperature decodes greedily (1e-40 would overflow the logits)
+    MAX_CACHE_SALT_CHARS = 256
+    _INT_FIELDS = ("max_tokens", "top_k", "min_tokens")
+    _FLOAT_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        self._check_types()
+        self._check_ranges()
+        if self.temperature < self.SAMPLING_EPS:
+            object.__setattr__(self, "temperature", 0.0)
+
+    @staticmethod
+    def _shown(value: Any) -> str:
+        """A value for an error message, cut short."""
+        text = repr(value)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    @staticmethod
+    def _is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    def _float(self, name: str) -> float:
+        """The float field `name` as a finite float."""
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name}: must be a number, got {self._shown(value)}")
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise ValueError(f"{name}: must be a finite number, got {self._shown(value)}")
+        return number
+
+    def _check_types(self) -> None:
+        for name in self._INT_FIELDS:
+            if not self._is_int(getattr(self, name)):
+                raise ValueError(f"{name}: must be an integer, got {self._shown(getattr(self, name))}")
+        for name in self._FLOAT_FIELDS:
+            object.__setattr__(self, name, self._float(name))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: must be true or false, got {self._shown(self.ignore_eos)}")
+        if self.seed is not None and not (self._is_int(self.seed) and 0 <= self.seed < 2**64):
+            raise ValueError(f"seed: must be an integer in [0, 2**64) or None, got {self._shown(self.seed)}")
+        if self.logprobs is not None and not self._is_int(self.logprobs):
+            raise ValueError(f"logprobs: must be an integer or None, got {self._shown(self.logprobs)}")
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop: must be a tuple of non-empty strings, got {self._shown(self.stop)}")
+        salt = self.cache_salt
+        if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= self.MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"cache_salt: must be a non-empty string of at most {self.MAX_CACHE_SALT_CHARS} "
+                             f"characters, got {self._shown(salt)}")
+
+    def _check_ranges(self) -> None:
+        if self.max_tokens <= 0:
             raise ValueError(f"max_tokens: must be a positive integer, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
+        if self.temperature < 0:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
@@ -211,15 +271,13 @@ class SamplingParams:
             raise ValueError(f"top_k: must be >= 0 (0 disables it), got {self.top_k!r}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens: must be in [0, max_tokens], got {self.min_tokens!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop: every stop string must be a non-empty string")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not math.isfinite(value) or not -2.0 <= value <= 2.0:
+            if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name}: must be in [-2, 2], got {value!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs: must be in [0, 20], got {self.logprobs!r}")
-        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+        if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty!r}")
 
     @property
@@ -376,8 +434,9 @@ class EngineConfig:
     max_queue_size: int = knob(64, help="requests that may wait for a slot; a new one beyond it is refused "
                                "(UNAVAILABLE when served; 0 = no bound)",
                                no_flag="generate and bench queue every prompt they are given, without bound")
-    request_timeout_s: float = knob(0.0, help="a request still unfinished this long after it arrived ends with "
-                                    "finish_reason timeout (0 = never)")
+    request_timeout_s: float = knob(600.0, help="a request still unfinished this long after it arrived ends with "
+                                    "finish_reason timeout, freeing its slot even when nobody reads its stream "
+                                    "(0 = never)")
     enable_prefix_caching: bool = knob(True, help="reuse the K/V of a new prompt's longest cached prefix: a slot keeps "
                                        "its request's prompt and answer after it ends, and a prompt continuing a free "
                                        "slot's content takes that slot, one sharing a prefix with another slot gets "

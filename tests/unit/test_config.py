@@ -25,6 +25,59 @@ def test_sampling_params_name_the_bad_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 5.0}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"top_k": 5.5}, "top_k"),
+        ({"top_k": "5"}, "top_k"),
+        ({"min_tokens": None}, "min_tokens"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": 10**400}, "temperature"),  # an int too large for a float
+        ({"top_p": None}, "top_p"),
+        ({"presence_penalty": float("-inf")}, "presence_penalty"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": 1.0}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"stop": ["x"]}, "stop"),
+        ({"stop": "x"}, "stop"),
+        ({"stop": ("x", 1)}, "stop"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"logprobs": 1.5}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"cache_salt": ""}, "cache_salt"),
+        ({"cache_salt": "s" * 257}, "cache_salt"),
+        ({"cache_salt": 5}, "cache_salt"),
+    ],
+)
+def test_sampling_params_types_are_strict(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_accepted_types():
+    salt, seed = "s" * 256, 2**64 - 1
+    p = SamplingParams(temperature=1, top_p=1, repetition_penalty=2, seed=seed, cache_salt=salt, logprobs=0)
+    assert type(p.temperature) is float and type(p.top_p) is float and type(p.repetition_penalty) is float
+    assert p == SamplingParams(temperature=1.0, repetition_penalty=2.0, seed=seed, cache_salt=salt,
+                               logprobs=0)
+    assert SamplingParams(seed=0).seed == 0 and SamplingParams(cache_salt="a").cache_salt == "a"
+
+
+@pytest.mark.parametrize(
+    ("temperature", "stored"), [(1e-40, 0.0), (5e-324, 0.0), (9.99e-6, 0.0), (1e-5, 1e-5), (0.7, 0.7)]
+)
+def test_a_temperature_below_the_sampling_eps_decodes_greedily(temperature, stored):
+    p = SamplingParams(temperature=temperature)
+    assert p.temperature == stored and p.greedy is (stored == 0.0)
+
+
 def test_spec_defaults_follow_sglang():
     assert SpecConfig(algorithm="eagle").resolved() == SpecConfig(algorithm="eagle", num_steps=5, topk=4, num_draft_tokens=8)
     chain = SpecConfig(algorithm="eagle3", num_steps=3, topk=1, num_draft_tokens=9).resolved()

@@ -202,3 +202,17 @@ def test_prefix_metrics_follow_the_engine_load(triton_model):  # noqa: F811
     assert values("prefix_cache_tokens") == [50.0, 20.0, 0.0]
     assert values("prompt_tokens_cached_total") == [30.0, 4.0]
     assert values("prompt_tokens_computed_total") == [70.0, 5.0, 6.0]
+
+
+def test_prefixes_are_shared_only_within_one_cache_salt():
+    pc = prefix_cache(3)
+    prompt = [1, 2, 3, 4, 5]
+    slot = pc.place(prompt, salt="alice").slot
+    pc.release(slot, prompt, salt="alice")
+    assert pc.place(prompt + [6], salt="bob").reused == 0
+    assert pc.place(prompt + [6]).reused == 0  # no salt is a salt of its own
+    assert pc.place(prompt + [6], salt="alice").reused == 5
+    pc = prefix_cache(3)
+    running = [RunningRows(pc.place(prompt, salt="alice").slot, prompt, 5, salt="alice")]
+    assert pc.place(prompt + [7], running, salt="bob").reused == 0
+    assert pc.place(prompt + [7], running, salt="alice").reused == 5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,9 @@ from specserve.config import SamplingParams
 from specserve.serving.contract import (
     CONTRACT_INPUTS,
     INTERNAL_INPUTS,
+    MAX_SAMPLING_PARAMETERS_BYTES,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
     OUTPUTS,
     GenerateRequest,
     RequestError,
@@ -32,6 +36,7 @@ from specserve.serving.parsing import (
     encode_request_config,
     parse_decoupled_inputs,
     parse_request,
+    parse_sampling_parameters,
 )
 from specserve.serving.repository import llm_inputs, llm_outputs
 
@@ -61,6 +66,11 @@ def flag(v: bool) -> np.ndarray:
 
 def sp(obj: object) -> np.ndarray:
     return b(json.dumps(obj))
+
+
+def words(*values: bytes) -> np.ndarray:
+    """A BYTES list tensor (stop_words, bad_words)."""
+    return np.array(list(values), dtype=np.object_)
 
 
 def error_field(inputs: dict[str, np.ndarray], limits: RequestLimits = LIMITS) -> str:
@@ -272,6 +282,165 @@ def test_prompt_length():
         check_prompt_length([], LIMITS)
 
 
+# ---- bounds, checked before any work ----------------------------------------------------------
+
+
+def test_the_prompt_bound_leaves_room_for_the_longest_tokens():
+    """A prompt of max_seq_len - 1 tokens of the longest SmolLM2 token (a newline and 80 spaces) fits."""
+    assert LIMITS.max_prompt_bytes >= (LIMITS.max_seq_len - 1) * 81
+    assert RequestLimits().max_prompt_bytes == 2048 * 256
+
+
+def test_text_input_bytes_are_bounded_before_decoding():
+    n = LIMITS.max_prompt_bytes
+    assert len(parse_request(req(" " * n), LIMITS).text) == n
+    with pytest.raises(RequestError, match=rf"^text_input: {n + 1} bytes, more than the {n} allowed"):
+        parse_request(req(" " * (n + 1)), LIMITS)
+    invalid = {"text_input": np.array([b"\xff" * (n + 1)], dtype=np.object_)}  # refused by size, not decoded
+    with pytest.raises(RequestError, match=r"^text_input: \d+ bytes"):
+        parse_request(invalid, LIMITS)
+
+
+@pytest.mark.parametrize("parse", [
+    lambda inputs: parse_request(inputs, LIMITS),
+    lambda inputs: parse_decoupled_inputs(inputs, LIMITS, FakeTokenizer()),
+], ids=["preprocessing", "decoupled"])
+def test_a_100_mb_prompt_is_refused_at_once(parse):
+    inputs = req(sampling_parameters=sp({"max_tokens": 4}))
+    inputs["text_input"] = np.array([b"x" * 100_000_000], dtype=np.object_)
+    start = time.perf_counter()
+    with pytest.raises(RequestError, match=r"^text_input: 100000000 bytes"):
+        parse(inputs)
+    assert time.perf_counter() - start < 0.5
+
+
+def test_sampling_parameters_bytes_are_bounded():
+    n = MAX_SAMPLING_PARAMETERS_BYTES
+    body = json.dumps({"max_tokens": 4})
+    padded = body + " " * (n - len(body))
+    assert len(padded) == n and parse_sampling_parameters(padded.encode()) == {"max_tokens": 4}
+    with pytest.raises(RequestError, match=rf"^sampling_parameters: {n + 1} bytes, more than the {n} "):
+        parse_sampling_parameters((padded + " ").encode())
+    widest = {"stop": ["\U0001f600" * MAX_STOP_CHARS] * MAX_STOP_STRINGS, "seed": 2**64 - 1, "top_p": 0.5}
+    assert len(json.dumps(widest)) < n  # the largest valid stop strings fit
+
+
+def test_input_ids_are_counted_before_they_are_copied():
+    config_tensor = encode_request_config(GenerateRequest(SamplingParams(max_tokens=4)))
+    huge = np.broadcast_to(np.int32(1), (10**12,))  # a view: copying it would take terabytes
+    with pytest.raises(RequestError, match=r"^input_ids: 1000000000000 ids"):
+        parse_decoupled_inputs({"input_ids": huge, "request_config": config_tensor}, LIMITS, FakeTokenizer())
+    most = {"input_ids": np.ones(255, dtype=np.int32), "request_config": config_tensor}
+    ids, _ = parse_decoupled_inputs(most, LIMITS, FakeTokenizer())
+    assert len(ids) == 255
+
+
+@pytest.mark.parametrize("name", ["stop_words", "bad_words"])
+def test_list_tensors_are_counted_before_they_are_read(name):
+    entries = np.broadcast_to(np.array([b"x"], dtype=np.object_), (10**9,))  # a view of one entry
+    start = time.perf_counter()
+    with pytest.raises(RequestError, match=rf"^{name}: at most {MAX_STOP_STRINGS} entries, got 1000000000"):
+        parse_request(req(**{name: entries}), LIMITS)
+    assert time.perf_counter() - start < 0.5
+
+
+def test_stop_strings_within_the_bounds_are_accepted():
+    def stop(inputs: dict[str, np.ndarray]) -> tuple[str, ...]:
+        return parse_request(inputs, LIMITS).request.params.stop
+
+    most = [f"s{i}" for i in range(MAX_STOP_STRINGS)]
+    assert stop(req(stop_words=words(*(s.encode() for s in most)))) == tuple(most)
+    assert stop(req(sampling_parameters=sp({"stop": most}))) == tuple(most)
+    longest = "é" * MAX_STOP_CHARS  # characters are counted, not bytes
+    assert stop(req(stop_words=words(longest.encode()))) == (longest,)
+    assert stop(req(sampling_parameters=sp({"stop": longest}))) == (longest,)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        (req(stop_words=words(*[b"s"] * (MAX_STOP_STRINGS + 1))), "stop_words: at most 16 entries, got 17"),
+        (req(stop_words=words(b"s" * (MAX_STOP_CHARS + 1))),
+         "stop_words: a stop string is at most 256 characters, got 257"),
+        (req(stop_words=words(b"\xff" * 2000)), "stop_words: 2000 bytes, more than the 1024 allowed"),
+        (req(sampling_parameters=sp({"stop": ["s"] * (MAX_STOP_STRINGS + 1)})),
+         "sampling_parameters.stop: at most 16 stop strings, got 17"),
+        (req(sampling_parameters=sp({"stop": "s" * (MAX_STOP_CHARS + 1)})),
+         "sampling_parameters.stop: a stop string is at most 256 characters, got 257"),
+        (req(sampling_parameters=sp({"stop": ["a", "s" * (MAX_STOP_CHARS + 1)]})),
+         "sampling_parameters.stop: a stop string is at most 256 characters"),
+        (req(bad_words=words(b"s" * 300)), "bad_words: not supported"),
+    ],
+)
+def test_stop_strings_beyond_the_bounds_are_refused(inputs, message):
+    with pytest.raises(RequestError, match=f"^{re.escape(message)}"):
+        parse_request(inputs, LIMITS)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "[" * 50_000,
+        '{"a":' * 10_000,
+        '{"stop": ' + "[" * 30_000 + "]" * 30_000 + "}",
+        '{"temperature": ' + "[" * 30_000,
+    ],
+)
+def test_too_deeply_nested_sampling_parameters_are_refused(raw):
+    with pytest.raises(RequestError, match=r"^sampling_parameters: nested too deeply$"):
+        parse_request(req(sampling_parameters=b(raw)), LIMITS)
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ("[" * 100_000, "sampling_parameters"),  # over the byte bound: never parsed
+        ('{"stop": ' + "[" * 900 + "]" * 900 + "}", "sampling_parameters.stop"),  # nested, within the limit
+        ('{"max_tokens": ' + "9" * 5000 + "}", "sampling_parameters"),  # more digits than Python converts
+        ('{"temperature": ' + "9" * 400 + "}", "sampling_parameters.temperature"),  # no float is that large
+        ('{"temperature": 1e999}', "temperature"),  # infinity
+        ('{"temperature": NaN}', "temperature"),
+        ('{"top_k": "' + "9" * 5000 + '"}', "sampling_parameters.top_k"),
+        ('{"cache_salt": 5}', "sampling_parameters.cache_salt"),
+        ('{"cache_salt": ""}', "cache_salt"),
+        ('{"cache_salt": "' + "s" * 257 + '"}', "cache_salt"),
+    ],
+)
+def test_adversarial_sampling_parameters_are_refused_naming_the_field(raw, field):
+    assert error_field(req(sampling_parameters=b(raw))) == field
+
+
+def test_error_messages_show_a_client_value_cut_short():
+    with pytest.raises(RequestError) as e:
+        parse_request(req(sampling_parameters=sp({"top_k": "x" * 60_000})), LIMITS)
+    assert len(str(e.value)) < 200
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        req(temperature=f32(1e-30)),
+        req(sampling_parameters=sp({"temperature": 1e-40})),
+        req(sampling_parameters=sp({"temperature": "5e-324"})),
+    ],
+)
+def test_a_temperature_below_1e_5_decodes_greedily(inputs):
+    params = parse_request(inputs, LIMITS).request.params
+    assert params.temperature == 0.0 and params.greedy
+
+
+def test_cache_salt_is_parsed_and_carried_to_the_decoupled_model():
+    parsed = parse_request(req(sampling_parameters=sp({"cache_salt": "tenant-a", "max_tokens": 4})), LIMITS)
+    assert parsed.request.params.cache_salt == "tenant-a"
+    unsalted = parse_request(req(sampling_parameters=sp({"cache_salt": None})), LIMITS).request
+    assert unsalted.params.cache_salt is None
+    assert parse_request(req(), LIMITS).request.params.cache_salt is None
+    inputs = {"input_ids": np.array([5, 6], dtype=np.int32),
+              "request_config": encode_request_config(parsed.request)}
+    _, request = parse_decoupled_inputs(inputs, LIMITS, FakeTokenizer())
+    assert request.params.cache_salt == "tenant-a"
+
+
 # ---- preprocessing -> llm ---------------------------------------------------------------
 
 
@@ -281,17 +450,104 @@ class FakeTokenizer:
         return ([1] + ids + [2]) if apply_chat_template else ids
 
 
-def test_request_config_round_trip():
-    gen = GenerateRequest(SamplingParams(max_tokens=9, temperature=0.3, stop=("x", "yz"), seed=5), True, None)
+ROUND_TRIPS = [
+    GenerateRequest(SamplingParams(max_tokens=9, temperature=0.3, stop=("x", "yz"), seed=5), True, None),
+    GenerateRequest(SamplingParams(max_tokens=LIMITS.max_tokens_limit, seed=2**64 - 1, cache_salt="tenant-1"),
+                    False, "Q"),
+    GenerateRequest(SamplingParams(temperature=1, top_p=0.9, top_k=40, min_tokens=3, ignore_eos=True,
+                                   logprobs=20, presence_penalty=-2, frequency_penalty=0.5,
+                                   repetition_penalty=1.1), True, None),
+    GenerateRequest(SamplingParams(stop=("é☃\u0000",) * MAX_STOP_STRINGS, cache_salt="s" * 256), False,
+                    "\u0000\x1f\U0001f600" * 100),
+    GenerateRequest(SamplingParams(stop=("s" * MAX_STOP_CHARS,), temperature=1e-40, seed=0), False, ""),
+]
+
+
+@pytest.mark.parametrize("gen", ROUND_TRIPS)
+def test_request_config_round_trip(gen):
     arr = encode_request_config(gen)
     assert arr.dtype == np.object_ and arr.shape == (1,)
-    assert decode_request_config(arr[0]) == gen
+    assert decode_request_config(arr[0], LIMITS) == gen
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        req(),
+        req("é" * 100, sampling_parameters=sp({"seed": 7, "cache_salt": "tenant", "logprobs": True,
+                                                "top_k": -1, "stop": ["a"] * MAX_STOP_STRINGS,
+                                                "temperature": "0.5"})),
+        req(exclude_input_in_output=flag(False), stop_words=words(b"x" * MAX_STOP_CHARS, b""),
+            seed=np.array([2**64 - 1], dtype=np.uint64), temperature=f32(1e-30), max_tokens=i32(255)),
+        req(stream=flag(True), exclude_input_in_output=flag(True), return_logprobs=flag(True),
+            min_tokens=i32(2)),
+    ],
+)
+def test_every_parsed_request_survives_the_round_trip(inputs):
+    """What preprocessing encodes, the decoupled model decodes to the same request."""
+    parsed = parse_request(inputs, LIMITS).request
+    assert decode_request_config(encode_request_config(parsed)[0], LIMITS) == parsed
 
 
 def test_request_config_malformed():
-    for raw in (b"{}", b"nope", json.dumps({"params": {"max_tokens": 0}, "stream": False}).encode()):
+    for raw in (b"{}", b"nope", b"", json.dumps({"params": {"max_tokens": 0}, "stream": False}).encode()):
         with pytest.raises(RequestError, match=r"^request_config|^max_tokens"):
-            decode_request_config(raw)
+            decode_request_config(raw, LIMITS)
+
+
+def config(params: dict | None = None, **payload: object) -> bytes:
+    """A request_config as a client could forge it: SamplingParams() as JSON, with overrides."""
+    base = {"params": {**dict(max_tokens=8), **(params or {})}, "stream": False, "echo_text": None}
+    return json.dumps({**base, **payload}).encode()
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        (config({"top_k": 5.5}), "top_k"),
+        (config({"top_k": True}), "top_k"),
+        (config({"max_tokens": "8"}), "max_tokens"),
+        (config({"max_tokens": LIMITS.max_tokens_limit + 1}), "max_tokens"),
+        (config({"temperature": "hot"}), "temperature"),
+        (config({"temperature": True}), "temperature"),
+        (config({"logprobs": 1.5}), "logprobs"),
+        (config({"logprobs": 21}), "logprobs"),
+        (config({"seed": -1}), "seed"),
+        (config({"seed": 2**64}), "seed"),
+        (config({"seed": 1.5}), "seed"),
+        (config({"ignore_eos": "yes"}), "ignore_eos"),
+        (config({"cache_salt": ""}), "cache_salt"),
+        (config({"cache_salt": 3}), "cache_salt"),
+        (config({"stop": "x"}), "request_config.params.stop"),
+        (config({"stop": ["x", 1]}), "request_config.params.stop"),
+        (config({"stop": ["x", ""]}), "stop"),
+        (config({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}), "request_config.params.stop"),
+        (config({"stop": ["x" * (MAX_STOP_CHARS + 1)]}), "request_config.params.stop"),
+        (config({"beam_width": 2}), "request_config.params.beam_width"),
+        (config(stream=1), "request_config.stream"),
+        (config(stream="true"), "request_config.stream"),
+        (config(echo_text=5), "request_config.echo_text"),
+        (config(extra=True), "request_config.extra"),
+        (json.dumps({"params": [], "stream": False}).encode(), "request_config.params"),
+        (json.dumps({"params": {}}).encode(), "request_config.stream"),
+        (json.dumps([1]).encode(), "request_config"),
+        (b"[" * 50_000, "request_config"),
+        (b'{"params": ' + b"[" * 50_000, "request_config"),
+        (b'{"params": {"stop": ' + b"[" * 900 + b"]" * 900 + b'}, "stream": false}',
+         "request_config.params.stop"),
+        (b"\xff", "request_config"),
+        (b" " * (LIMITS.max_request_config_bytes + 1), "request_config"),
+    ],
+)
+def test_a_forged_request_config_is_refused_naming_the_field(raw, field):
+    with pytest.raises(RequestError) as e:
+        decode_request_config(raw, LIMITS)
+    assert str(e.value).split(":")[0] == field
+
+
+def test_a_too_deeply_nested_request_config_says_so():
+    with pytest.raises(RequestError, match=r"^request_config: nested too deeply$"):
+        decode_request_config(b"[" * 50_000, LIMITS)
 
 
 def test_decoupled_inputs_from_preprocessing():
@@ -315,7 +571,10 @@ def test_decoupled_inputs_direct_contract():
         ({"input_ids": np.array([1], dtype=np.int32), "request_config": b("{}"), "text_input": b("x")}, "input_ids"),
         ({"input_ids": np.array([], dtype=np.int32), "request_config": encode_request_config(GenerateRequest(SamplingParams()))}, "input_ids"),
         ({"input_ids": np.array([1.0], dtype=np.float32), "request_config": encode_request_config(GenerateRequest(SamplingParams()))}, "input_ids"),
-        ({"input_ids": np.zeros(300, dtype=np.int32), "request_config": encode_request_config(GenerateRequest(SamplingParams()))}, "text_input"),
+        ({"input_ids": np.zeros(256, dtype=np.int32),
+          "request_config": encode_request_config(GenerateRequest(SamplingParams()))}, "input_ids"),
+        ({"input_ids": np.array([1], dtype=np.int32), "request_config": b(config({"top_k": 5.5}).decode())},
+         "top_k"),
         ({"input_ids": np.array([1], dtype=np.int32), "request_config": encode_request_config(GenerateRequest(SamplingParams(max_tokens=999)))}, "max_tokens"),
         (req("x" * 300), "text_input"),  # too long for the context once tokenized
         (req(max_tokens=i32(0)), "max_tokens"),

@@ -81,6 +81,7 @@ class Request:
     cache_len: int = 0  # tokens whose K/V are in the slot (all of token_ids but the root; while prefilling, fewer)
     num_cached_tokens: int = 0  # prompt tokens whose K/V were reused from the prefix cache
     finish_reason: str | None = None
+    error: str | None = None  # why it ended with FINISH_ERROR
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0
@@ -118,6 +119,7 @@ class Request:
             tree_sizes=self.pending_tree_sizes,
             logprobs=self.pending_logprobs if self.params.logprobs is not None else None,
             cumulative_logprob=self.cumulative_logprob,
+            error=self.error,
         )
         self.pending_ids, self.pending_accept_lengths, self.pending_tree_sizes = [], [], []
         self.pending_logprobs = []
@@ -266,9 +268,8 @@ class Engine:
 
     def _end(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
         """Finish a waiting or running request early (abort, timeout, error): its last output."""
-        req.finish_reason = reason
+        req.finish_reason, req.error = reason, error
         out = req.output()
-        out.error = error
         if req in self.waiting:
             self.waiting.remove(req)
         else:
@@ -296,8 +297,8 @@ class Engine:
         prompt's longest cached prefix, copied into its slot with the drafter's state for it."""
         while self.waiting and self.cache.num_free:
             req = self.waiting.popleft()
-            rows = [RunningRows(r.slot, r.token_ids, r.cache_len) for r in self.running]
-            place = self.prefix_cache.place(req.prompt_ids, rows)
+            rows = [RunningRows(r.slot, r.token_ids, r.cache_len, r.params.cache_salt) for r in self.running]
+            place = self.prefix_cache.place(req.prompt_ids, rows, req.params.cache_salt)
             self.cache.copy_prefix(place.source, place.slot, place.reused)
             self.drafter.copy_prefix(place.source, place.slot, place.reused)
             req.slot, req.cache_len, req.num_cached_tokens = place.slot, place.reused, place.reused
@@ -309,7 +310,7 @@ class Engine:
         """Free its slot, which keeps the K/V of its tokens below cache_len for reuse (unless not `keep`)."""
         if req in self.running:
             self.running.remove(req)
-            self.prefix_cache.release(req.slot, req.token_ids[: req.cache_len] if keep else ())
+            self.prefix_cache.release(req.slot, req.token_ids[: req.cache_len] if keep else (), req.params.cache_salt)
             self.drafter.release(req.request_id)
 
     def _prompt_chunks(self, budget: int) -> list[tuple[Request, PromptChunk]]:
@@ -438,7 +439,11 @@ class Engine:
             if logprobs is not None:
                 req.pending_logprobs.append(logprobs[j])
                 req.cumulative_logprob += logprobs[j][tok][0]
-            hit_stop = req.detokenizer.add(tok)
+            try:
+                hit_stop = req.detokenizer.add(tok)
+            except Exception as e:  # noqa: BLE001 - tokenizers refuses some byte sequences: this request ends alone
+                req.finish_reason, req.error = FINISH_ERROR, f"detokenization failed: {type(e).__name__}: {e}"
+                return
             if hit_stop or (tok in self.eos_ids and not p.ignore_eos):  # EOS is masked before min_tokens
                 req.finish_reason = FINISH_STOP
             elif req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.config.max_seq_len:

@@ -17,6 +17,10 @@ and reuses it (at most all but the prompt's last token, which is computed for it
     copies the matched rows into it from the source (`Placement.source`), so a free slot matched
     only in part keeps the rest of its content for a later request.
 
+A prefix is shared only between requests of the same cache salt (vLLM's `cache_salt`; None is a
+salt too): a client that sets its own never finds, nor shows in `num_cached_tokens`, what requests
+of another salt computed.
+
 The free slots' contents are bounded by `max_cached_tokens` (None: whatever they hold): the least
 recently used are truncated from their end, then forgotten, until the total fits.
 
@@ -45,12 +49,13 @@ class Placement:
 
 @dataclass(frozen=True)
 class RunningRows:
-    """A running request as a source of prefixes: its slot, its token ids and how many of them
-    have their K/V in the slot (rows that never change while it runs)."""
+    """A running request as a source of prefixes: its slot, its token ids, how many of them have
+    their K/V in the slot (rows that never change while it runs) and its cache salt."""
 
     slot: int
     token_ids: Sequence[int]
     cache_len: int
+    salt: str | None = None
 
 
 @dataclass
@@ -86,21 +91,24 @@ class PrefixCache:
     def __init__(self, cache: KVCache, enabled: bool = True, max_cached_tokens: int | None = None) -> None:
         self.cache, self.enabled, self.max_cached_tokens = cache, enabled, max_cached_tokens
         self.contents: dict[int, list[int]] = {}  # free slot -> the token ids whose K/V it holds
+        self.salts: dict[int, str | None] = {}  # free slot with content -> the salt of the request that left it
         self.last_used: dict[int, int] = {}  # slot -> tick of its last release or use as a source
         self.cached_tokens = 0  # sum of the contents' lengths: read by other threads as one int
         self._ticks = itertools.count()
 
-    def place(self, prompt: Sequence[int], running: Sequence[RunningRows] = ()) -> Placement:
-        """The slot for `prompt` (one of the cache's free slots, now allocated) and what it reuses."""
+    def place(self, prompt: Sequence[int], running: Sequence[RunningRows] = (), salt: str | None = None) -> Placement:
+        """The slot for `prompt` (one of the cache's free slots, now allocated) and what it reuses of
+        the contents and running rows left by requests of the same `salt`."""
         if not self.enabled:
             slot = self.cache.allocate()
             return Placement(slot, slot, 0)
         limit = len(prompt) - 1  # the last prompt token is always computed: its logits give the first token
         # (tokens reused, whether it is a free slot whose whole content the prompt continues, slot)
         candidates = [(min(n, limit), n == len(tokens), slot)
-                      for slot, tokens in self.contents.items() for n in [common_prefix(prompt, tokens)]]
+                      for slot, tokens in self.contents.items() if self.salts.get(slot) == salt
+                      for n in [common_prefix(prompt, tokens)]]
         candidates += [(min(n, limit), False, r.slot)
-                       for r in running for n in [common_prefix(prompt, r.token_ids, r.cache_len)]]
+                       for r in running if r.salt == salt for n in [common_prefix(prompt, r.token_ids, r.cache_len)]]
         reused, whole, source = max(candidates, default=(0, False, -1), key=lambda c: c[:2])
         if reused == 0:
             slot = self._take(self._least_recent())
@@ -110,12 +118,14 @@ class PrefixCache:
         self.last_used[source] = next(self._ticks)
         return Placement(self._take(self._least_recent()), source, reused)
 
-    def release(self, slot: int, token_ids: Sequence[int]) -> None:
-        """A request left `slot` holding the K/V of `token_ids`: keep them for reuse (then evict
-        what exceeds the bound), and hand the slot back to the cache's free list."""
+    def release(self, slot: int, token_ids: Sequence[int], salt: str | None = None) -> None:
+        """A request of cache salt `salt` left `slot` holding the K/V of `token_ids`: keep them for
+        reuse by requests of that salt (then evict what exceeds the bound), and hand the slot back
+        to the cache's free list."""
         self.cache.free(slot)
         if self.enabled and token_ids:
             self.contents[slot] = list(token_ids)
+            self.salts[slot] = salt
             self.cached_tokens += len(token_ids)
             self.last_used[slot] = next(self._ticks)
             self._evict()
@@ -123,6 +133,7 @@ class PrefixCache:
     def forget(self) -> None:
         """Drop every free slot's content (after a warm-up, or when their K/V are no longer trusted)."""
         self.contents.clear()
+        self.salts.clear()
         self.cached_tokens = 0
 
     def _least_recent(self) -> int:
@@ -133,6 +144,7 @@ class PrefixCache:
 
     def _take(self, slot: int) -> int:
         self.cached_tokens -= len(self.contents.pop(slot, ()))
+        self.salts.pop(slot, None)
         return self.cache.allocate(slot)
 
     def _evict(self) -> None:
@@ -146,3 +158,4 @@ class PrefixCache:
                 self.contents[slot] = self.contents[slot][:keep]
             else:
                 del self.contents[slot]
+                del self.salts[slot]

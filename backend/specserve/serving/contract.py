@@ -28,6 +28,12 @@ class RequestError(ValueError):
 
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs allows
+MAX_STOP_STRINGS = 16  # stop strings of a request (JSON `stop` or the `stop_words` tensor)
+MAX_STOP_CHARS = 256  # characters of one stop string
+MAX_UTF8_BYTES_PER_CHAR = 4  # so a stop string is at most 1 KiB, checked before decoding
+MAX_SAMPLING_PARAMETERS_BYTES = 64 * 1024  # 16 stop strings of 256 astral characters JSON-escaped fit
+MAX_BYTES_PER_TOKEN = 256  # the longest token of a served vocabulary is shorter (see RequestLimits)
+JSON_ESCAPE_FACTOR = 6  # JSON writes one control byte as six (\u00XX)
 
 
 # ---- the contract ---------------------------------------------------------------------------
@@ -87,7 +93,19 @@ OUTPUTS: dict[str, str] = {
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """Server-side bounds and defaults (config.pbtxt parameters)."""
+    """Server-side bounds and defaults (config.pbtxt parameters), and the bounds derived from them.
+
+    Sizes are checked before any work is spent on a request: a `text_input` before it is decoded
+    or tokenized, `sampling_parameters` and `request_config` before they are parsed, `input_ids`
+    before they are copied, every list tensor's entries before they are read.
+
+    max_prompt_bytes = max_seq_len * MAX_BYTES_PER_TOKEN (512 KiB at the default 2048 tokens). A
+    prompt that fits the context has fewer than max_seq_len tokens, so no more bytes than that many
+    of the vocabulary's longest token (a byte-level BPE drops no byte). SmolLM2's longest token is
+    81 bytes, a newline and 80 spaces; 256 leaves room for vocabularies with longer runs of spaces,
+    `#` or `=`. So the bound refuses no prompt that could be served, and a 100 MB one costs a length
+    check, not a decoding and a tokenization.
+    """
 
     max_seq_len: int = 2048
     default_max_tokens: int = 128
@@ -96,6 +114,17 @@ class RequestLimits:
     @property
     def max_tokens_limit(self) -> int:
         return self.max_seq_len - 1  # at least one prompt token must fit
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """The most bytes of a `text_input` (see the class docstring)."""
+        return self.max_seq_len * MAX_BYTES_PER_TOKEN
+
+    @property
+    def max_request_config_bytes(self) -> int:
+        """The most bytes of a `request_config`: its echoed prompt JSON-escaped (\\u00XX: six bytes
+        for one), plus the sampling parameters."""
+        return JSON_ESCAPE_FACTOR * self.max_prompt_bytes + MAX_SAMPLING_PARAMETERS_BYTES
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
 Nothing here imports Triton, so every rule is unit-testable. The Python models hand in
 `{name: np.ndarray}` (what `request.inputs()` holds) and get back a `ParsedRequest` or a
 `RequestError` whose message starts with the offending field, e.g. ``max_tokens: must be ...``.
-A scalar tensor overrides the same key in `sampling_parameters`. The contract itself (names,
-types, outputs) is `contract`; config.pbtxt parameters are `parameters`.
+A scalar tensor overrides the same key in `sampling_parameters`. Sizes are bounded before any
+work (`RequestLimits`): a too large input costs a length check. The contract itself (names, types,
+outputs, bounds) is `contract`; config.pbtxt parameters are `parameters`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from specserve.serving.contract import (
     CONTRACT_INPUTS,
     INTERNAL_INPUTS,
     MAX_LOGPROBS,
+    MAX_SAMPLING_PARAMETERS_BYTES,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_UTF8_BYTES_PER_CHAR,
     GenerateRequest,
     ParsedRequest,
     RequestError,
@@ -70,6 +75,12 @@ def _float(inputs: Mapping[str, np.ndarray], name: str) -> float | None:
     return float(str(v)) if isinstance(v, np.float32) else float(v)  # FP32 0.9 -> 0.9, not 0.8999999761
 
 
+def _check_bytes(value: Any, name: str, max_bytes: int, why: str = "") -> None:
+    """Refuse a BYTES element longer than `max_bytes`, before anything decodes it."""
+    if isinstance(value, (bytes, np.bytes_, str)) and len(value) > max_bytes:
+        raise RequestError(f"{name}: {len(value)} bytes, more than the {max_bytes} allowed{why}")
+
+
 def _text(value: Any, name: str) -> str:
     if isinstance(value, (bytes, np.bytes_)):
         try:
@@ -82,10 +93,53 @@ def _text(value: Any, name: str) -> str:
 
 
 def _strings(inputs: Mapping[str, np.ndarray], name: str) -> list[str]:
-    """A BYTES [-1] tensor as a list of non-empty strings (empty entries are padding)."""
+    """A BYTES [-1] tensor as a list of non-empty strings (empty entries are padding).
+
+    At most MAX_STOP_STRINGS entries (padding included), each of at most MAX_STOP_CHARS *
+    MAX_UTF8_BYTES_PER_CHAR bytes: both are checked before any entry is decoded."""
     if name not in inputs:
         return []
-    return [s for s in (_text(v, name) for v in np.asarray(inputs[name]).reshape(-1)) if s]
+    values = np.asarray(inputs[name]).reshape(-1)
+    if values.size > MAX_STOP_STRINGS:
+        raise RequestError(f"{name}: at most {MAX_STOP_STRINGS} entries, got {values.size}")
+    for v in values:
+        _check_bytes(v, name, MAX_STOP_CHARS * MAX_UTF8_BYTES_PER_CHAR)
+    return [s for s in (_text(v, name) for v in values) if s]
+
+
+def _stop_strings(strings: list[str], name: str) -> tuple[str, ...]:
+    """Stop strings within the bounds: at most MAX_STOP_STRINGS, each at most MAX_STOP_CHARS characters."""
+    if len(strings) > MAX_STOP_STRINGS:
+        raise RequestError(f"{name}: at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+    for s in strings:
+        if len(s) > MAX_STOP_CHARS:
+            raise RequestError(f"{name}: a stop string is at most {MAX_STOP_CHARS} characters, got {len(s)}")
+    return tuple(strings)
+
+
+def _shown(value: Any) -> str:
+    """A client's value for an error message, cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _json_text(raw: Any, name: str, max_bytes: int) -> str:
+    """A JSON input's text: its size checked before it is decoded."""
+    _check_bytes(raw, name, max_bytes)
+    return _text(raw, name)
+
+
+def _loads(text: str, name: str) -> Any:
+    """json.loads, every failure a RequestError naming `name` (nesting deeper than the interpreter's
+    recursion limit included)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"{name}: not valid JSON ({e.msg} at position {e.pos})") from None
+    except RecursionError:
+        raise RequestError(f"{name}: nested too deeply") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise RequestError(f"{name}: not valid JSON ({e})") from None
 
 
 # ---- sampling_parameters (vLLM style JSON; genai-perf sends numbers as strings) --------------
@@ -93,7 +147,7 @@ def _strings(inputs: Mapping[str, np.ndarray], name: str) -> list[str]:
 
 def _json_int(key: str, v: Any) -> int:
     if isinstance(v, bool):
-        raise RequestError(f"sampling_parameters.{key}: expected an integer, got {v!r}")
+        raise RequestError(f"sampling_parameters.{key}: expected an integer, got {_shown(v)}")
     if isinstance(v, int):
         return v
     if isinstance(v, float) and v.is_integer():
@@ -108,20 +162,22 @@ def _json_int(key: str, v: Any) -> int:
                 f = math.nan
             if f.is_integer():
                 return int(f)
-    raise RequestError(f"sampling_parameters.{key}: expected an integer, got {v!r}")
+    raise RequestError(f"sampling_parameters.{key}: expected an integer, got {_shown(v)}")
 
 
 def _json_float(key: str, v: Any) -> float:
     if isinstance(v, bool):
         raise RequestError(f"sampling_parameters.{key}: expected a number, got {v!r}")
-    if isinstance(v, (int, float)):
-        return float(v)
-    if isinstance(v, str):
-        try:
+    try:
+        if isinstance(v, (int, float)):
+            return float(v)
+        if isinstance(v, str):
             return float(v.strip())
-        except ValueError:
-            pass
-    raise RequestError(f"sampling_parameters.{key}: expected a number, got {v!r}")
+    except OverflowError:
+        raise RequestError(f"sampling_parameters.{key}: out of range, got {_shown(v)}") from None
+    except ValueError:
+        pass
+    raise RequestError(f"sampling_parameters.{key}: expected a number, got {_shown(v)}")
 
 
 def _json_bool(key: str, v: Any) -> bool:
@@ -131,15 +187,21 @@ def _json_bool(key: str, v: Any) -> bool:
         return bool(v)
     if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0"):
         return v.strip().lower() in ("true", "1")
-    raise RequestError(f"sampling_parameters.{key}: expected a boolean, got {v!r}")
+    raise RequestError(f"sampling_parameters.{key}: expected a boolean, got {_shown(v)}")
 
 
 def _json_stop(key: str, v: Any) -> tuple[str, ...]:
     if isinstance(v, str):
-        return (v,) if v else ()
+        v = [v]
     if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        return tuple(s for s in v if s)
-    raise RequestError(f"sampling_parameters.{key}: expected a string or a list of strings, got {v!r}")
+        return _stop_strings([s for s in v if s], f"sampling_parameters.{key}")
+    raise RequestError(f"sampling_parameters.{key}: expected a string or a list of strings, got {_shown(v)}")
+
+
+def _json_str(key: str, v: Any) -> str:
+    if isinstance(v, str):
+        return v
+    raise RequestError(f"sampling_parameters.{key}: expected a string, got {_shown(v)}")
 
 
 def _json_logprobs(key: str, v: Any) -> int | None:
@@ -166,6 +228,7 @@ _JSON_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "frequency_penalty": _json_float,
     "repetition_penalty": _json_float,
     "logprobs": _json_logprobs,
+    "cache_salt": _json_str,  # vLLM's: requests with different salts share no cached prefix
 }
 # vLLM keys we accept only at their default (the engine has no such feature).
 _JSON_DEFAULT_ONLY: dict[str, Any] = {
@@ -179,16 +242,22 @@ _JSON_DEFAULT_ONLY: dict[str, Any] = {
 
 
 def parse_sampling_parameters(raw: Any) -> dict[str, Any]:
-    """vLLM's `sampling_parameters` JSON -> SamplingParams keyword arguments (validated later)."""
-    text = _text(raw, "sampling_parameters")
+    """vLLM's `sampling_parameters` JSON (at most MAX_SAMPLING_PARAMETERS_BYTES) -> SamplingParams
+    keyword arguments (validated later)."""
+    text = _json_text(raw, "sampling_parameters", MAX_SAMPLING_PARAMETERS_BYTES)
     if not text.strip():
         return {}
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise RequestError(f"sampling_parameters: not valid JSON ({e.msg} at position {e.pos})") from None
+    obj = _loads(text, "sampling_parameters")
     if not isinstance(obj, dict):
         raise RequestError(f"sampling_parameters: expected a JSON object, got {type(obj).__name__}")
+    try:
+        return _sampling_kwargs(obj)
+    except RecursionError:  # a value too deeply nested to show in a message
+        raise RequestError("sampling_parameters: nested too deeply") from None
+
+
+def _sampling_kwargs(obj: dict[str, Any]) -> dict[str, Any]:
+    """The `sampling_parameters` object's keys converted (`_JSON_FIELDS`) or checked at their default."""
     kwargs: dict[str, Any] = {}
     for key, value in obj.items():
         if value is None:
@@ -234,7 +303,7 @@ def _tensor_overrides(inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
     if (v := _bool(inputs, "ignore_eos")) is not None:
         kw["ignore_eos"] = v
     if stop := _strings(inputs, "stop_words"):
-        kw["stop"] = tuple(stop)
+        kw["stop"] = _stop_strings(stop, "stop_words")
     return kw
 
 
@@ -249,19 +318,26 @@ def _check_unsupported(inputs: Mapping[str, np.ndarray]) -> None:
         _bool(inputs, name)
 
 
-def build_sampling_params(kwargs: Mapping[str, Any], limits: RequestLimits) -> SamplingParams:
-    kw = {"max_tokens": min(limits.default_max_tokens, limits.max_tokens_limit), **kwargs}  # a default never fails
-    if isinstance(kw["max_tokens"], int) and kw["max_tokens"] > limits.max_tokens_limit:
+def _check_max_tokens(max_tokens: Any, limits: RequestLimits) -> None:
+    if isinstance(max_tokens, int) and max_tokens > limits.max_tokens_limit:
         raise RequestError(
             f"max_tokens: must be <= {limits.max_tokens_limit} (the context is {limits.max_seq_len} tokens), "
-            f"got {kw['max_tokens']}"
+            f"got {max_tokens}"
         )
-    if "seed" in kw and not 0 <= kw["seed"] < 2**64:
-        raise RequestError(f"seed: must be in [0, 2**64), got {kw['seed']}")
+
+
+def _sampling_params(kwargs: Mapping[str, Any]) -> SamplingParams:
     try:
-        return SamplingParams(**kw)
+        return SamplingParams(**kwargs)
     except ValueError as e:  # SamplingParams names the field first
         raise RequestError(str(e)) from None
+
+
+def build_sampling_params(kwargs: Mapping[str, Any], limits: RequestLimits) -> SamplingParams:
+    default = min(limits.default_max_tokens, limits.max_tokens_limit)  # a default never fails
+    kw = {"max_tokens": default, **kwargs}
+    _check_max_tokens(kw["max_tokens"], limits)
+    return _sampling_params(kw)
 
 
 def parse_request(inputs: Mapping[str, np.ndarray], limits: RequestLimits) -> ParsedRequest:
@@ -272,6 +348,8 @@ def parse_request(inputs: Mapping[str, np.ndarray], limits: RequestLimits) -> Pa
     raw_text = _one(inputs, "text_input")
     if raw_text is None:
         raise RequestError("text_input: missing")
+    _check_bytes(raw_text, "text_input", limits.max_prompt_bytes,
+                 f" (a prompt that fits the context of {limits.max_seq_len} tokens is shorter)")
     text = _text(raw_text, "text_input")
     if not text:
         raise RequestError("text_input: is empty")
@@ -323,28 +401,66 @@ def encode_request_config(request: GenerateRequest) -> np.ndarray:
     return np.array([json.dumps(payload).encode("utf-8")], dtype=np.object_)
 
 
-def decode_request_config(raw: Any) -> GenerateRequest:
+_REQUEST_CONFIG_KEYS = frozenset({"params", "stream", "echo_text"})
+_PARAMS_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def decode_request_config(raw: Any, limits: RequestLimits) -> GenerateRequest:
+    """`request_config` -> the request, checked as strictly as a client's: any client may send it.
+
+    At most `limits.max_request_config_bytes`, exactly the keys `encode_request_config` writes,
+    the same bounds as the contract path (stop strings, max_tokens)."""
+    payload = _loads(_json_text(raw, "request_config", limits.max_request_config_bytes), "request_config")
     try:
-        payload = json.loads(_text(raw, "request_config"))
-        params = dict(payload["params"])
-        params["stop"] = tuple(params.get("stop", ()))
-        return GenerateRequest(
-            params=SamplingParams(**params),
-            stream=bool(payload["stream"]),
-            echo_text=payload.get("echo_text"),
-        )
-    except RequestError:
-        raise
-    except (ValueError, KeyError, TypeError) as e:
-        raise RequestError(f"request_config: malformed ({type(e).__name__}: {e})") from None
+        return _request_from_config(payload, limits)
+    except RecursionError:  # a value too deeply nested to show in a message
+        raise RequestError("request_config: nested too deeply") from None
 
 
-def parse_prompt_ids(inputs: Mapping[str, np.ndarray]) -> list[int]:
+def _request_from_config(payload: Any, limits: RequestLimits) -> GenerateRequest:
+    if not isinstance(payload, dict):
+        raise RequestError(f"request_config: expected a JSON object, got {type(payload).__name__}")
+    if unknown := sorted(set(payload) - _REQUEST_CONFIG_KEYS):
+        raise RequestError(f"request_config.{unknown[0]}: unknown key")
+    for key in ("params", "stream"):
+        if key not in payload:
+            raise RequestError(f"request_config.{key}: missing")
+    stream, echo_text = payload["stream"], payload.get("echo_text")
+    if not isinstance(stream, bool):
+        raise RequestError(f"request_config.stream: expected a boolean, got {_shown(stream)}")
+    if echo_text is not None and not isinstance(echo_text, str):
+        raise RequestError(f"request_config.echo_text: expected a string or null, got {_shown(echo_text)}")
+    params = _params_from_config(payload["params"], limits)
+    return GenerateRequest(params=params, stream=stream, echo_text=echo_text)
+
+
+def _params_from_config(params: Any, limits: RequestLimits) -> SamplingParams:
+    """`request_config.params` (SamplingParams as JSON) -> SamplingParams."""
+    if not isinstance(params, dict):
+        raise RequestError(f"request_config.params: expected a JSON object, got {type(params).__name__}")
+    if unknown := sorted(set(params) - _PARAMS_FIELDS):
+        raise RequestError(f"request_config.params.{unknown[0]}: unknown parameter")
+    kw = dict(params)
+    if "stop" in kw:
+        stop = kw["stop"]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise RequestError(f"request_config.params.stop: expected a list of strings, got {_shown(stop)}")
+        kw["stop"] = _stop_strings(stop, "request_config.params.stop")
+    sampling = _sampling_params(kw)
+    _check_max_tokens(sampling.max_tokens, limits)
+    return sampling
+
+
+def parse_prompt_ids(inputs: Mapping[str, np.ndarray], limits: RequestLimits) -> list[int]:
+    """`input_ids` (INT32 [-1]): fewer than max_seq_len ids, counted before they are copied."""
     ids = np.asarray(inputs["input_ids"])
     if not np.issubdtype(ids.dtype, np.integer):
         raise RequestError(f"input_ids: expected INT32, got {ids.dtype}")
     if ids.size == 0:
         raise RequestError("input_ids: is empty")
+    if ids.size >= limits.max_seq_len:
+        raise RequestError(f"input_ids: {ids.size} ids; the prompt must be shorter than the context of "
+                           f"{limits.max_seq_len} tokens")
     return ids.reshape(-1).astype(np.int64).tolist()
 
 
@@ -391,10 +507,8 @@ def parse_decoupled_inputs(
                 "input_ids: send either input_ids with request_config (as preprocessing does) "
                 "or the text_input contract, not a mix"
             )
-        prompt_ids = parse_prompt_ids(inputs)
-        request = decode_request_config(_one(inputs, "request_config"))
-        if request.params.max_tokens > limits.max_tokens_limit:
-            raise RequestError(f"max_tokens: must be <= {limits.max_tokens_limit}, got {request.params.max_tokens}")
+        prompt_ids = parse_prompt_ids(inputs, limits)
+        request = decode_request_config(_one(inputs, "request_config"), limits)
     else:
         parsed = parse_request(inputs, limits)
         prompt_ids = tokenizer.encode(parsed.text, parsed.apply_chat_template)

@@ -3,12 +3,15 @@
 It validates the request (`parsing.parse_request`), applies the chat template when asked,
 tokenizes with the model's `tokenizer.json` (`parsing.PromptTokenizer`) and checks the prompt fits the context. A bad request
 gets an INVALID_ARG error naming the field; the ensemble then ends the client's stream with it.
+An unexpected failure answers its own request with INTERNAL: one request never fails the batch.
 Not decoupled: one response per request.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import traceback
 from typing import Any
 
 import numpy as np
@@ -27,6 +30,12 @@ from specserve.serving.parsing import (
     parse_request,
 )
 
+log = logging.getLogger(__name__)
+
+
+def _error(message: str, code: int) -> Any:
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
+
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
@@ -35,7 +44,15 @@ class TritonPythonModel:
         self.tokenizer = PromptTokenizer(model_dir_from_parameters(params))
 
     def execute(self, requests: list[Any]) -> list[Any]:
-        return [self._preprocess(request) for request in requests]
+        return [self._answer(request) for request in requests]
+
+    def _answer(self, request: Any) -> Any:
+        """The request's response; an unexpected failure is an INTERNAL error for this request only."""
+        try:
+            return self._preprocess(request)
+        except Exception as e:  # noqa: BLE001 - every request gets its response
+            log.error("preprocessing failed:\n%s", traceback.format_exc())
+            return _error(f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)
 
     def _preprocess(self, request: Any) -> Any:
         try:
@@ -44,9 +61,7 @@ class TritonPythonModel:
             prompt_ids = self.tokenizer.encode(parsed.text, parsed.apply_chat_template)
             check_prompt_length(prompt_ids, self.limits)
         except RequestError as e:
-            return pb_utils.InferenceResponse(
-                output_tensors=[], error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)
-            )
+            return _error(str(e), pb_utils.TritonError.INVALID_ARG)
         return pb_utils.InferenceResponse(
             output_tensors=[
                 pb_utils.Tensor("input_ids", np.asarray(prompt_ids, dtype=np.int32)),
