@@ -203,7 +203,9 @@ def cmd_export_prompts(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from specserve.serving.server import serve
+    import os
+
+    from specserve.serving.server import ADMIN_KEY_ENV, Exposure, serve
 
     repo = Path(args.model_repository) if args.model_repository else repo_root() / "model_repository"
     variants = args.variants.split(",") if args.variants else None
@@ -211,7 +213,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: --parameter takes KEY=VALUE, got {bad}", file=sys.stderr)
         return 2
     parameters = dict(item.partition("=")[::2] for item in args.parameter)
-    return serve(repo, variants, args.http_port, args.grpc_port, args.metrics_port, parameters, args.log)
+    admin_key = args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None
+    exposure = Exposure(args.host, admin_key, args.open_admin_api)
+    return serve(repo, variants, args.http_port, args.grpc_port, args.metrics_port, parameters, args.log,
+                 exposure, args.exit_with_parent)
 
 
 def cmd_model_repository(args: argparse.Namespace) -> int:
@@ -331,6 +336,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parameter", action="append", default=[], metavar="KEY=VALUE",
                    help="a config.pbtxt parameter of every served llm model, set on a temporary copy (repeatable)")
     p.add_argument("--log", type=Path, default=None, help="write tritonserver's output to this file")
+    p.add_argument("--host", default="0.0.0.0",
+                   help="IPv4 address of the HTTP, gRPC and metrics endpoints (default: %(default)s, every "
+                   "interface, as Triton's; 127.0.0.1: this machine only)")
+    p.add_argument("--admin-key", default=None,
+                   help="the key that model load/unload, shared-memory, trace and log requests must carry "
+                   "(default: $SPECSERVE_ADMIN_KEY, else a random one, printed when ready)")
+    p.add_argument("--open-admin-api", action="store_true",
+                   help="no key for those APIs: anyone reaching the ports may load models (Triton's default)")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="stop as on SIGTERM when the process that started this one ends, even killed (Linux)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("model-repository", help="write every config.pbtxt of the model repository from one description")

@@ -2,8 +2,9 @@
 
 The server is started by running the server package's `specserve serve` command, never by
 importing it: `specserve_client` imports nothing of `specserve`, and a client-only install gets a
-clear error naming what it lacks. This module does not wait for a model to switch to its compiled
-programs; a server is ready when Triton says so.
+clear error naming what it lacks. The server listens on the loopback address only and ends with
+the process that started it, even one killed outright. This module does not wait for a model to
+switch to its compiled programs; a server is ready when Triton says so.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 READY = re.compile(r"serve: ready \(tritonserver pid (\d+)\)")
+LOOPBACK = "127.0.0.1"  # a local server listens on this machine only
 STOP_TIMEOUT_S = 60.0  # `specserve serve` gives tritonserver its exit timeout, then kills it
 
 
@@ -47,7 +49,7 @@ def specserve_command() -> str:
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
 
 
@@ -66,7 +68,7 @@ def local_server(
     log: Path | None = None,
     startup_timeout_s: float = 1800.0,  # a first start on a CPU compiles its programs (minutes on 2 cores)
 ) -> Iterator[LocalServer]:
-    """`specserve serve` for llm_<variant> on free ports, stopped (SIGTERM) when the block ends.
+    """`specserve serve` for llm_<variant> on free loopback ports, stopped (SIGTERM) when the block ends.
 
     parameters: config.pbtxt parameters of llm_<variant> for this run (on a temporary copy).
     log: where tritonserver's output goes (default: a temporary file, quoted if the start fails).
@@ -75,20 +77,29 @@ def local_server(
     with tempfile.TemporaryDirectory(prefix="specserve-local-") as tmp:
         log = Path(log or Path(tmp) / "tritonserver.log")
         said = Path(tmp) / "serve.out"
-        cmd = [specserve_command(), "serve", "--variants", variant, "--http-port", str(http),
-               "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--log", str(log)]
-        if repository is not None:
-            cmd += ["--model-repository", str(repository)]
-        for key, value in (parameters or {}).items():
-            cmd += ["--parameter", f"{key}={value}"]
+        cmd = serve_command(variant, (http, grpc, metrics), log, repository, parameters)
         with open(said, "wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         pid = None
         try:
             pid = _wait_ready(proc, said, log, startup_timeout_s)
-            yield LocalServer(f"localhost:{grpc}", f"http://localhost:{metrics}/metrics", pid)
+            yield LocalServer(f"{LOOPBACK}:{grpc}", f"http://{LOOPBACK}:{metrics}/metrics", pid)
         finally:
             _stop(proc, pid)
+
+
+def serve_command(variant: str, ports: tuple[int, int, int], log: Path, repository: Path | None = None,
+                  parameters: Mapping[str, str] | None = None) -> list[str]:
+    """The `specserve serve` command line for llm_<variant> on (HTTP, gRPC, metrics) ports of this machine;
+    it ends with the process that runs it, even one killed outright."""
+    http, grpc, metrics = ports
+    cmd = [specserve_command(), "serve", "--variants", variant, "--host", LOOPBACK, "--http-port", str(http),
+           "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--log", str(log), "--exit-with-parent"]
+    if repository is not None:
+        cmd += ["--model-repository", str(repository)]
+    for key, value in (parameters or {}).items():
+        cmd += ["--parameter", f"{key}={value}"]
+    return cmd
 
 
 def _wait_ready(proc: subprocess.Popen, said: Path, log: Path, timeout_s: float) -> int:

@@ -8,14 +8,27 @@ directory. The stub's embedded interpreter finds this virtualenv's packages beca
 
 `TritonProcess` is a context manager: the server runs in its own process group, `stop` asks it to
 exit (SIGTERM, `--exit-timeout-secs`), then kills the whole group, so no stub process outlives it.
+Started from the main thread, the server also gets the kernel's parent-death signal (SIGKILL): it
+never outlives the process that started it, even one killed outright; the Python-backend stubs see
+their parent gone and exit by themselves.
+
+Exposure: the admin APIs (model load/unload, shared-memory registration, trace and log settings)
+answer only requests that carry the admin key (`admin_headers`); health, metadata, model config,
+statistics and inference stay open to whoever reaches the ports. The endpoints bind `host`
+(Triton's default: every interface). This module neither authenticates inference nor encrypts traffic.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import ipaddress
 import os
 import re
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -24,8 +37,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
@@ -33,6 +46,14 @@ from specserve.methods import renamed
 from specserve.prepare import repo_root
 
 EXIT_TIMEOUT_S = 10
+ALL_INTERFACES = "0.0.0.0"  # Triton's default address
+ADMIN_KEY_ENV = "SPECSERVE_ADMIN_KEY"
+ADMIN_HEADER = "specserve-admin-key"  # HTTP header of the admin key
+GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # gRPC metadata key (Triton adds the prefix)
+# Triton's API groups that need the key; health, metadata, model-config, statistics, inference stay open
+RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
+_KEY_CHARS = re.compile(r"[A-Za-z0-9._~+/-]{16,}")
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def default_repository() -> Path:
@@ -115,12 +136,96 @@ def find_tritonserver(cache_root: Path | None = None) -> TritonInstall:
     )
 
 
+# ---- exposure: admin key, addresses, ports --------------------------------------------------
+
+
+def check_admin_key(key: str) -> str:
+    """`key` if it can be the admin key: 16 or more characters of `A-Z a-z 0-9 . _ ~ + / -`."""
+    if not _KEY_CHARS.fullmatch(key):
+        raise ValueError("the admin key needs 16 or more characters, each a letter, a digit or . _ ~ + / -")
+    return key
+
+
+def check_host(host: str) -> str:
+    """`host` if it is an IPv4 address the endpoints can bind (0.0.0.0: every interface)."""
+    try:
+        return str(ipaddress.IPv4Address(host))
+    except ValueError:
+        raise ValueError(f"--host takes an IPv4 address such as 127.0.0.1 or 0.0.0.0, got {host!r}") from None
+
+
+def port_problems(host: str, ports: Mapping[str, int]) -> list[str]:
+    """Why each of `ports` ({"HTTP": 8000, ...}) cannot be bound on `host` now; [] when all can."""
+    problems = []
+    seen: dict[int, str] = {}
+    for name, port in ports.items():
+        if port in seen:
+            problems.append(f"the {name} port {port} is also the {seen[port]} port")
+            continue
+        seen[port] = name
+        if (error := _bind_error(host, port)) is not None:
+            problems.append(f"the {name} port {port} on {host} is not free ({error})")
+    return problems
+
+
+def _bind_error(host: str, port: int) -> str | None:
+    """The error binding host:port gives, or None. SO_REUSEADDR as servers set it: a port whose
+    connections linger in TIME_WAIT counts as free, one another socket listens on does not."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+def client_host(host: str) -> str:
+    """The address a client on this machine reaches endpoints bound to `host` at."""
+    return "localhost" if host == ALL_INTERFACES else host
+
+
+# ---- dying with the parent ------------------------------------------------------------------
+
+
+def _prctl() -> Callable[..., int] | None:
+    """libc's prctl (Linux), looked up before any fork; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
+def _die_with_parent(prctl: Callable[..., int], sig: int, parent_pid: int) -> None:
+    """Have the kernel send `sig` to this process when its parent's forking thread ends; if the
+    parent is already gone (it died before the request took effect), send it now."""
+    prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), sig)
+
+
+def signal_on_parent_exit(sig: int = signal.SIGTERM) -> bool:
+    """Receive `sig` when this process's parent ends (what `specserve serve --exit-with-parent`
+    does, so that its handler stops tritonserver). False where the platform cannot (not Linux)."""
+    prctl = _prctl()
+    if prctl is None:
+        return False
+    _die_with_parent(prctl, sig, os.getppid())
+    return True
+
+
+def _child_dies_with_this_thread() -> Callable[[], None] | None:
+    """A `preexec_fn` giving the child SIGKILL when this process ends; None off Linux or off the
+    main thread (the kernel signals when the forking *thread* ends, which may be long before)."""
+    prctl = _prctl()
+    if prctl is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return functools.partial(_die_with_parent, prctl, signal.SIGKILL, os.getpid())
+
+
 # ---- the process ----------------------------------------------------------------------------
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -130,6 +235,8 @@ class TritonProcess:
     """A tritonserver in its own process group; `with TritonProcess(...) as server:` waits until ready.
 
     log: a path (the server's stdout+stderr go there), or None to inherit this process's.
+    host: the address of the HTTP, gRPC and metrics endpoints. admin_key: what the admin APIs require
+    (None: a random one per server); open_admin_api: no key at all (Triton's default).
     """
 
     def __init__(
@@ -142,6 +249,9 @@ class TritonProcess:
         log: Path | None = None,
         extra_args: Sequence[str] = (),
         startup_timeout_s: float = 1800.0,  # a first start on a CPU compiles its programs (minutes on 2 cores)
+        host: str = ALL_INTERFACES,
+        admin_key: str | None = None,
+        open_admin_api: bool = False,
     ) -> None:
         self.repository = Path(repository).resolve()
         self.models = list(models)
@@ -149,21 +259,40 @@ class TritonProcess:
         self.log = log
         self.extra_args = list(extra_args)
         self.startup_timeout_s = startup_timeout_s
+        self.host = check_host(host)
+        if open_admin_api and admin_key is not None:
+            raise ValueError("an admin key and an open admin API exclude each other")
+        self.admin_key = None if open_admin_api else check_admin_key(admin_key or secrets.token_urlsafe(32))
         self.shm_prefix = f"specserve{os.getpid()}_{http_port}_"
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
 
     @property
+    def admin_headers(self) -> dict[str, str]:
+        """Headers that open the admin APIs, for tritonclient's `headers=` over HTTP and gRPC alike."""
+        if self.admin_key is None:
+            return {}
+        return {ADMIN_HEADER: self.admin_key, GRPC_ADMIN_HEADER: self.admin_key}
+
+    @property
     def http_url(self) -> str:
-        return f"localhost:{self.http_port}"
+        return f"{client_host(self.host)}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"localhost:{self.grpc_port}"
+        return f"{client_host(self.host)}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://localhost:{self.metrics_port}/metrics"
+        return f"http://{client_host(self.host)}:{self.metrics_port}/metrics"
+
+    def _exposure_args(self) -> list[str]:
+        """Addresses of the three endpoints, and the admin APIs restricted to the key."""
+        args = [f"--{endpoint}-address={self.host}" for endpoint in ("http", "grpc", "metrics")]
+        if self.admin_key is not None:
+            restricted = f"{','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}"
+            args += [f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
+        return args
 
     def command(self, install: TritonInstall) -> list[str]:
         cmd = [
@@ -174,6 +303,7 @@ class TritonProcess:
             f"--http-port={self.http_port}",
             f"--grpc-port={self.grpc_port}",
             f"--metrics-port={self.metrics_port}",
+            *self._exposure_args(),
             f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
             # every model starts loading at once (Triton's default is 4 at a time)
             f"--model-load-thread-count={max(4, len(self.models))}",
@@ -196,6 +326,7 @@ class TritonProcess:
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,  # its own process group: stop() can kill the stubs too
+            preexec_fn=_child_dies_with_this_thread(),
         )
 
     def is_ready(self) -> bool:
@@ -287,6 +418,24 @@ def copy_repository(src: Path, dst: Path, overrides: Mapping[str, Mapping[str, s
 # ---- `specserve serve` ----------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Exposure:
+    """Where `specserve serve` listens and who may use its admin APIs."""
+
+    host: str = ALL_INTERFACES
+    admin_key: str | None = None  # None: a random one, printed once the server is ready
+    open_admin_api: bool = False
+
+    def check(self) -> Exposure:
+        """This exposure with its host normalized; ValueError naming what is wrong."""
+        if self.open_admin_api and self.admin_key is not None:
+            raise ValueError(f"--open-admin-api and an admin key (--admin-key, {ADMIN_KEY_ENV}) exclude "
+                             "each other")
+        if self.admin_key is not None:
+            check_admin_key(self.admin_key)
+        return replace(self, host=check_host(self.host))
+
+
 def serve(
     repository: Path | None = None,
     variants: list[str] | None = None,
@@ -295,11 +444,14 @@ def serve(
     metrics_port: int = 8002,
     parameters: Mapping[str, str] | None = None,
     log: Path | None = None,
+    exposure: Exposure = Exposure(),
+    exit_with_parent: bool = False,
 ) -> int:
-    """Run tritonserver until Ctrl-C / SIGTERM; returns an exit code.
+    """Run tritonserver until Ctrl-C / SIGTERM; returns an exit code (2: refused to start).
 
     parameters: config.pbtxt parameters set on every served llm_<variant>, on a temporary copy of
     the repository (the repository itself is not written). log: tritonserver's output goes there.
+    exit_with_parent: stop (as on SIGTERM) when the process that started this one ends.
     """
     repository = Path(repository or default_repository())
     available = list_variants(repository)
@@ -308,19 +460,68 @@ def serve(
     if missing or not chosen:
         print(f"serve: unknown variant(s) {missing or chosen}; {repository} has {available}", file=sys.stderr)
         return 2
+    try:
+        exposure = exposure.check()
+    except ValueError as e:
+        print(f"serve: {e}", file=sys.stderr)
+        return 2
+    if _refuse_taken_ports(exposure.host, http_port, grpc_port, metrics_port):
+        return 2
     with tempfile.TemporaryDirectory(prefix="specserve-serve-") as tmp:
         if parameters:
             overrides = {f"llm_{v}": dict(parameters) for v in chosen}
             repository = copy_repository(repository, Path(tmp) / "model_repository", overrides)
-        return _run_until_stopped(TritonProcess(repository, models_for(chosen), http_port, grpc_port, metrics_port,
-                                                log=log), chosen)
+        server = TritonProcess(repository, models_for(chosen), http_port, grpc_port, metrics_port, log=log,
+                               host=exposure.host, admin_key=exposure.admin_key,
+                               open_admin_api=exposure.open_admin_api)
+        return _run_until_stopped(server, chosen, exposure, exit_with_parent)
 
 
-def _run_until_stopped(server: TritonProcess, chosen: list[str]) -> int:
-    """Start `server`, say where it listens once ready (with its pid), stop it on SIGINT / SIGTERM."""
+def _refuse_taken_ports(host: str, http_port: int, grpc_port: int, metrics_port: int) -> bool:
+    """Say which ports cannot be bound (and the flag that moves each); True if any."""
+    ports = {"HTTP": http_port, "gRPC": grpc_port, "metrics": metrics_port}
+    problems = port_problems(host, ports)
+    for problem in problems:
+        print(f"serve: {problem}; is another server running? (--http-port, --grpc-port, --metrics-port "
+              "choose others)", file=sys.stderr)
+    return bool(problems)
+
+
+def _ready_message(server: TritonProcess, chosen: list[str], exposure: Exposure) -> str:
+    """What `specserve serve` prints once tritonserver is ready: where it listens, the admin key."""
+    assert server.proc is not None
+    every = server.host == ALL_INTERFACES
+    bound = " (every interface; --host 127.0.0.1 for this machine only)" if every else ""
+    return (
+        f"serve: ready (tritonserver pid {server.proc.pid})\n"
+        f"  HTTP     http://{server.http_url}  (POST /v2/models/llm_<variant>/generate_stream)\n"
+        f"  gRPC     {server.grpc_url}\n  metrics  {server.metrics_url}\n"
+        f"  bound    {server.host}{bound}\n"
+        f"  models   {', '.join(f'llm_{v}' for v in chosen)}\n"
+        f"  admin    {_admin_line(server, exposure)}\nCtrl-C to stop."
+    )
+
+
+def _admin_line(server: TritonProcess, exposure: Exposure) -> str:
+    """How to reach the admin APIs: the generated key itself (printed once), or where the key came from."""
+    apis = "model load/unload, shared memory, trace and log settings"
+    if server.admin_key is None:
+        return f"{apis} open to every client (--open-admin-api)"
+    key = f"the key given ({ADMIN_KEY_ENV} or --admin-key)" if exposure.admin_key else server.admin_key
+    return f"{apis} need header {ADMIN_HEADER} (HTTP) or {GRPC_ADMIN_HEADER} (gRPC): {key}"
+
+
+def _run_until_stopped(server: TritonProcess, chosen: list[str], exposure: Exposure = Exposure(),
+                       exit_with_parent: bool = False) -> int:
+    """Start `server`, say where it listens once ready (with its pid), stop it on SIGINT / SIGTERM
+    (and, with exit_with_parent, when this process's parent ends)."""
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        if exit_with_parent and not signal_on_parent_exit(signal.SIGTERM):
+            print("serve: --exit-with-parent works on Linux only; ignored", file=sys.stderr)
+        if stop.is_set():  # the parent was already gone
+            return 130
         server.start()
         print(f"serve: starting tritonserver for {', '.join(chosen)} ...", flush=True)
         while not server.is_ready():
@@ -329,14 +530,7 @@ def _run_until_stopped(server: TritonProcess, chosen: list[str]) -> int:
             if server.proc is not None and server.proc.poll() is not None:
                 print(f"serve: tritonserver exited with code {server.proc.returncode}", file=sys.stderr)
                 return server.proc.returncode or 1
-        assert server.proc is not None
-        print(
-            f"serve: ready (tritonserver pid {server.proc.pid})\n"
-            f"  HTTP     http://{server.http_url}  (POST /v2/models/llm_<variant>/generate_stream)\n"
-            f"  gRPC     {server.grpc_url}\n  metrics  {server.metrics_url}\n"
-            f"  models   {', '.join(f'llm_{v}' for v in chosen)}\nCtrl-C to stop.",
-            flush=True,
-        )
+        print(_ready_message(server, chosen, exposure), flush=True)
         while not stop.wait(0.5):
             if server.proc is not None and server.proc.poll() is not None:
                 print(f"serve: tritonserver exited with code {server.proc.returncode}", file=sys.stderr)
