@@ -3,7 +3,9 @@ cache with exactly the programs the model's own engine then loads, and it times 
 
 from __future__ import annotations
 
+import json
 import time
+from types import SimpleNamespace
 
 from specserve.config import EngineConfig, SpecConfig
 from specserve.engine import precompile
@@ -35,3 +37,23 @@ def test_the_process_fills_the_cache_the_served_engine_loads(tmp_path, tiny_targ
     assert engine.runner.compiled is not None
     assert {p.name: p.stat().st_ino for p in (tmp_path / "cache").glob("*.pt2")} == programs  # loaded, not compiled
     assert time.perf_counter() - start < 60
+    # a stored program that does not load: the process sets it aside and compiles it again
+    step = next((tmp_path / "cache").glob("target-step-*.pt2"))
+    step.write_bytes(b"garbage")
+    proc = precompile.start(config)
+    proc.wait(timeout=900)
+    assert precompile.finished(proc) is True
+    assert step.with_name(step.name + ".corrupt").read_bytes() == b"garbage"
+    assert step.read_bytes() != b"garbage"
+    engine = Engine(config)
+    assert engine.runner.compiled is not None and engine.runner.compiled.step_runner is not None
+
+
+def test_the_process_fails_where_the_target_programs_did_not_build(tiny_target_dir, monkeypatch):
+    """Then the server keeps its eager engine: one built from the same config would compile the
+    missing programs on the serving thread."""
+    cases = [(SimpleNamespace(step_runner=object()), 0), (SimpleNamespace(step_runner=None), 1), (None, 1)]
+    for compiled, rc in cases:
+        monkeypatch.setattr(precompile, "Engine", lambda config, c=compiled: SimpleNamespace(
+            runner=SimpleNamespace(compiled=c)))
+        assert precompile.main([json.dumps({"model_dir": str(tiny_target_dir), "device": "cpu"})]) == rc

@@ -4,6 +4,8 @@ output format, model card, resume."""
 from __future__ import annotations
 
 import json
+import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,13 +58,28 @@ def test_train_writes_a_loadable_published_checkpoint_and_resumes(tmp_path, tiny
     # a finished run resumes to the same end without training more, also from a checkpoint written
     # before the newer config fields (init_from, epochs) existed
     ckpt = out / "checkpoint.pt"
-    state = torch.load(ckpt, weights_only=False)
+    state = torch.load(ckpt, weights_only=True)  # tensors and plain values: nothing to unpickle
     state["config"] = {k: v for k, v in state["config"].items() if k not in ("init_from", "epochs")}
     torch.save(state, ckpt)
     train(TrainConfig(**kw))
     assert json.loads((out / "train.json").read_text())["steps"] == 3
     with pytest.raises(ValueError, match="resume"):
         train(TrainConfig(**(kw | {"lr": 1e-2})))
+    # a checkpoint is read as tensors and plain values: an object in it is refused, never built
+    torch.save(state | {"extra": _Marker(tmp_path / "built")}, ckpt)
+    with pytest.raises(pickle.UnpicklingError):
+        train(TrainConfig(**kw))
+    assert not (tmp_path / "built").exists()
+
+
+class _Marker:
+    """An object whose unpickling would create a file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (Path.touch, (self.path,))
 
 
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3", "mtp"])

@@ -56,7 +56,7 @@ from specserve.engine.warm_up import warm_up
 from specserve.host_memory import keep_freed_memory
 from specserve.models.kv_cache import KVCache
 from specserve.models.weights import load_llama
-from specserve.runtime.memory import DeviceMemory, check_kv_cache_fits
+from specserve.runtime.memory import DeviceMemory, check_kv_cache_fits, compiled_weight_copies
 from specserve.runtime.plan import RuntimePlan
 from specserve.runtime.prefill import PromptChunk, split_packs
 from specserve.runtime.target import TargetRunner
@@ -142,7 +142,8 @@ class Engine:
         self.plan = RuntimePlan.from_config(config)
         num_slots = config.max_batch_size + self.plan.spare_slots  # static buckets' padding rows write in the spare
         check_kv_cache_fits(config, self.model_config, num_slots, config.max_seq_len + max_nodes,
-                            self.draft_plan.shape.num_draft_tokens, DeviceMemory.of(self.device))
+                            self.draft_plan.shape.num_draft_tokens, DeviceMemory.of(self.device, host=True),
+                            compiled_weight_copies(self.plan))
         self.cache = KVCache(self.model_config, num_slots, config.max_seq_len + max_nodes, config.torch_dtype,
                              config.device)
         self.model.init_rope(self.cache.max_len)

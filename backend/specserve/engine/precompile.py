@@ -6,6 +6,10 @@ builds the engine `config` describes with its step programs pinned and its tree 
 start-up timing runs: building it compiles each program into the compile cache, or finds it
 there, and the process exits. An engine the server builds afterwards from the same
 config loads every program from the cache. `eager_config` is the engine that serves meanwhile.
+A stored program that does not load is set aside and compiled again by this process
+(`runtime.compiled.load_or_compile`, once); where the target's programs still did not build, the
+process fails, and the server keeps its eager engine rather than compiling them on its own
+serving thread.
 
 This module does not switch engines (`loop.EngineLoop.upgrade_when_ready` does) and does
 nothing where the plan compiles nothing (CUDA, `cpu_compile` off).
@@ -86,8 +90,18 @@ def main(argv: list[str]) -> int:
         os._exit(1)
 
     threading.Thread(target=orphaned, daemon=True).start()
-    Engine(engine_config(json.loads(argv[0])))
+    if not programs_built(Engine(engine_config(json.loads(argv[0])))):
+        log.warning("the target's compiled programs did not build (see above); "
+                    "the server keeps its eager engine")
+        return 1
     return 0
+
+
+def programs_built(engine: Engine) -> bool:
+    """Whether the engine's target runs compiled programs, its step program included (an engine
+    built from the same config would otherwise compile the missing ones itself)."""
+    compiled = engine.runner.compiled
+    return compiled is not None and compiled.step_runner is not None
 
 
 if __name__ == "__main__":

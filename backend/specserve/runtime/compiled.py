@@ -19,7 +19,9 @@ from the memory bound). `CompiledHead` is one forward of a one-layer draft head 
 over its own cache. Each package is stored in a compile cache under a key of everything the
 program depends on (`program_key`: weights, sizes, the code it is traced from), so a restart
 loads it in well under a second instead of compiling again. Processes that want the same package
-take turns through a file lock: one compiles, the others load.
+take turns through a file lock: one compiles, the others load. A stored package that does not load
+(a file cut short or overwritten) is set aside as `<name>.corrupt` and compiled again, once, by
+the process that found it (the background compiling process where a server has one: `precompile`).
 
 A forward of more new tokens than the step program takes runs padded to one of a bounded set of
 token counts (`cpu_linear.padded_rows`, at most 12.5 % more): oneDNN keeps memory for every
@@ -77,6 +79,7 @@ STEP_CONFIGS = {**PREFILL_CONFIGS, "max_autotune": True, "max_autotune_gemm_back
 TRACED_SOURCES = ("runtime/compiled.py", "models/llama.py", "models/cpu_linear.py", "drafters/eagle_model.py",
                   "drafters/mtp_model.py")
 STALE_AFTER_DAYS = 14  # a compile-cache package unused this long is deleted when another is compiled
+CORRUPT_SUFFIX = ".corrupt"  # a package that did not load, moved out of its key (`set_aside`)
 Runner = Callable[..., list[torch.Tensor]]
 _loaded: weakref.WeakValueDictionary[tuple[str, int], Runner] = weakref.WeakValueDictionary()  # (path, inode)
 T = TypeVar("T")
@@ -118,7 +121,10 @@ def load_or_compile(path: Path, export: Callable[[], torch.export.ExportedProgra
     weights, so each copy would cost as much disk as the model. For the same reason a process
     loads a package once: engines that want the same program (the same weights, cache shape and
     outputs: `none`, NGRAM and EAGLE-2 beside each other in one bench) share the loaded one while
-    any of them holds it (the programs keep no state between calls)."""
+    any of them holds it (the programs keep no state between calls).
+
+    A package that does not load is set aside (`set_aside`); a stored one is then compiled again
+    and loaded, once: a second failure raises, and the next build compiles it afresh."""
     start = time.perf_counter()
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
@@ -128,21 +134,55 @@ def load_or_compile(path: Path, export: Callable[[], torch.export.ExportedProgra
             os.utime(path)
             return loaded, False
         if compiled_now:
-            log.info("compiling %s for this CPU (once; kept in %s)", path.name, path.parent)
-            tmp = path.with_suffix(".tmp.pt2")
-            with _scratch_env("TORCHINDUCTOR_CACHE_DIR", "specserve-inductor-"):
-                with torch.inference_mode(False), torch.no_grad():
-                    program = export()
-                torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
-                                                         inductor_configs=inductor_configs or PREFILL_CONFIGS)
-            tmp.replace(path)  # whole packages only: a crash mid-compile leaves nothing under the key
-            remove_stale(path.parent)
-        os.utime(path)  # a package's modification time is its last use
-        with _scratch_env("TMPDIR", "specserve-aoti-"):  # where the loader unpacks the package
-            runner = unlocked(torch._inductor.aoti_load_package(str(path)), path.parent / "kernels")
+            compile_package(path, export, inductor_configs)
+        try:
+            runner = _load_or_set_aside(path)
+        except Exception:  # a stored package that does not load: compiled again, once
+            if compiled_now:
+                raise
+            compile_package(path, export, inductor_configs)
+            compiled_now = True
+            runner = _load_or_set_aside(path)
         _loaded[(str(path), path.stat().st_ino)] = runner
     log.info("%s %s in %.1f s", "compiled" if compiled_now else "loaded", path, time.perf_counter() - start)
     return runner, compiled_now
+
+
+def compile_package(path: Path, export: Callable[[], torch.export.ExportedProgram],
+                    inductor_configs: dict | None = None) -> None:
+    """`export()` compiled by AOTInductor into the package at `path` (the caller holds its lock)."""
+    log.info("compiling %s for this CPU (once; kept in %s)", path.name, path.parent)
+    tmp = path.with_suffix(".tmp.pt2")
+    with _scratch_env("TORCHINDUCTOR_CACHE_DIR", "specserve-inductor-"):
+        with torch.inference_mode(False), torch.no_grad():
+            program = export()
+        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
+                                                 inductor_configs=inductor_configs or PREFILL_CONFIGS)
+    tmp.replace(path)  # whole packages only: a crash mid-compile leaves nothing under the key
+    remove_stale(path.parent)
+
+
+def _load_or_set_aside(path: Path) -> Runner:
+    """The package at `path` loaded (its modification time is its last use); where it does not
+    load, it is set aside and the loader's error raised."""
+    os.utime(path)
+    with _scratch_env("TMPDIR", "specserve-aoti-"):  # where the loader unpacks the package
+        try:
+            model = torch._inductor.aoti_load_package(str(path))
+        except Exception as e:  # a package cut short or overwritten: not a zip, missing files
+            set_aside(path, e)
+            raise
+        return unlocked(model, path.parent / "kernels")
+
+
+def set_aside(path: Path, error: Exception) -> Path:
+    """Moves a package that does not load out of its key (to `<name>.corrupt`, replacing an older
+    one; `remove_stale` deletes it in time), so that no build loads it again; the new path."""
+    corrupt = path.with_name(path.name + CORRUPT_SUFFIX)
+    path.replace(corrupt)
+    log.warning("%s does not load (%s: %s); set aside as %s, to be compiled again", path,
+                type(error).__name__, error, corrupt.name)
+    return corrupt
 
 
 @contextmanager
@@ -163,14 +203,18 @@ def _scratch_env(variable: str, prefix: str) -> Iterator[None]:
 
 
 def remove_stale(cache_dir: Path, max_age_days: float = STALE_AFTER_DAYS) -> None:
-    """Deletes packages not used for max_age_days: a new torch, model or version of this module
-    makes new keys, and the old packages (each the size of the model or more) would stay forever."""
+    """Deletes packages not used for max_age_days, and those set aside as corrupt that long ago: a
+    new torch, model or version of this module makes new keys, and the old packages (each the size
+    of the model or more) would stay forever."""
     cutoff = time.time() - max_age_days * 86400
     for old in cache_dir.glob("*.pt2"):
         if old.stat().st_mtime < cutoff:
             log.info("removing %s: unused for %d days", old.name, max_age_days)
             old.unlink(missing_ok=True)
             Path(str(old) + ".lock").unlink(missing_ok=True)
+    for corrupt in cache_dir.glob(f"*.pt2{CORRUPT_SUFFIX}"):  # set aside: kept a while to look into
+        if corrupt.stat().st_mtime < cutoff:
+            corrupt.unlink(missing_ok=True)
 
 
 def compiled_or_none(what: str, build: Callable[[], T]) -> T | None:

@@ -231,7 +231,7 @@ def train(tc: TrainConfig) -> Path:
     best = {"score": -1.0, "step": 0}
     eval_seconds = 0.0  # spent on the held-out split, not training
     if ckpt.is_file():
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)  # tensors and plain values only
         same = ("checkpoint_every", "max_minutes", "num_threads", "pause_after_minutes")
         saved = {f.name: f.default for f in fields(TrainConfig)} | state["config"]  # fields added since: defaults
         if {k: v for k, v in saved.items() if k not in same} != {k: v for k, v in asdict(tc).items() if k not in same}:
