@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -297,6 +298,123 @@ def test_execute_errors_end_with_final(triton_model, inputs, loop_error, code, f
     assert flags == FINAL and response.error.code == code and response.error.message.startswith(field)
 
 
+class SpyTokenizer:
+    """The fake tokenizer of `model_with` (a token per character), counting its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def encode(self, text: str, apply_chat_template: bool) -> list[int]:
+        self.calls += 1
+        if text == "crash":
+            raise RuntimeError("tokenizer bug")
+        return [ord(c) for c in text]
+
+    def decode_token(self, token_id: int) -> str:
+        return chr(token_id)
+
+
+def forged_config(**params: Any) -> np.ndarray:
+    """A `request_config` as any client may send it straight to llm_<variant>."""
+    payload = {"params": {"max_tokens": 4, **params}, "stream": True, "echo_text": None}
+    return np.array([json.dumps(payload).encode()], dtype=np.object_)
+
+
+def serving_model(triton_model, loop: FakeLoop):
+    from specserve.serving.metrics import ServingMetrics
+
+    m = model_with(triton_model, loop)
+    m.tokenizer, m.metrics = SpyTokenizer(), ServingMetrics("llm_none", "1")
+    return m
+
+
+def ok_request() -> FakeRequest:
+    return FakeRequest({"text_input": text("hi"), "stream": np.array([True]),
+                        "max_tokens": np.array([2], dtype=np.int32)})
+
+
+def forged(request_config: np.ndarray) -> dict[str, np.ndarray]:
+    return {"input_ids": np.array([5, 6], dtype=np.int32), "request_config": request_config}
+
+
+BAD_REQUESTS = [
+    (forged(forged_config(top_k=5.5)), "top_k"),
+    (forged(forged_config(logprobs=1.5)), "logprobs"),
+    (forged(forged_config(temperature=True)), "temperature"),
+    (forged(text("[" * 50_000)), "request_config"),
+    ({"text_input": text("hi"), "sampling_parameters": text("[" * 50_000)}, "sampling_parameters"),
+    ({"text_input": text("hi"), "sampling_parameters": text('{"top_k": 5.5}')}, "sampling_parameters.top_k"),
+    ({"text_input": text("hi"), "stop_words": np.array([b"s"] * 17, dtype=np.object_)}, "stop_words"),
+    ({"text_input": text("x" * 16_385)}, "text_input"),  # over the bound of a 64-token context
+]
+BAD_REQUEST_IDS = [f"{i}-{field}" for i, (_, field) in enumerate(BAD_REQUESTS)]
+
+
+def execute_between_good_requests(m: Any, loop: FakeLoop, bad: FakeRequest) -> str:
+    """`execute([good, bad, good])`: the bad one ends with INVALID_ARG + FINAL (its message is returned),
+    the good ones are submitted and each ends with one FINAL once the engine finishes them."""
+    first, last = ok_request(), ok_request()
+    m.execute([first, bad, last])
+    (response, flags), = bad.sender.sent
+    assert flags == FINAL and response.error.code == FakeError.INVALID_ARG
+    assert [ids for ids, _ in loop.submitted] == [[ord("h"), ord("i")]] * 2
+    for _, stream in m.triton_thread.opened:  # the engine's outputs of the two good requests
+        stream.handle(out("a", [97], True, "stop", num_output_tokens=1))
+    for request in (first, last):
+        assert request.sender.finals == 1 and request.sender.data[-1].outputs()["finish_reason"][0] == b"stop"
+    return response.error.message
+
+
+@pytest.mark.parametrize(("bad", "field"), BAD_REQUESTS, ids=BAD_REQUEST_IDS)
+def test_a_bad_request_is_answered_alone_and_the_others_are_served(triton_model, bad, field):
+    loop = FakeLoop()
+    message = execute_between_good_requests(serving_model(triton_model, loop), loop, FakeRequest(bad))
+    assert message.startswith(f"{field}:")
+
+
+def test_a_100_mb_prompt_is_refused_without_tokenizing_it(triton_model):
+    loop = FakeLoop()
+    m = serving_model(triton_model, loop)
+    huge = FakeRequest({"text_input": np.array([b"x" * 100_000_000], dtype=np.object_)})
+    start = time.perf_counter()
+    message = execute_between_good_requests(m, loop, huge)
+    assert time.perf_counter() - start < 2.0
+    assert m.tokenizer.calls == 2  # the two good requests only
+    assert message.startswith("text_input: 100000000 bytes, more than the 16384 allowed")
+
+
+@pytest.fixture(scope="module")
+def preprocess(triton_model):
+    """specserve.serving.triton_preprocess, imported with the fake triton_python_backend_utils."""
+    sys.modules.pop("specserve.serving.triton_preprocess", None)
+    import specserve.serving.triton_preprocess as module
+
+    yield module
+    sys.modules.pop("specserve.serving.triton_preprocess", None)
+
+
+def test_preprocessing_answers_each_request_on_its_own(preprocess):
+    from specserve.serving.contract import RequestLimits
+
+    m = preprocess.TritonPythonModel()
+    m.limits, m.tokenizer = RequestLimits(max_seq_len=64), SpyTokenizer()
+    requests = [
+        ok_request(),
+        FakeRequest({"text_input": text("hi"), "sampling_parameters": text("[" * 50_000)}),
+        FakeRequest({"text_input": np.array([b"x" * 100_000_000], dtype=np.object_)}),
+        FakeRequest({"text_input": text("crash")}),  # an unexpected failure: INTERNAL, for this request only
+        ok_request(),
+    ]
+    responses = m.execute(requests)
+    assert [r.error.code if r.error else None for r in responses] == [
+        None, FakeError.INVALID_ARG, FakeError.INVALID_ARG, FakeError.INTERNAL, None]
+    assert responses[1].error.message == "sampling_parameters: nested too deeply"
+    assert responses[2].error.message.startswith("text_input: 100000000 bytes")
+    assert responses[3].error.message == "internal error: RuntimeError: tokenizer bug"
+    assert responses[0].outputs()["input_ids"].tolist() == [ord("h"), ord("i")]
+    assert m.tokenizer.calls == 3  # never for the refused ones
+
+
 def test_a_failed_final_send_still_ends_the_request(triton_model):
     s, sender = stream_for(triton_model, stream=False)
     real_send = sender.send
@@ -354,6 +472,43 @@ def test_a_request_is_never_polled_after_its_last_output(triton_model):
     thread.close()
     assert done_sender.polled_on == [] and len(running_sender.polled_on) == polls and aborted == []
     assert done_sender.finals == 1 and running_sender.finals == 1
+
+
+def test_open_requests_end_once_the_model_is_no_longer_ready(triton_model):
+    """Triton unloads a model only after its requests end: the thread asks, and ends them itself."""
+    ready, unloading = [True], []
+    thread = triton_model._TritonThread(abort=print, set_load=print, poll_interval_s=0.01,
+                                        model_ready=lambda: ready[0], on_unloading=lambda: unloading.append(1),
+                                        ready_interval_s=0.01)
+    s, _ = stream_for(triton_model, stream=True)
+    thread.open("r1", s)
+    threading.Event().wait(0.05)
+    assert unloading == []
+    ready[0] = False
+    assert _wait_for(lambda: unloading == [1])
+    threading.Event().wait(0.05)
+    thread.close()
+    assert unloading == [1]
+
+
+@pytest.mark.parametrize("seen_ready", [True, False])
+def test_a_readiness_error_after_a_ready_answer_means_the_server_is_stopping(triton_model, seen_ready):
+    answers = iter([True] if seen_ready else [])
+
+    def model_ready() -> bool:
+        answer = next(answers, None)
+        if answer is None:
+            raise UnicodeDecodeError("utf-8", b"\xe5", 0, 1, "unexpected end of data")  # as Triton 2.51's stub
+        return answer
+
+    unloading: list[int] = []
+    thread = triton_model._TritonThread(abort=print, set_load=print, poll_interval_s=0.01, model_ready=model_ready,
+                                        on_unloading=lambda: unloading.append(1), ready_interval_s=0.01)
+    s, _ = stream_for(triton_model, stream=True)
+    thread.open("r1", s)
+    _wait_for(lambda: unloading == [1], timeout_s=0.3)
+    thread.close()
+    assert unloading == ([1] if seen_ready else [])
 
 
 def test_the_load_gauges_are_set_on_the_triton_thread(triton_model):

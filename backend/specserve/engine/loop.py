@@ -122,6 +122,8 @@ class EngineLoop:
         with self._lock:
             if self.stopped_reason is not None:
                 raise EngineStopped(self.stopped_reason)
+            if self._stop.is_set():
+                raise EngineStopped("the server is shutting down")
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._subs:
                 raise ValueError(f"request_id: {rid!r} is already in use by an unfinished request")
@@ -147,15 +149,16 @@ class EngineLoop:
         with self._lock:
             return len(self._subs)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort everything, let the loop send the final outputs, then join the threads."""
+    def shutdown(self) -> None:
+        """Refuse new requests, abort the open ones, let the loop send their final outputs, then join
+        its thread (after an upgrade build it had begun: none begins once this is called)."""
         with self._lock:
+            self._stop.set()
             pending = list(self._subs)
         for rid in pending:
             self.abort(rid)
         self._wake.set()
-        self._stop.set()
-        self._thread.join(timeout)
+        self._thread.join()
 
     def _engines(self) -> list[Engine]:
         """The engine taking new requests, and the one an upgrade replaced while it still runs."""
@@ -197,7 +200,7 @@ class EngineLoop:
     def _build_upgrade(self, idle: bool) -> bool:
         """Build the upgraded engine if it is due (see the module's docstring) and send new requests
         to it; True if it was built (or found never to be)."""
-        if self._upgrade is None or self._draining is not None:
+        if self._upgrade is None or self._draining is not None or self._stop.is_set():
             return False
         now = time.monotonic()
         if not idle and now < self._next_poll:

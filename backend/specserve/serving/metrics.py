@@ -132,6 +132,13 @@ class ServingMetrics:
         self._families.append(family)
         self.finished = {r: family.Metric(labels={**labels, "finish_reason": r}) for r in FINISH_REASONS}
 
+    def close(self) -> None:
+        """Drop every metric and family of this instance now, while the stub still serves: their
+        destructors call into the server, which they cannot do from the interpreter's last garbage
+        collection, after the stub has freed its shared memory. Nothing is recorded afterwards."""
+        vars(self).clear()
+        _SummaryCounters._families.clear()
+
     def on_delta(self, new_tokens: int, new_draft_tokens: int, new_accepted_tokens: int, accept_lengths: Sequence[int],
                  tree_sizes: Sequence[int] = ()) -> None:
         """After each engine delta of any request."""
