@@ -474,43 +474,6 @@ def test_a_request_is_never_polled_after_its_last_output(triton_model):
     assert done_sender.finals == 1 and running_sender.finals == 1
 
 
-def test_open_requests_end_once_the_model_is_no_longer_ready(triton_model):
-    """Triton unloads a model only after its requests end: the thread asks, and ends them itself."""
-    ready, unloading = [True], []
-    thread = triton_model._TritonThread(abort=print, set_load=print, poll_interval_s=0.01,
-                                        model_ready=lambda: ready[0], on_unloading=lambda: unloading.append(1),
-                                        ready_interval_s=0.01)
-    s, _ = stream_for(triton_model, stream=True)
-    thread.open("r1", s)
-    threading.Event().wait(0.05)
-    assert unloading == []
-    ready[0] = False
-    assert _wait_for(lambda: unloading == [1])
-    threading.Event().wait(0.05)
-    thread.close()
-    assert unloading == [1]
-
-
-@pytest.mark.parametrize("seen_ready", [True, False])
-def test_a_readiness_error_after_a_ready_answer_means_the_server_is_stopping(triton_model, seen_ready):
-    answers = iter([True] if seen_ready else [])
-
-    def model_ready() -> bool:
-        answer = next(answers, None)
-        if answer is None:
-            raise UnicodeDecodeError("utf-8", b"\xe5", 0, 1, "unexpected end of data")  # as Triton 2.51's stub
-        return answer
-
-    unloading: list[int] = []
-    thread = triton_model._TritonThread(abort=print, set_load=print, poll_interval_s=0.01, model_ready=model_ready,
-                                        on_unloading=lambda: unloading.append(1), ready_interval_s=0.01)
-    s, _ = stream_for(triton_model, stream=True)
-    thread.open("r1", s)
-    _wait_for(lambda: unloading == [1], timeout_s=0.3)
-    thread.close()
-    assert unloading == ([1] if seen_ready else [])
-
-
 def test_the_load_gauges_are_set_on_the_triton_thread(triton_model):
     from specserve.engine.outputs import EngineLoad
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import faulthandler
-import functools
 import gc
 import json
 import locale
@@ -204,21 +203,13 @@ class _TritonThread:
     `abort`, and sets the load gauges (`set_load`). The engine thread only queues work here. A
     request is polled from `open` until its last output is handled, never after its FINAL.
 
-    While requests are open it also asks `model_ready` every `ready_interval_s`: once Triton
-    unloads the model (an unload request, or the server stopping on SIGTERM) it waits for them to
-    end before it calls `finalize`, so `on_unloading` ends them then (UNAVAILABLE) instead of at
-    the server's exit timeout.
     """
 
     def __init__(self, abort: Callable[[str], None], set_load: Callable[[EngineLoad], None],
-                 poll_interval_s: float = 0.05, model_ready: Callable[[], bool] | None = None,
-                 on_unloading: Callable[[], None] | None = None, ready_interval_s: float = 0.5) -> None:
+                 poll_interval_s: float = 0.05) -> None:
         self._queue: queue.SimpleQueue[tuple[str, Any, Any] | None] = queue.SimpleQueue()
         self._open: dict[str, _ResponseStream] = {}  # touched by this thread only
         self._abort, self._set_load, self.poll_interval_s = abort, set_load, poll_interval_s
-        self._model_ready, self._on_unloading, self.ready_interval_s = model_ready, on_unloading, ready_interval_s
-        self._next_ready_check = 0.0
-        self._was_ready = False  # the model was seen ready: a later "no" means it is unloading
         self._thread = threading.Thread(target=self._run, name="specserve-triton", daemon=True)
         self._thread.start()
 
@@ -271,7 +262,6 @@ class _TritonThread:
             self._set_load(a)
 
     def _poll_cancelled(self) -> None:
-        self._check_unloading()
         for request_id, stream in list(self._open.items()):
             if stream.finished:  # its last output is handled: no more round trips for it
                 del self._open[request_id]
@@ -283,27 +273,6 @@ class _TritonThread:
             if cancelled:
                 del self._open[request_id]
                 self._abort(request_id)
-
-
-    def _check_unloading(self) -> None:
-        """With requests open, every `ready_interval_s`: once the model was ready and no longer is, end
-        them all. While the server stops, Triton answers the question with an error: that counts as
-        not ready too (only after a ready answer, so a backend that cannot answer ends nothing)."""
-        now = time.monotonic()
-        if self._model_ready is None or not self._open or now < self._next_ready_check:
-            return
-        self._next_ready_check = now + self.ready_interval_s
-        try:
-            ready = self._model_ready()
-        except Exception as e:  # noqa: BLE001 - Triton's answer while it stops; see the docstring
-            ready = False
-            if self._was_ready:
-                log.info("the model's readiness cannot be read (%s): the server is stopping", type(e).__name__)
-        self._was_ready = self._was_ready or ready
-        if not ready and self._was_ready and self._on_unloading is not None:
-            log.info("the model is unloading: ending its %d open requests", len(self._open))
-            self._model_ready = None  # once is enough: no request is taken any more
-            self._on_unloading()
 
 
 def utf8_text_files() -> None:
@@ -363,10 +332,8 @@ class TritonPythonModel:
 
         self.model_name = args["model_name"]
         self.closing = threading.Event()
-        self.triton_thread = _TritonThread(
-            abort=lambda request_id: self.loop.abort(request_id), set_load=self.metrics.set_load,
-            model_ready=functools.partial(pb_utils.is_model_ready, self.model_name)
-            if hasattr(pb_utils, "is_model_ready") else None, on_unloading=self._end_all)
+        self.triton_thread = _TritonThread(abort=lambda request_id: self.loop.abort(request_id),
+                                           set_load=self.metrics.set_load)
         # on CPU: serve at once eagerly; the compiled programs build in a process of their own
         background = precompile.wanted(engine_config)
         first = precompile.eager_config(engine_config) if background else engine_config
@@ -410,11 +377,6 @@ class TritonPythonModel:
         except Exception as e:  # noqa: BLE001 - FINAL on every path
             log.error("submit failed:\n%s", traceback.format_exc())
             _send(sender, _error(f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL), flags=FINAL)
-
-    def _end_all(self) -> None:
-        """Triton is unloading this model: every open request ends now (UNAVAILABLE), new ones are refused."""
-        self.closing.set()
-        self.loop.shutdown()
 
     def _unload(self, reason: str) -> None:
         """The engine loop stopped for good: unload this model (not ready) from a thread of its own,
