@@ -208,11 +208,15 @@ def test_streams_before_and_after_the_switch_get_only_their_own_tokens(switching
         time.sleep(0.2)
     crossing = [s for s in longs if not s.poll()]
     assert crossing, "no long stream ran across the switch"
-    shorts = []
-    for i in range(0, len(PROMPTS), 4):  # four at a time: the slots the test server has
-        batch = [start_stream(switching_server.grpc_url, "llm_none", p, max_tokens=16) for p in PROMPTS[i : i + 4]]
-        shorts += [s.finish() for s in batch]
+    # as many at once as the queue takes (4 slots + 16 waiting), so each has its id while a long one runs
+    first_wave = len(PROMPTS) - 4
+    shorts = [start_stream(switching_server.grpc_url, "llm_none", p, max_tokens=16) for p in PROMPTS[:first_wave]]
+    time.sleep(1.0)  # the engine thread has taken them
     assert not all(s.poll() for s in crossing), "the long streams ended before the requests after the switch"
+    shorts[0].finish()
+    shorts += [start_stream(switching_server.grpc_url, "llm_none", p, max_tokens=16) for p in PROMPTS[first_wave:]]
+    for stream in shorts[1:]:
+        stream.finish()
     for stream in longs:
         stream.finish(timeout_s=600)
 
