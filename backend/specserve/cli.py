@@ -25,6 +25,7 @@ from specserve.config import (
 from specserve.methods import ALGORITHMS, canonical
 from specserve.prepare import repo_root
 from specserve.serving.repository import VARIANTS, served_drafter
+from specserve.serving.server import SHUTDOWN_GRACE_S
 from specserve.training.configs import DumpConfig, HeadsConfig, TrainConfig
 from specserve.training.regenerate import RegenerateConfig
 
@@ -216,7 +217,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     admin_key = args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None
     exposure = Exposure(args.host, admin_key, args.open_admin_api)
     return serve(repo, variants, args.http_port, args.grpc_port, args.metrics_port, parameters, args.log,
-                 exposure, args.exit_with_parent)
+                 exposure, args.exit_with_parent, args.shutdown_grace_s)
 
 
 def cmd_model_repository(args: argparse.Namespace) -> int:
@@ -346,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no key for those APIs: anyone reaching the ports may load models (Triton's default)")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="stop as on SIGTERM when the process that started this one ends, even killed (Linux)")
+    p.add_argument("--shutdown-grace-s", type=float, default=SHUTDOWN_GRACE_S,
+                   help="on Ctrl-C / SIGTERM, new requests are refused and open streams get this long to "
+                   "finish; the rest end with UNAVAILABLE 'server shutting down' (default: %(default)s)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("model-repository", help="write every config.pbtxt of the model repository from one description")

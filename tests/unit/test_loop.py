@@ -163,7 +163,7 @@ def test_an_upgrade_under_constant_load_takes_over_while_the_old_engine_finishes
         while len(ended) < i and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(ended) == i and len(set(ended)) == i  # every request ended, once
-        assert first.pending == [] and loop._draining is None  # the old engine finished and was dropped
+        assert first.pending == [] and loop._replaced is None  # the old engine finished and was dropped
         computed = [load.prompt_tokens_computed for load in loads]
         assert computed == sorted(computed) and computed[-1] == 2 * i  # both engines' prompts, never falling
     finally:
@@ -365,3 +365,41 @@ def test_a_failing_step_still_sends_the_aborts_it_had_made(tiny_target_dir):
     outs = {o.request_id: o for o in eng.fail_running("engine error")}
     assert outs[a].finish_reason == FINISH_ABORT and outs[b].finish_reason == FINISH_ERROR
     assert _slots(eng.load()) == (0, 0, 0)
+
+
+def test_drain_refuses_new_requests_lets_short_ones_finish_and_aborts_the_rest(tiny_target_dir):
+    from specserve.engine.outputs import FINISH_ABORT
+
+    loop = EngineLoop(lambda: _tiny_engine(tiny_target_dir, max_seq_len=4096))
+    try:
+        finals: dict[str, RequestOutput] = {}
+        done = threading.Event()
+
+        def collect(out: RequestOutput) -> None:
+            if out.finished:
+                finals[out.request_id] = out
+                if len(finals) == 2:
+                    done.set()
+
+        short = loop.submit([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), collect)
+        endless = loop.submit([5, 6, 8], SamplingParams(max_tokens=4000, ignore_eos=True), collect)
+        started = time.monotonic()
+        assert loop.drain(0.5) == 1
+        assert 0.5 <= time.monotonic() - started < 5
+        with pytest.raises(EngineStopped, match="shutting down"):
+            loop.submit([5, 6, 9], SamplingParams(max_tokens=1), collect)
+        assert done.wait(5)
+        assert finals[short].finish_reason == FINISH_LENGTH
+        assert finals[endless].finish_reason == FINISH_ABORT
+    finally:
+        loop.shutdown()
+
+
+def test_drain_returns_at_once_when_nothing_is_open():
+    loop = EngineLoop(FakeEngine)
+    try:
+        started = time.monotonic()
+        assert loop.drain(30.0) == 0
+        assert time.monotonic() - started < 1
+    finally:
+        loop.shutdown()

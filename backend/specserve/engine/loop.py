@@ -22,6 +22,9 @@ Request ids. The loop names every request it submits (`req-<n>`, one count for t
 engine takes the request), so the engines an upgrade puts side by side never hold the same id; a
 caller's own id that is already open is refused, never overwritten.
 
+Stopping. `drain(timeout_s)` refuses new requests and gives the open ones that long to finish
+before it aborts them; `shutdown` aborts at once and joins the loop thread.
+
 Cancellation is the caller's: `abort(request_id)` from any thread ends the request within a
 step. `on_step` receives the engine's load whenever it changes (the serving gauges); a caller
 whose gauges are slow to set hands the value to a thread of its own. This module knows nothing
@@ -51,6 +54,7 @@ OutputCallback = Callable[[RequestOutput], None]
 
 UPGRADE_WAIT_S = 2.0  # a ready upgrade waits this long for an idle moment, then is built between steps
 UPGRADE_POLL_S = 0.5  # how often a busy loop asks whether the upgrade is ready
+DRAIN_POLL_S = 0.05  # how often `drain` looks whether the open requests have ended
 
 
 class EngineStopped(RuntimeError):
@@ -85,7 +89,7 @@ class EngineLoop:
         self._upgrade: tuple[Callable[[], bool | None], Callable[[], Engine]] | None = None
         self._ready_since: float | None = None  # when `ready()` first said True while the engine was busy
         self._next_poll = 0.0
-        self._draining: Engine | None = None  # the engine an upgrade replaced, finishing its requests
+        self._replaced: Engine | None = None  # the engine an upgrade replaced, finishing its requests
         self._retired = EngineLoad(0, 0, 0)  # the prompt counters of engines dropped after an upgrade
         self.upgraded = threading.Event()  # set once new requests go to the upgraded engine
         self._thread = threading.Thread(target=self._start, args=(engine_factory,), name="specserve-engine",
@@ -149,6 +153,22 @@ class EngineLoop:
         with self._lock:
             return len(self._subs)
 
+    def drain(self, timeout_s: float) -> int:
+        """Refuse new requests, give the open ones up to `timeout_s` to finish, then abort the rest
+        (their final outputs go out as the loop steps); returns how many were aborted. The loop
+        thread ends once idle; `shutdown` still joins it."""
+        with self._lock:
+            self._stop.set()
+        self._wake.set()
+        deadline = time.monotonic() + timeout_s
+        while self.num_active and time.monotonic() < deadline:
+            time.sleep(DRAIN_POLL_S)
+        with self._lock:
+            pending = list(self._subs)
+        for rid in pending:
+            self.abort(rid)
+        return len(pending)
+
     def shutdown(self) -> None:
         """Refuse new requests, abort the open ones, let the loop send their final outputs, then join
         its thread (after an upgrade build it had begun: none begins once this is called)."""
@@ -163,14 +183,14 @@ class EngineLoop:
     def _engines(self) -> list[Engine]:
         """The engine taking new requests, and the one an upgrade replaced while it still runs."""
         with self._lock:
-            return [self.engine] if self._draining is None else [self.engine, self._draining]
+            return [self.engine] if self._replaced is None else [self.engine, self._replaced]
 
     def _run(self) -> None:
         failures = 0
         while True:
             engines = [e for e in self._engines() if e.has_work()]
             if not engines:
-                self._retire_drained()
+                self._retire_replaced()
                 self._report_load()  # back to idle: the gauges read zero
                 if self._stop.is_set():
                     return
@@ -195,12 +215,12 @@ class EngineLoop:
                 # the load first: a client that has a response then reads gauges that count its request
                 self._report_load()
                 self._deliver(outputs)
-            self._retire_drained()
+            self._retire_replaced()
 
     def _build_upgrade(self, idle: bool) -> bool:
         """Build the upgraded engine if it is due (see the module's docstring) and send new requests
         to it; True if it was built (or found never to be)."""
-        if self._upgrade is None or self._draining is not None or self._stop.is_set():
+        if self._upgrade is None or self._replaced is not None or self._stop.is_set():
             return False
         now = time.monotonic()
         if not idle and now < self._next_poll:
@@ -223,16 +243,16 @@ class EngineLoop:
             log.error("engine upgrade failed; the running engine keeps serving:\n%s", traceback.format_exc())
             return True
         with self._lock:  # requests submitted from now on enter the new engine
-            self.engine, self._draining = engine, self.engine
+            self.engine, self._replaced = engine, self.engine
         self.upgraded.set()
         log.info("engine upgraded: new requests go to the new engine%s",
                  "" if idle else "; the old one finishes the requests it holds")
-        self._retire_drained()
+        self._retire_replaced()
         return True
 
-    def _retire_drained(self) -> None:
+    def _retire_replaced(self) -> None:
         """Drop the replaced engine once it holds no request (its prompt counters live on in the load)."""
-        old = self._draining
+        old = self._replaced
         if old is None or old.has_work():
             return
         if self._on_step is not None:
@@ -240,7 +260,7 @@ class EngineLoop:
             self._retired = EngineLoad(0, 0, 0, prompt_tokens_reused=self._retired.prompt_tokens_reused + load.prompt_tokens_reused,
                                        prompt_tokens_computed=self._retired.prompt_tokens_computed + load.prompt_tokens_computed)
         with self._lock:
-            self._draining = None
+            self._replaced = None
 
     def _report_load(self) -> None:
         """`on_step` with the engine's load, only when it changed (the gauges are an IPC each)."""

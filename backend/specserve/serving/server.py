@@ -6,8 +6,10 @@ for the running interpreter next to `libtriton_python.so`; it is assembled once 
 directory. The stub's embedded interpreter finds this virtualenv's packages because the venv's
 `bin/` is first on its PATH.
 
-`TritonProcess` is a context manager: the server runs in its own process group, `stop` asks it to
-exit (SIGTERM, `--exit-timeout-secs`), then kills the whole group, so no stub process outlives it.
+`TritonProcess` is a context manager: the server runs in its own process group, `stop` drains the
+llm models (`drain`: new requests refused, every open stream ended within `shutdown_grace_s`, each
+with its FINAL), asks the server to exit (SIGTERM, `--exit-timeout-secs`), then kills the whole
+group, so no stub process outlives it.
 Started from the main thread, the server also gets the kernel's parent-death signal (SIGKILL): it
 never outlives the process that started it, even one killed outright; the Python-backend stubs see
 their parent gone and exit by themselves.
@@ -44,8 +46,12 @@ from typing import IO
 
 from specserve.methods import renamed
 from specserve.prepare import repo_root
+from specserve.serving.drain import DRAIN_FILE_ENV, request_drain, wait_drained
 
-EXIT_TIMEOUT_S = 10
+EXIT_TIMEOUT_S = 10  # tritonserver's own wait for in-flight requests and unloading
+SHUTDOWN_GRACE_S = 5.0  # open streams may finish this long after a stop; the rest end "shutting down"
+MAX_SHUTDOWN_GRACE_S = 3600.0
+DRAIN_MARGIN_S = 2.0  # past the grace, the models' aborts and FINALs go out
 ALL_INTERFACES = "0.0.0.0"  # Triton's default address
 ADMIN_KEY_ENV = "SPECSERVE_ADMIN_KEY"
 ADMIN_HEADER = "specserve-admin-key"  # HTTP header of the admin key
@@ -252,7 +258,11 @@ class TritonProcess:
         host: str = ALL_INTERFACES,
         admin_key: str | None = None,
         open_admin_api: bool = False,
+        shutdown_grace_s: float = SHUTDOWN_GRACE_S,
     ) -> None:
+        if not 0 <= shutdown_grace_s <= MAX_SHUTDOWN_GRACE_S:
+            raise ValueError(f"shutdown grace must be within 0..{MAX_SHUTDOWN_GRACE_S:.0f} s, got {shutdown_grace_s}")
+        self.shutdown_grace_s = shutdown_grace_s
         self.repository = Path(repository).resolve()
         self.models = list(models)
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
@@ -266,6 +276,7 @@ class TritonProcess:
         self.shm_prefix = f"specserve{os.getpid()}_{http_port}_"
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
+        self._drain_dir: tempfile.TemporaryDirectory[str] | None = None
 
     @property
     def admin_headers(self) -> dict[str, str]:
@@ -294,6 +305,11 @@ class TritonProcess:
             args += [f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
         return args
 
+    @property
+    def drain_file(self) -> Path | None:
+        """Where `stop` writes the models' deadline (see `specserve.serving.drain`); None before `start`."""
+        return None if self._drain_dir is None else Path(self._drain_dir.name) / "drain"
+
     def command(self, install: TritonInstall) -> list[str]:
         cmd = [
             str(install.binary),
@@ -320,9 +336,10 @@ class TritonProcess:
         if self.log is not None:
             self.log.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = out = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
+        self._drain_dir = tempfile.TemporaryDirectory(prefix="specserve-drain-")
         self.proc = subprocess.Popen(
             self.command(install),
-            env={**os.environ, **install.env},
+            env={**os.environ, **install.env, DRAIN_FILE_ENV: str(self.drain_file)},
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,  # its own process group: stop() can kill the stubs too
@@ -354,11 +371,13 @@ class TritonProcess:
         return f"; log {self.log}:\n{tail}"
 
     def stop(self) -> int | None:
-        """SIGTERM, wait for the server's own exit timeout, then SIGKILL the whole group."""
+        """Drain the llm models (open streams get `shutdown_grace_s`), SIGTERM, wait for the
+        server's own exit timeout, then SIGKILL the whole group."""
         if self.proc is None:
             return None
         proc, pgid = self.proc, self.proc.pid  # start_new_session: pgid == pid
         if proc.poll() is None:
+            self._drain(proc)
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(EXIT_TIMEOUT_S + 20)
@@ -373,7 +392,19 @@ class TritonProcess:
             region.unlink(missing_ok=True)
         if self._log_file is not None:
             self._log_file.close()
+        if self._drain_dir is not None:
+            self._drain_dir.cleanup()
         return proc.returncode
+
+    def _drain(self, proc: subprocess.Popen[bytes]) -> None:
+        """Write the drain file and wait until every llm model has drained, at most the grace and
+        a little more (a model that failed to load never answers)."""
+        if self.drain_file is None:
+            return
+        request_drain(self.drain_file, self.shutdown_grace_s)
+        llm_models = [m for m in self.models if m.startswith("llm_")]
+        wait_drained(self.drain_file, llm_models, self.shutdown_grace_s + DRAIN_MARGIN_S,
+                     keep_waiting=lambda: proc.poll() is None)
 
     def __enter__(self) -> TritonProcess:
         self.start()
@@ -446,12 +477,14 @@ def serve(
     log: Path | None = None,
     exposure: Exposure = Exposure(),
     exit_with_parent: bool = False,
+    shutdown_grace_s: float = SHUTDOWN_GRACE_S,
 ) -> int:
     """Run tritonserver until Ctrl-C / SIGTERM; returns an exit code (2: refused to start).
 
     parameters: config.pbtxt parameters set on every served llm_<variant>, on a temporary copy of
     the repository (the repository itself is not written). log: tritonserver's output goes there.
     exit_with_parent: stop (as on SIGTERM) when the process that started this one ends.
+    shutdown_grace_s: how long open streams may go on once stopping (see `TritonProcess.stop`).
     """
     repository = Path(repository or default_repository())
     available = list_variants(repository)
@@ -471,9 +504,13 @@ def serve(
         if parameters:
             overrides = {f"llm_{v}": dict(parameters) for v in chosen}
             repository = copy_repository(repository, Path(tmp) / "model_repository", overrides)
-        server = TritonProcess(repository, models_for(chosen), http_port, grpc_port, metrics_port, log=log,
-                               host=exposure.host, admin_key=exposure.admin_key,
-                               open_admin_api=exposure.open_admin_api)
+        try:
+            server = TritonProcess(repository, models_for(chosen), http_port, grpc_port, metrics_port, log=log,
+                                   host=exposure.host, admin_key=exposure.admin_key,
+                                   open_admin_api=exposure.open_admin_api, shutdown_grace_s=shutdown_grace_s)
+        except ValueError as e:
+            print(f"serve: {e}", file=sys.stderr)
+            return 2
         return _run_until_stopped(server, chosen, exposure, exit_with_parent)
 
 
@@ -535,9 +572,11 @@ def _run_until_stopped(server: TritonProcess, chosen: list[str], exposure: Expos
             if server.proc is not None and server.proc.poll() is not None:
                 print(f"serve: tritonserver exited with code {server.proc.returncode}", file=sys.stderr)
                 return server.proc.returncode or 1
-        print("serve: stopping ...", flush=True)
-        return 0
+        print(f"serve: stopping (open streams get {server.shutdown_grace_s:g} s to finish) ...", flush=True)
+        code = server.stop()
+        print(f"serve: tritonserver exited with code {code}", flush=True)
+        return 0 if code == 0 else 1
     finally:
-        server.stop()
+        server.stop()  # at once after a start that failed or was interrupted; nothing after a stop
         for s, handler in previous.items():
             signal.signal(s, handler)

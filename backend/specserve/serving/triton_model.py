@@ -56,6 +56,7 @@ from specserve.serving.contract import (
     logprobs_entries,
     output_arrays,
 )
+from specserve.serving.drain import DrainWatch
 from specserve.serving.metrics import RequestStats, ServingMetrics
 from specserve.serving.parsing import PromptTokenizer, parse_decoupled_inputs
 from specserve.serving.repository import llm_inputs, llm_outputs
@@ -355,6 +356,16 @@ class TritonPythonModel:
                 return engine
 
             self.loop.upgrade_when_ready(lambda: precompile.finished(self.compiling), upgraded)
+        self.drain_watch = DrainWatch.from_environment(self.model_name, self._drain, self.closing)
+
+    def _drain(self, timeout_s: float) -> None:
+        """The launcher is stopping the server: new requests are refused, the open ones get
+        `timeout_s` to finish, the rest end with UNAVAILABLE "server shutting down" (see `drain`)."""
+        pb_utils.Logger.log_info(f"{self.model_name}: shutting down; open requests get {timeout_s:.1f} s to finish")
+        self.closing.set()
+        aborted = self.loop.drain(timeout_s)
+        if aborted:
+            pb_utils.Logger.log_info(f"{self.model_name}: {aborted} request(s) ended unfinished at shutdown")
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -400,6 +411,7 @@ class TritonPythonModel:
             self.compiling.kill()
             self.compiling.wait()
         self.loop.shutdown()  # aborts what is left; their FINALs go through the Triton thread
+        self.drain_watch.join()
         self.triton_thread.close()
         _recently_sent.clear()
         self.metrics.close()
