@@ -54,11 +54,12 @@ def main() -> None:
                 for a in range(0, rows, FEW_ROWS):
                     forward(drafter.runner.few_rows, width, PREFIX + a, min(FEW_ROWS, rows - a))
 
-            whole = round(median_ms(lambda rows=rows: forward(drafter.runner.compiled, width, PREFIX, rows), args.repeats), 3)
+            whole = round(median_ms(lambda rows=rows: forward(drafter.runner.compiled, width, PREFIX, rows),
+                                    args.repeats), 3)
             chunks = round(median_ms(chunked, args.repeats), 3)
             rows_ms.append({"rows": rows, "one_forward_ms": whole, "few_row_forwards_ms": chunks})
-            print(f"{args.algorithm} {rows:4d} rows: one forward {whole:7.2f} ms, {FEW_ROWS}-row forwards {chunks:7.2f} ms",
-                  flush=True)
+            print(f"{args.algorithm} {rows:4d} rows: one forward {whole:7.2f} ms, "
+                  f"{FEW_ROWS}-row forwards {chunks:7.2f} ms", flush=True)
     report = {"algorithm": args.algorithm, "few_rows": FEW_ROWS, "prefix": PREFIX, "hardware": describe(),
               "chunked_catch_up": drafter.runner.chunked_catch_up, "rows": rows_ms}
     if args.json:

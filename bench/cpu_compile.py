@@ -63,8 +63,9 @@ def main() -> None:
         for r in runs.values():
             r.run(prompts[i : i + args.batch_size])
 
-    report: dict = {"modes": modes, "dataset": args.dataset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                    "batch_size": args.batch_size, "dtype": base.dtype, "hardware": describe(), "runs": {}}
+    report: dict = {"modes": modes, "dataset": args.dataset, "num_prompts": len(prompts),
+                    "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "dtype": base.dtype,
+                    "hardware": describe(), "runs": {}}
     for name, r in runs.items():
         report["runs"][name] = {"tokens_per_s": round(r.tokens_per_s, 2), "accept_length": round(r.accept_length, 3),
                                 "profile_ms": r.engine.profile.per_step_ms(), "shapes": r.engine.chooser.summary(),

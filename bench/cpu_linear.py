@@ -72,8 +72,8 @@ def few_rows(args: argparse.Namespace) -> None:
         plain = best_seconds(lambda x=x: F.linear(x, weight), repeats=20)
         fast = best_seconds(lambda x=x: few_row_linear(x, weight), repeats=20)
         approx = best_seconds(lambda x=x: int8(x), repeats=20)
-        print(f"rows {t:2d}: F.linear {plain * 1e3:6.2f} ms   few_row_linear {fast * 1e3:6.2f} ms   {plain / fast:.2f}x   "
-              f"Int8Linear {approx * 1e3:6.2f} ms   {plain / approx:.2f}x")
+        print(f"rows {t:2d}: F.linear {plain * 1e3:6.2f} ms   few_row_linear {fast * 1e3:6.2f} ms   "
+              f"{plain / fast:.2f}x   Int8Linear {approx * 1e3:6.2f} ms   {plain / approx:.2f}x")
 
 
 @torch.inference_mode()
@@ -92,7 +92,8 @@ def kernel(args: argparse.Namespace) -> None:
           f"{nbytes / 1e6:.0f} MB of {args.storage} weights")
     for t in args.tokens:
         x = {n: torch.randn(t, n) for n in (args.hidden, args.intermediate)}
-        seconds = best_seconds(lambda x=x: [few_row_gemm.few_row_mm(x[p.shape[1]], p, n) for p, n in weights], repeats=7)
+        seconds = best_seconds(lambda x=x: [few_row_gemm.few_row_mm(x[p.shape[1]], p, n) for p, n in weights],
+                               repeats=7)
         print(f"rows {t:2d}: {seconds * 1e3:6.2f} ms   {nbytes / seconds / 1e9:5.1f} GB/s   "
               f"{2 * t * params / seconds / 1e9:6.1f} GFLOP/s")
 
@@ -104,7 +105,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--few-rows", action="store_true", help="float32 draft logits: F.linear vs few_row_linear vs Int8Linear")
+    parser.add_argument("--few-rows", action="store_true",
+                        help="float32 draft logits: F.linear vs few_row_linear vs Int8Linear")
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--kernel", action="store_true", help="float32 target matrices through the few-row kernel")
     parser.add_argument("--library", default="", help="with --kernel: a built kernel library to load instead")

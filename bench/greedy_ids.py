@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def greedy_ids(algorithms: list[str], num_prompts: int, max_new_tokens: int, batch_size: int) -> dict:
-    import specserve.drafters.eagle_model as eagle_model
-    import specserve.drafters.mtp_model as mtp_model
+    import specserve.models.eagle_head as eagle_model
+    import specserve.models.mtp_head as mtp_model
     from specserve.config import EngineConfig, SamplingParams, SpecConfig
     from specserve.engine.engine import Engine
     from specserve.prepare import default_model_dir
@@ -50,7 +50,8 @@ def greedy_ids(algorithms: list[str], num_prompts: int, max_new_tokens: int, bat
         outs = []
         for i in range(0, len(prompts), batch_size):
             outs += engine.generate(prompts[i : i + batch_size], params)
-        report["runs"][algorithm] = [{"token_ids": o.token_ids, "accept_length": round(o.accept_length, 6)} for o in outs]
+        report["runs"][algorithm] = [{"token_ids": o.token_ids, "accept_length": round(o.accept_length, 6)}
+                                     for o in outs]
         print(f"{algorithm}: {sum(len(o.token_ids) for o in outs)} tokens, accept length "
               f"{sum(o.accept_length for o in outs) / len(outs):.3f}", flush=True)
         del engine

@@ -70,7 +70,8 @@ def replay(examples: list[tuple[list[int], list[int]]], plan: DraftPlan, costs: 
                 options = []
                 for n in (budgets if policy == "oracle" else [int(policy)]):
                     tree = drafter.propose([_Sequence(rid, seq)], DraftShape(n, n - 1, 1))[0]
-                    options.append((min(accept_length(tree, output[j:]), len(output) - j), costs(tree.num_draft_tokens)))
+                    options.append((min(accept_length(tree, output[j:]), len(output) - j),
+                                    costs(tree.num_draft_tokens)))
                 accepted, ms = max(options, key=lambda o: o[0] / o[1])
                 t = totals[policy]
                 t["tokens"], t["steps"], t["ms"] = t["tokens"] + accepted, t["steps"] + 1, t["ms"] + ms

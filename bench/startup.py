@@ -13,7 +13,8 @@ each model's switch to its compiled programs (`--switch-timeout`, 0 = do not wai
 time (greedy, `--after-switch-tokens` tokens each, ignore_eos) and their output tokens a second are
 recorded: how fast the server serves once its start-up is over, to compare a start from empty
 caches with one from filled caches. It writes the seconds of each event and the machine
-(`specserve.hardware.describe`) as JSON, then stops the server. Nothing else heavy should run meanwhile: a 2-core machine's timings are its load.
+(`specserve.hardware.describe`) as JSON, then stops the server. Nothing else heavy should run meanwhile: a 2-core
+machine's timings are its load.
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                 except (GenerateError, OSError) as e:
                     print(f"{model}: {round(time.monotonic() - start, 1)} s: {e}", flush=True)
             time.sleep(0.5)
-        record |= {"server_live_s": live, "answered_s": answered, "all_answered_s": max(answered.values()) if len(answered) == len(models)
-                   else None}
+        record |= {"server_live_s": live, "answered_s": answered,
+                   "all_answered_s": max(answered.values()) if len(answered) == len(models) else None}
         deadline = time.monotonic() + args.switch_timeout
         while len(switched) < len(models) and time.monotonic() < deadline:
             time.sleep(1)

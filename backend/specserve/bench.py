@@ -21,7 +21,6 @@ from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.engine import Engine
 from specserve.engine.profile import StepProfile
 from specserve.hardware import describe
-from specserve.methods import method
 from specserve.models.cpu_linear import PackedLinear
 from specserve.models.llama import RMSNorm
 from specserve.prompts import load_questions, render_chat
@@ -134,7 +133,8 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int) ->
 class HFRun:
     """HF `generate()` at batch 1, greedy; extra kwargs e.g. prompt_lookup_num_tokens."""
 
-    def __init__(self, model: torch.nn.Module, max_new_tokens: int, eos: tuple[int, ...], **generate_kwargs: object) -> None:
+    def __init__(self, model: torch.nn.Module, max_new_tokens: int, eos: tuple[int, ...],
+                 **generate_kwargs: object) -> None:
         self.model = model
         self.kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0],
                            **generate_kwargs)
@@ -167,7 +167,7 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
     The runs are interleaved: each chunk of `batch_size` prompts goes through HF, `none` and every
     algorithm in turn, so a slow spell of a shared machine weighs on all of them alike; the turn
     rotates from one chunk to the next, so no run always follows the same other one."""
-    specs = [s for s in (specs or [config.spec]) if method(s.algorithm).drafts]
+    specs = [s for s in (specs or [config.spec]) if s.method.drafts]
     questions = load_questions(dataset, num_prompts)
     base_engine = Engine(replace(config, spec=SpecConfig(algorithm="none")))
     prompts = [base_engine.tokenizer.encode(render_chat(config.model_dir, q), add_special_tokens=False).ids
@@ -193,7 +193,7 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
 
         hf_model = AutoModelForCausalLM.from_pretrained(config.model_dir, dtype=config.torch_dtype).eval()
         hf = HFRun(hf_model, max_new_tokens, base_engine.eos_ids)
-        if any(method(s.algorithm).hf_lookup_baseline for s in specs):  # HF's own n-gram drafting
+        if any(s.method.hf_lookup_baseline for s in specs):  # HF's own n-gram drafting
             lookup = HFRun(hf_model, max_new_tokens, base_engine.eos_ids, prompt_lookup_num_tokens=10)
     base = EngineRun(base_engine, max_new_tokens)
     runs = {spec.algorithm: EngineRun(Engine(replace(config, spec=spec)), max_new_tokens) for spec in specs}
@@ -257,7 +257,7 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
             if "draft_model_per_forward" in prof:  # a draft model's forward against a plain decode step
                 row["draft_forward_vs_decode"] = round(prof["draft_model_per_forward"]
                                                        / report["baseline_profile_ms"]["forward"], 3)
-        if lookup is not None and method(algorithm).hf_lookup_baseline:
+        if lookup is not None and run.engine.config.spec.method.hf_lookup_baseline:
             row["vs_hf_prompt_lookup"] = round(run.tokens_per_s / lookup.tokens_per_s, 3)
         if hf is not None:
             row["vs_hf"] = round(run.tokens_per_s / hf.tokens_per_s, 3)

@@ -131,7 +131,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specserve.bench import format_profile, run_bench
 
     try:
-        algorithms = [canonical(a) for a in args.algorithm.split(",")]  # "eagle2" -> "eagle"; unknown: ValueError
+        algorithms = [canonical(a) for a in args.algorithm.split(",")]  # an alias -> its method; unknown: ValueError
         report = run_bench(
             config=_engine_config(args, algorithms[0], args.batch_size),
             specs=[_spec(args, a) for a in algorithms],

@@ -16,15 +16,15 @@ from __future__ import annotations
 import functools
 import json
 import math
-import types
 import typing
-from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, field, fields, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from specserve.hardware import auto_dtype
-from specserve.methods import ALGORITHMS, canonical, method
+from specserve.knobs import Knob, check_choices, config_knobs, knob, knob_of
+from specserve.methods import ALGORITHMS, METHODS, Method, canonical
 
 if typing.TYPE_CHECKING:
     import torch
@@ -42,6 +42,12 @@ CPU_BATCHED_TOKENS = 512
 GPU_BATCHED_TOKENS = 8192
 
 
+def shown(value: Any) -> str:
+    """A value (a client's, perhaps) for an error message, cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def resolve_device(device: str) -> str:
     """'auto' (or empty) -> 'cuda' when torch sees a GPU, else 'cpu'; anything else unchanged."""
     if device in ("", "auto"):
@@ -49,74 +55,6 @@ def resolve_device(device: str) -> str:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
-
-
-@dataclass(frozen=True)
-class Knob:
-    """A config field's help and its edges: the CLI flag `--<edge>` and the config.pbtxt
-    parameter `<edge>`, where `edge` is `name` or else the field's name.
-
-    switch: the edges are an on/off switch (a flag without value, a true/false parameter) whose
-    off and on give these field values. no_flag / no_param: why the knob is no CLI flag / no
-    config.pbtxt parameter ("" = it is one). path: a relative path in config.pbtxt is resolved
-    against the project root. required: a field without default whose flag must be given (else
-    the command fills it). aliases: older names of the flag. parse: reads the flag's text (default:
-    the field's type). A tuple field's edge is its items joined by commas. The last four
-    attributes are the field's, filled in by `config_knobs()`.
-    """
-
-    help: str
-    choices: tuple[str, ...] = ()
-    name: str = ""
-    switch: tuple[Any, Any] | None = None
-    path: bool = False
-    no_flag: str = ""
-    no_param: str = ""
-    required: bool = False
-    aliases: tuple[str, ...] = ()
-    parse: Callable[[str], Any] | None = None
-    field: str = ""
-    default: Any = None  # MISSING: a required field
-    type: type = str  # tuple: a tuple of strings
-    optional: bool = False  # None is a value: the edges' empty
-
-    @property
-    def edge(self) -> str:
-        return self.name or self.field
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.edge.replace("_", "-")
-
-    @property
-    def flags(self) -> tuple[str, ...]:
-        """The flag and its older names."""
-        return (self.flag, *("--" + a.replace("_", "-") for a in self.aliases))
-
-    def from_edge(self, value: Any) -> Any:
-        """The field's value for a value at the edge (a switch's bool, a tuple's comma-separated items)."""
-        if self.switch:
-            return self.switch[bool(value)]
-        return tuple(value.split(",")) if self.type is tuple and isinstance(value, str) else value
-
-    def to_edge(self, value: Any) -> Any:
-        """The edge's value for a field value (a switch: whether it is on; a tuple: its items joined by commas)."""
-        if self.switch:
-            return value == self.switch[1]
-        return ",".join(value) if self.type is tuple and isinstance(value, tuple) else value
-
-
-def knob(default: Any = MISSING, **kw: Any) -> Any:
-    """A dataclass field declared with its `Knob` (keyword arguments)."""
-    return field(default=default, metadata={"knob": Knob(**kw)})
-
-
-def _check_choices(config: Any) -> None:
-    """Every knob with choices holds one of them."""
-    for f in fields(config):
-        choices, value = f.metadata["knob"].choices if "knob" in f.metadata else (), getattr(config, f.name)
-        if choices and value not in choices:
-            raise ValueError(f"{f.name}: must be one of {', '.join(choices)}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -219,12 +157,6 @@ class SamplingParams:
             object.__setattr__(self, "temperature", 0.0)
 
     @staticmethod
-    def _shown(value: Any) -> str:
-        """A value for an error message, cut short."""
-        text = repr(value)
-        return text if len(text) <= 60 else text[:57] + "..."
-
-    @staticmethod
     def _is_int(value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 
@@ -232,33 +164,33 @@ class SamplingParams:
         """The float field `name` as a finite float."""
         value = getattr(self, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{name}: must be a number, got {self._shown(value)}")
+            raise ValueError(f"{name}: must be a number, got {shown(value)}")
         try:
             number = float(value)
         except OverflowError:
             number = math.inf
         if not math.isfinite(number):
-            raise ValueError(f"{name}: must be a finite number, got {self._shown(value)}")
+            raise ValueError(f"{name}: must be a finite number, got {shown(value)}")
         return number
 
     def _check_types(self) -> None:
         for name in self._INT_FIELDS:
             if not self._is_int(getattr(self, name)):
-                raise ValueError(f"{name}: must be an integer, got {self._shown(getattr(self, name))}")
+                raise ValueError(f"{name}: must be an integer, got {shown(getattr(self, name))}")
         for name in self._FLOAT_FIELDS:
             object.__setattr__(self, name, self._float(name))
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos: must be true or false, got {self._shown(self.ignore_eos)}")
+            raise ValueError(f"ignore_eos: must be true or false, got {shown(self.ignore_eos)}")
         if self.seed is not None and not (self._is_int(self.seed) and 0 <= self.seed < 2**64):
-            raise ValueError(f"seed: must be an integer in [0, 2**64) or None, got {self._shown(self.seed)}")
+            raise ValueError(f"seed: must be an integer in [0, 2**64) or None, got {shown(self.seed)}")
         if self.logprobs is not None and not self._is_int(self.logprobs):
-            raise ValueError(f"logprobs: must be an integer or None, got {self._shown(self.logprobs)}")
+            raise ValueError(f"logprobs: must be an integer or None, got {shown(self.logprobs)}")
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop: must be a tuple of non-empty strings, got {self._shown(self.stop)}")
+            raise ValueError(f"stop: must be a tuple of non-empty strings, got {shown(self.stop)}")
         salt = self.cache_salt
         if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= self.MAX_CACHE_SALT_CHARS):
             raise ValueError(f"cache_salt: must be a non-empty string of at most {self.MAX_CACHE_SALT_CHARS} "
-                             f"characters, got {self._shown(salt)}")
+                             f"characters, got {shown(salt)}")
 
     def _check_ranges(self) -> None:
         if self.max_tokens <= 0:
@@ -304,8 +236,8 @@ class SpecConfig:
     topk: int = knob(0, help="branching per draft step (0 = SGLang's default)")
     num_draft_tokens: int = knob(0, help="tree size verified, root included (0 = SGLang's default)")
     drafter_path: str | None = knob(None, path=True, help="the drafter: an EAGLE-1/2/3 or MTP head, or "
-                                    "standalone's draft model (empty: none; standalone then drafts with the target's "
-                                    "first standalone_num_layers layers)")
+                                    "the standalone method's draft model (empty: none; that method then drafts with "
+                                    "the target's first standalone_num_layers layers)")
     token_map: str | None = knob(None, path=True, help="FR-Spec hot token ids (.pt) for EAGLE-1/2 "
                                  "(SGLang's --speculative-token-map)")
     standalone_num_layers: int = knob(0, help="standalone without drafter_path: the target's first k layers "
@@ -313,9 +245,9 @@ class SpecConfig:
     disable_by_batch_size: int = knob(0, help="plain decoding for a step whose batch has at least this many requests, "
                                       "where a verify forward of many trees is no longer free (0 = never; vLLM's "
                                       "--speculative-disable-by-batch-size)")
-    adaptive: bool = knob(True, help="each step drafts the tree (or none) among smaller num_draft_tokens than the configured one "
-                          "that measured step costs and acceptance say is fastest; setting num_steps, topk or "
-                          "num_draft_tokens pins one shape")
+    adaptive: bool = knob(True, help="each step drafts the tree (or none) among smaller num_draft_tokens than the "
+                          "configured one that measured step costs and acceptance say is fastest; setting num_steps, "
+                          "topk or num_draft_tokens pins one shape")
     # NGRAM: SGLang's names and defaults
     ngram_min_match_window: int = knob(2, help="shortest suffix looked up (SGLang: 1; measured on MT-bench: the "
                                        "same accept gain from a fifth of the drafts)")
@@ -329,19 +261,24 @@ class SpecConfig:
     ngram_capacity: int = knob(1_000_000, help="n-gram trie nodes per request; the least recent leaves go first")
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "algorithm", canonical(self.algorithm))  # "eagle2" -> "eagle", ...
-        _check_choices(self)
+        object.__setattr__(self, "algorithm", canonical(self.algorithm))  # an alias -> the method's name
+        check_choices(self)
         for name in ("num_steps", "topk", "num_draft_tokens", "disable_by_batch_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        m = method(self.algorithm)
+        m = self.method
         if m.drafts:
             _check_tree_limits(*m.shape(self.num_steps, self.topk, self.num_draft_tokens), self.num_draft_tokens)
         _check_ngram(self)  # whichever method runs: a bad value is an error, not ignored
 
+    @property
+    def method(self) -> Method:
+        """The drafting method (`algorithm` is its canonical name once constructed)."""
+        return METHODS[self.algorithm]
+
     def resolved(self) -> SpecConfig:
         """Fill unset (0) values with the method's default shape (`methods.Method.shape`)."""
-        m = method(self.algorithm)
+        m = self.method
         steps, topk, tokens = m.shape(self.num_steps, self.topk, self.num_draft_tokens)
         if not m.drafts:  # nothing else applies to plain decoding
             return SpecConfig(algorithm=m.name, num_steps=steps, topk=topk, num_draft_tokens=tokens)
@@ -400,7 +337,8 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     num_threads: int | None = knob(None, help="torch intra-op threads (empty = torch's default)")
     attention_backend: str = knob("auto", choices=ATTENTION_BACKENDS,
-                                  help="auto = on CUDA flashinfer when installed (bf16/fp16), else our Triton kernel; torch on CPU")
+                                  help="auto = on CUDA flashinfer when installed (bf16/fp16), else our Triton kernel; "
+                                  "torch on CPU")
     # auto: CUDA graphs on CUDA; off; static: the bucketed forward graphs capture, run without capture
     graph_mode: str = knob("auto", choices=GRAPH_MODES, name="disable_cuda_graph", switch=("auto", "off"),
                            help="run decode / verify eagerly on CUDA (no CUDA graphs)")
@@ -446,10 +384,10 @@ class EngineConfig:
                                                "running requests' prefixes are reused)")
     max_num_batched_tokens: int | None = knob(None, help="prompt tokens a step computes beside the decoding requests: "
                                               "a longer prompt is prefilled in chunks over several steps, while the "
-                                              "running streams keep getting a token each step, beside them no more prompt tokens a step "
-                                              "than prefill_stall_steps allows (vLLM's name; empty = "
-                                              f"{CPU_BATCHED_TOKENS} on CPU, {GPU_BATCHED_TOKENS} on CUDA; 0 = whole "
-                                              "prompts in one step)")
+                                              "running streams keep getting a token each step, beside them no more "
+                                              "prompt tokens a step than prefill_stall_steps allows (vLLM's name; "
+                                              f"empty = {CPU_BATCHED_TOKENS} on CPU, {GPU_BATCHED_TOKENS} on CUDA; "
+                                              "0 = whole prompts in one step)")
     prefill_stall_steps: float = knob(3.0, help="beside decoding requests, a step computes no more prompt tokens than "
                                       "cost this many of their decode steps (measured on this engine's own steps), so "
                                       "a stream's longest gap stays near this plus one decode steps; fewer: smoother "
@@ -459,7 +397,7 @@ class EngineConfig:
         object.__setattr__(self, "device", resolve_device(self.device))  # frozen: resolved once, here
         if self.dtype == "auto":
             object.__setattr__(self, "dtype", auto_dtype(self.device))
-        _check_choices(self)
+        check_choices(self)
         for name in ("max_batch_size", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
@@ -492,27 +430,12 @@ class EngineConfig:
         return Path(self.compile_cache_dir) if self.compile_cache_dir else Path.home() / ".cache/specserve/compiled"
 
 
-def _knob(cls: type, f: Any) -> Knob:
-    hint = typing.get_type_hints(cls)[f.name]
-    kinds = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    kind = next(k for k in kinds if k is not type(None))
-    return replace(f.metadata["knob"], field=f.name, default=f.default, optional=type(None) in kinds,
-                   type=typing.get_origin(kind) or kind)
-
-
-@functools.cache
-def config_knobs(cls: type) -> tuple[Knob, ...]:
-    """The knobs of a config dataclass's fields, in order, their field's attributes filled in
-    (every field must be declared with `knob()`)."""
-    return tuple(_knob(cls, f) for f in fields(cls))
-
-
 @functools.cache
 def knobs() -> tuple[Knob, ...]:
     """Every engine knob: EngineConfig's fields in order, SpecConfig's in place of `spec`."""
     out: list[Knob] = []
     for f in fields(EngineConfig):
-        out += config_knobs(SpecConfig) if f.name == "spec" else [_knob(EngineConfig, f)]
+        out += config_knobs(SpecConfig) if f.name == "spec" else [knob_of(EngineConfig, f)]
     return tuple(out)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specserve.config import SpecConfig
-from specserve.methods import method
 from specserve.tree import DraftShape
 from specserve_kernels import MAX_NODES
 
@@ -56,7 +55,7 @@ class DraftPlan:
         resolved = spec.resolved()
         shape = DraftShape(resolved.num_draft_tokens, resolved.num_steps, resolved.topk)
         pinned = not spec.adaptive or bool(spec.num_steps or spec.topk or spec.num_draft_tokens)
-        drafts = method(resolved.algorithm).drafts
+        drafts = resolved.method.drafts
         menu = shape_menu(shape.num_steps, shape.topk, shape.num_draft_tokens) if drafts and not pinned else (shape,)
         return cls(resolved, shape, menu, pinned, scratch=shape.scratch)
 

@@ -62,7 +62,7 @@ DRAFTERS = "specserve.drafters"
 class Method:
     """Everything that differs from one drafting method to the next. Adding a method: a row in
     `METHODS` and, for a new kind of drafter, its class (`drafter`); a new head format also goes
-    into `drafters.heads.HEADS` under the method's name."""
+    into `models.draft_heads.HEADS` under the method's name."""
 
     name: str
     title: str  # for people: the paper's name
@@ -103,16 +103,18 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            aliases=("base",)),
     Method("ngram", "NGRAM", "n-gram drafts from the request's own tokens", f"{DRAFTERS}.ngram:NgramDrafter",
            ngram_chain, hf_lookup_baseline=True),
-    Method("eagle", "EAGLE-2", "EAGLE-2 (EAGLE-1/2 heads) with an FR-Spec token map", f"{DRAFTERS}.eagle:EagleDrafter",
+    Method("eagle", "EAGLE-2", "EAGLE-2 (EAGLE-1/2 heads) with an FR-Spec token map", f"{DRAFTERS}.head:HeadDrafter",
            sglang_tree, head_features="hidden", token_map=True, served=_served("eagle", token_map=True),
            recipe=Recipe("EAGLE-2", steps=3, alone_steps=1, feature_noise=0.2, feature_regression=True),
            aliases=("eagle2",)),
-    Method("eagle3", "EAGLE-3", "EAGLE-3", f"{DRAFTERS}.eagle:EagleDrafter", sglang_tree, head_features="aux_hidden",
+    Method("eagle3", "EAGLE-3", "EAGLE-3", f"{DRAFTERS}.head:HeadDrafter", sglang_tree, head_features="aux_hidden",
            served=_served("eagle3"), recipe=Recipe("EAGLE-3", steps=5, alone_steps=5)),
-    Method("mtp", "MTP", "a DeepSeek-layout MTP head with its hot-vocabulary token map", f"{DRAFTERS}.eagle:EagleDrafter",
+    Method("mtp", "MTP", "a DeepSeek-layout MTP head with its hot-vocabulary token map", f"{DRAFTERS}.head:HeadDrafter",
            one_mtp_step, head_features="hidden", token_map=True, head_in_target=True,
-           served=_served("mtp", token_map=True), recipe=Recipe("MTP (DeepSeek-V3 NextN layout)", steps=3, alone_steps=3)),
-    Method("standalone", "standalone draft model", "a small draft model at drafter_path, else the target's first layers",
+           served=_served("mtp", token_map=True),
+           recipe=Recipe("MTP (DeepSeek-V3 NextN layout)", steps=3, alone_steps=3)),
+    Method("standalone", "standalone draft model",
+           "a small draft model at drafter_path, else the target's first layers",
            f"{DRAFTERS}.standalone:StandaloneDrafter", sglang_tree, draft_model=True),
 )}
 ALGORITHMS = tuple(METHODS)

@@ -117,7 +117,8 @@ def bench_steps(cfg: ModelConfig, device: torch.device, batch_sizes: list[int], 
     attention = resolve_attention(attention, device, dtype)
     # the KV cache each request reads per step: every layer's K and V over the context
     kv_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * context * dtype.itemsize
-    report = {"shape": asdict(cfg), "attention": attention, "context": context, "weight_bytes": weight_bytes_per_step(model),
+    report = {"shape": asdict(cfg), "attention": attention, "context": context,
+              "weight_bytes": weight_bytes_per_step(model),
               "kv_bytes_per_request": kv_bytes, "copy_bandwidth_gbs": bandwidth / 1e9,
               "bandwidth_floor_ms": floor * 1e3, "decode": [], "verify": []}
 
@@ -184,7 +185,8 @@ def bench_variants(model_dir: str, device: torch.device, algorithms: list[str], 
             for mode in (["auto", "off"] if graphs and eager_too else ["auto"] if graphs else ["off"]):
                 engine = Engine(replace(base, spec=spec, graph_mode=mode))
                 run = run_engine(engine, prompts, max_new_tokens)
-                rows.append({"algorithm": alg, "shape": shape_name, "cuda_graph": mode == "auto" and device.type == "cuda",
+                rows.append({"algorithm": alg, "shape": shape_name,
+                             "cuda_graph": mode == "auto" and device.type == "cuda",
                              "attention": engine.runner.attention, "tokens_per_s": run["tokens_per_s"],
                              "accept_length": run["accept_length"], "profile_ms": engine.profile.per_step_ms()})
                 log.info("%s", rows[-1])
@@ -238,8 +240,8 @@ def markdown(report: dict) -> str:
     lines = []
     if "steps" in report:
         s = report["steps"]
-        lines += [f"decode/verify steps, {report['device']}, {s['attention']} attention, context {s['context']}, weights "
-                  f"{s['weight_bytes'] / 1e9:.2f} GB, copy {s['copy_bandwidth_gbs']:.0f} GB/s, "
+        lines += [f"decode/verify steps, {report['device']}, {s['attention']} attention, context {s['context']}, "
+                  f"weights {s['weight_bytes'] / 1e9:.2f} GB, copy {s['copy_bandwidth_gbs']:.0f} GB/s, "
                   f"floor {s['bandwidth_floor_ms']:.3f} ms", ""]
         cols = [c for c in s["decode"][0] if c != "batch_size"]
         lines += ["| batch | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
@@ -283,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"device": name, "torch": torch.__version__}
     if not args.skip_steps:
         report["steps"] = bench_steps(SHAPES[args.shape], device, [int(b) for b in args.batch_sizes.split(",")],
-                                      [int(t) for t in args.num_draft_tokens.split(",")], args.context, args.iters, graphs,
-                                      args.attention)
+                                      [int(t) for t in args.num_draft_tokens.split(",")], args.context, args.iters,
+                                      graphs, args.attention)
     if not args.skip_variants:
         from specserve.prepare import default_model_dir
 

@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         f"first token {first or 0:.3f}s; finish {last.finish_reason if last else None}; "
         f"prompt {int(stats.get('num_input_tokens', 0))} tokens; "
         f"accept length {stats.get('accept_length', 0):.2f}; "
-        f"drafts accepted {int(stats.get('total_accepted_draft_tokens', 0))}/{int(stats.get('total_draft_tokens', 0))}]",
+        f"drafts accepted {int(stats.get('total_accepted_draft_tokens', 0))}/"
+        f"{int(stats.get('total_draft_tokens', 0))}]",
         file=sys.stderr,
     )
     return 0

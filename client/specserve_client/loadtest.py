@@ -97,7 +97,8 @@ def run_perf_analyzer(url: str, model: str, data: Path, concurrency: int, num_re
     if proc.returncode != 0:
         hint = " (apt-get install libb64-0d)" if "libb64" in proc.stderr else ""
         errors = [line for line in (proc.stderr + proc.stdout).splitlines() if "rror" in line][:5]
-        raise RuntimeError(f"perf_analyzer failed{hint}: {' '.join(cmd)}\n" + "\n".join(errors or [proc.stderr[-2000:]]))
+        raise RuntimeError(f"perf_analyzer failed{hint}: {' '.join(cmd)}\n"
+                           + "\n".join(errors or [proc.stderr[-2000:]]))
     return export
 
 
@@ -202,14 +203,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"concurrency {c} ...", flush=True)
             export = run_perf_analyzer(url, model, data, c, max(args.num_prompts, c), args.out)
             points.append(summarize(export, c))
-            print(f"  {points[-1].output_tokens_per_s:.1f} output tok/s, TTFT {points[-1].mean_ttft_ms:.0f} ms", flush=True)
+            print(f"  {points[-1].output_tokens_per_s:.1f} output tok/s, TTFT {points[-1].mean_ttft_ms:.0f} ms",
+                  flush=True)
     title = f"{model}: {args.max_tokens} output tokens, {args.dataset}"
     table = markdown(points, title)
     (args.out / "loadtest.md").write_text(table)
     (args.out / "loadtest.json").write_text(json.dumps([asdict(p) for p in points], indent=2))
     plotted = plot(points, title, args.out / "loadtest.png")
     print(table)
-    print(f"wrote {args.out}/loadtest.md, loadtest.json" + (", loadtest.png" if plotted else " (no matplotlib: no plot)"))
+    print(f"wrote {args.out}/loadtest.md, loadtest.json"
+          + (", loadtest.png" if plotted else " (no matplotlib: no plot)"))
     return 0
 
 

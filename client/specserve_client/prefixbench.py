@@ -23,8 +23,8 @@ The long texts (the shared system prompt, the long prompts) are drawn from --see
 with another seed shares nothing with the measured one but the chat header.
 
 Requests reuse open gRPC connections, as a serving client does (`--connection-per-request`
-opens one for each instead). Each scenario reports the `num_cached_tokens` its responses carry (`responses`: summed over every
-request it sent) and, with --metrics-url, how much the server's
+opens one for each instead). Each scenario reports the `num_cached_tokens` its responses carry (`responses`: summed
+over every request it sent) and, with --metrics-url, how much the server's
 `specserve:prompt_tokens_cached_total` / `_computed_total` grew meanwhile. The report
 is JSON. This module talks to a server; it starts none and imports nothing of the server package.
 """
@@ -321,7 +321,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scenarios", default="multi_turn,shared_system,long_prompt")
     p.add_argument("--system", default=DEFAULT_SYSTEM, help="the system turn of multi_turn and long_prompt")
     p.add_argument("--conversations", type=int, default=8, help="multi_turn: MT-bench conversations")
-    p.add_argument("--turn-tokens", type=int, default=64, help="tokens each answer may have (multi_turn, shared_system)")
+    p.add_argument("--turn-tokens", type=int, default=64,
+                   help="tokens each answer may have (multi_turn, shared_system)")
     p.add_argument("--system-tokens", type=int, default=1000, help="shared_system: the system prompt's length (about)")
     p.add_argument("--shared-requests", type=int, default=16)
     p.add_argument("--shared-concurrency", type=int, default=4)

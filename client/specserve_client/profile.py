@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     with server_for(args.variant, args.url, args.repository) as url:
         for concurrency in [int(c) for c in args.concurrency.split(",")]:
             artifacts = args.out / f"c{concurrency}"
-            cmd = genai_perf_command(args.genai_perf, url, model, args.backend, args.tokenizer, concurrency, args.requests,
-                                     args.input_tokens, args.output_tokens, artifacts)
+            cmd = genai_perf_command(args.genai_perf, url, model, args.backend, args.tokenizer, concurrency,
+                                     args.requests, args.input_tokens, args.output_tokens, artifacts)
             print(" ".join(cmd), flush=True)
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             (args.out / f"genai_perf_c{concurrency}.log").write_text(proc.stdout + proc.stderr)

@@ -129,7 +129,8 @@ def one_request(client: grpcclient.InferenceServerClient, model: str, values: di
     outputs = ["output_ids"] + (["text_output"] if text is not None else [])
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        client.async_stream_infer(model, grpc_inputs(values, trtllm_format), request_id=request_id, enable_empty_final_response=True,
+        client.async_stream_infer(model, grpc_inputs(values, trtllm_format), request_id=request_id,
+                                  enable_empty_final_response=True,
                                   outputs=[grpcclient.InferRequestedOutput(name) for name in outputs])
         while True:
             try:
@@ -144,7 +145,8 @@ def one_request(client: grpcclient.InferenceServerClient, model: str, values: di
             if response.outputs:
                 tokens += result.as_numpy("output_ids").size
                 if text is not None:
-                    text += [t.decode() if isinstance(t, bytes) else str(t) for t in result.as_numpy("text_output").reshape(-1)]
+                    text += [t.decode() if isinstance(t, bytes) else str(t)
+                             for t in result.as_numpy("text_output").reshape(-1)]
             seen += 1
             if response.parameters["triton_final_response"].bool_param:
                 finals += 1
@@ -253,8 +255,9 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
         "connection_per_request": connection_per_request, "kinds": list(kinds),
         "outcomes": dict(sorted(outcomes.items())),
         "requests": sum(outcomes.values()), "failures": failures[:50], "num_failures": len(failures),
-        "gauges_after": gauges, "engine_aborts": aborted, "rss_mb": {"first": memory[0]["rss_mb"], "after_1_min": after_first_minute[0],
-                                           "max": max(m["rss_mb"] for m in memory), "last": memory[-1]["rss_mb"]},
+        "gauges_after": gauges, "engine_aborts": aborted,
+        "rss_mb": {"first": memory[0]["rss_mb"], "after_1_min": after_first_minute[0],
+                   "max": max(m["rss_mb"] for m in memory), "last": memory[-1]["rss_mb"]},
         "rss_growth_after_1_min_mb": growth_after(memory, 60), "switched_to_compiled_s": switched_s,
         "rss_growth_after_start_up_mb": growth, "start_up_ends_s": steady_from, "max_rss_growth_mb": max_rss_growth_mb,
         "cached_tokens_max": cached_max, "prefix_cache_max_tokens": cache_max_tokens,

@@ -205,7 +205,8 @@ def grpc_stream_inputs(url: str, model: str, inputs: list[Any], timeout_s: float
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         start = time.perf_counter()
         client.async_stream_infer(
-            model, inputs, outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS], enable_empty_final_response=True
+            model, inputs, outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS],
+            enable_empty_final_response=True
         )
         while True:
             try:

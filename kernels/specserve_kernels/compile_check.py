@@ -342,7 +342,8 @@ def run_check(archs: list[int], select: str = "", keys_only: bool = False, jobs:
                 rows = list(pool.map(compile_variant, variants.values(), [arch] * len(variants)))
         report[str(arch)] = {"launches": per_launch, "variants": rows}
         for row in rows:
-            report["failures"] += [f"sm_{arch} {row['kernel']} ({row['launches'][0]}): {f}" for f in row.get("faults", [])]
+            report["failures"] += [f"sm_{arch} {row['kernel']} ({row['launches'][0]}): {f}"
+                                   for f in row.get("faults", [])]
     return report
 
 
@@ -360,7 +361,8 @@ def summary_lines(report: dict) -> Iterator[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specserve_kernels.compile_check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specserve_kernels.compile_check",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--arch", default="90,80", help="compute capabilities, comma-separated (90 = H100, 80 = A100)")
     parser.add_argument("--json", type=Path, help="write the full report here")
     parser.add_argument("--select", default="", help="only the launches whose label contains this text")

@@ -183,5 +183,5 @@ def few_row_linears(module: nn.Module) -> Iterator[int]:
             setattr(parent, name, child)
 
 
-__all__ = ["FewRowLinear", "bf16_exact", "few_row_linears", "few_row_mm", "few_row_mm_reference", "load", "loaded", "pack",
-           "supported", "unpack"]
+__all__ = ["FewRowLinear", "bf16_exact", "few_row_linears", "few_row_mm", "few_row_mm_reference", "load", "loaded",
+           "pack", "supported", "unpack"]

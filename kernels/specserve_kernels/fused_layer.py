@@ -36,7 +36,8 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, x_out_ptr, y_ptr, H, eps, BLOCK: t
     tl.store(y_ptr + row * H + i, (normed * w).to(dtype), mask=ok)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, RMSNorm(x + delta) * weight), as HF Llama: the sum rounded to the dtype, the norm
     in float32 and rounded, then scaled by the weight in the dtype.
 

@@ -22,8 +22,8 @@ QUEUE = 16  # more than the 16 concurrent streams of one test minus the 4 slots
 # the compiled programs from the first request on (tests/e2e/test_startup.py serves while they build), on
 # every step, as the reference engine: outputs do not depend on which path start-up timings pick, and no
 # model spends its start timing paths (the choice is the unit tests' subject; test_startup serves it)
-ENGINE_PARAMS = {"max_batch_size": str(SLOTS), "max_seq_len": str(MAX_SEQ_LEN), "dtype": DTYPE, "max_queue_size": str(QUEUE),
-                 "serve_while_compiling": "false", "compiled_steps": "always"}
+ENGINE_PARAMS = {"max_batch_size": str(SLOTS), "max_seq_len": str(MAX_SEQ_LEN), "dtype": DTYPE,
+                 "max_queue_size": str(QUEUE), "serve_while_compiling": "false", "compiled_steps": "always"}
 VARIANTS = ("none", "ngram", "eagle", "eagle3", "mtp", "standalone")
 
 
@@ -63,7 +63,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path, e2e: E2E
 
 @pytest.fixture(scope="session")
 def tokenizer(smollm2_dir: Path):
-    from specserve.serving.parsing import PromptTokenizer
+    from specserve.serving.tokenizer import PromptTokenizer
 
     return PromptTokenizer(smollm2_dir)
 

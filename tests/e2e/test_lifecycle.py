@@ -31,6 +31,7 @@ from specserve_client.stream import OUTPUTS, grpc_inputs, request_inputs
 pytestmark = pytest.mark.e2e
 
 TIMEOUT_S = 120
+BARE_EXIT_WAIT_S = 30  # a bare tritonserver exits within its 10 s exit timeout, streams ended or not
 QUIET_S = 0.5  # after a FINAL, how long a stream is watched for anything more
 SWITCHED = "switched to its compiled programs"
 CRASH_MARKS = ("Segmentation fault", "Traceback", "Fatal Python error")
@@ -213,7 +214,7 @@ def test_sigterm_to_a_bare_tritonserver_with_streams_in_flight_ends_each_with_on
     streams[0].first_delta()
     none_server.proc.send_signal(signal.SIGTERM)
     for stream in streams:
-        stream.finish()
+        stream.finish(BARE_EXIT_WAIT_S)
         assert stream.finals == 1
         assert stream.error is None or "shutting down" in stream.error
     assert none_server.proc.wait(TIMEOUT_S) == 0

@@ -62,7 +62,8 @@ def quick_request_works(server) -> None:
 def test_grpc_stream(server, tokenizer, reference_engine):
     ids = tokenizer.encode(PROMPT, True)
     ref = reference(reference_engine, [ids], 24)[0]
-    deltas = list(grpc_stream(server.grpc_url, "llm_none", PROMPT, max_tokens=24, apply_chat_template=True, timeout_s=TIMEOUT_S))
+    deltas = list(grpc_stream(server.grpc_url, "llm_none", PROMPT, max_tokens=24, apply_chat_template=True,
+                              timeout_s=TIMEOUT_S))
     assert len(deltas) > 1, "a stream of deltas, not one response"
     assert all(d.finish_reason is None for d in deltas[:-1])
     last = deltas[-1]
@@ -75,23 +76,30 @@ def test_grpc_stream(server, tokenizer, reference_engine):
 
 
 def test_grpc_stream_false_sends_one_response(server):
-    streamed = collect(grpc_stream(server.grpc_url, "llm_none", PROMPT, max_tokens=12, apply_chat_template=True, timeout_s=TIMEOUT_S))
-    single = collect(grpc_stream(server.grpc_url, "llm_none", PROMPT, max_tokens=12, apply_chat_template=True, stream=False, timeout_s=TIMEOUT_S))
+    streamed = collect(grpc_stream(server.grpc_url, "llm_none", PROMPT, max_tokens=12, apply_chat_template=True,
+                                   timeout_s=TIMEOUT_S))
+    single = collect(grpc_stream(server.grpc_url, "llm_none", PROMPT, max_tokens=12, apply_chat_template=True,
+                                 stream=False, timeout_s=TIMEOUT_S))
     assert single.num_responses == 1  # + a flag-only FINAL, which ends the generator
-    assert (single.text, single.token_ids, single.finish_reason) == (streamed.text, streamed.token_ids, streamed.finish_reason)
+    assert ((single.text, single.token_ids, single.finish_reason)
+            == (streamed.text, streamed.token_ids, streamed.finish_reason))
 
 
 def test_http_generate(server):
-    streamed = collect(grpc_stream(server.grpc_url, "llm_none", PROMPT, max_tokens=12, apply_chat_template=True, timeout_s=TIMEOUT_S))
-    g = http_generate(server.http_url, "llm_none", PROMPT, max_tokens=12, apply_chat_template=True)  # Triton fails /generate on >1 response
+    streamed = collect(grpc_stream(server.grpc_url, "llm_none", PROMPT, max_tokens=12, apply_chat_template=True,
+                                   timeout_s=TIMEOUT_S))
+    # Triton fails /generate on >1 response
+    g = http_generate(server.http_url, "llm_none", PROMPT, max_tokens=12, apply_chat_template=True)
     assert (g.text, g.token_ids, g.finish_reason) == (streamed.text, streamed.token_ids, streamed.finish_reason)
     assert g.stats["num_output_tokens"] == len(g.token_ids)
-    echoed = http_generate(server.http_url, "llm_none", PROMPT, max_tokens=12, apply_chat_template=True, exclude_input_in_output=False)
+    echoed = http_generate(server.http_url, "llm_none", PROMPT, max_tokens=12, apply_chat_template=True,
+                           exclude_input_in_output=False)
     assert echoed.text == PROMPT + streamed.text
 
 
 def test_http_generate_stream(server):
-    streamed = collect(grpc_stream(server.grpc_url, "llm_none", PROMPT, max_tokens=12, apply_chat_template=True, timeout_s=TIMEOUT_S))
+    streamed = collect(grpc_stream(server.grpc_url, "llm_none", PROMPT, max_tokens=12, apply_chat_template=True,
+                                   timeout_s=TIMEOUT_S))
     sse = collect(http_generate_stream(server.http_url, "llm_none", PROMPT, max_tokens=12, apply_chat_template=True))
     assert sse.num_responses > 1
     assert (sse.text, sse.token_ids, sse.finish_reason) == (streamed.text, streamed.token_ids, streamed.finish_reason)
@@ -100,9 +108,10 @@ def test_http_generate_stream(server):
 def test_ensemble_takes_the_trtllm_format(server):
     """ensemble_none (preprocessing -> llm_none) takes TensorRT-LLM's [1, 1] tensors and answers as
     llm_none does; llm_none takes vLLM's [1] tensors, and each refuses the other's shapes."""
-    direct = collect(grpc_stream(server.grpc_url, "llm_none", PROMPT, max_tokens=10, apply_chat_template=True, timeout_s=TIMEOUT_S))
-    via_ensemble = collect(grpc_stream(server.grpc_url, "ensemble_none", PROMPT, max_tokens=10, apply_chat_template=True,
-                                       trtllm_format=True, timeout_s=TIMEOUT_S))
+    direct = collect(grpc_stream(server.grpc_url, "llm_none", PROMPT, max_tokens=10, apply_chat_template=True,
+                                 timeout_s=TIMEOUT_S))
+    via_ensemble = collect(grpc_stream(server.grpc_url, "ensemble_none", PROMPT, max_tokens=10,
+                                       apply_chat_template=True, trtllm_format=True, timeout_s=TIMEOUT_S))
     assert (via_ensemble.text, via_ensemble.token_ids) == (direct.text, direct.token_ids)
     assert via_ensemble.stats["num_input_tokens"] == direct.stats["num_input_tokens"]
     with pytest.raises(GenerateError, match="shape"):
@@ -142,7 +151,8 @@ def test_openai_frontend_trtllm_request_through_the_ensemble(server):
 
 def test_vllm_style_payload_with_string_values(server):
     g = collect(grpc_stream(
-        server.grpc_url, "llm_none", PROMPT, timeout_s=TIMEOUT_S, exclude_input_in_output=True, apply_chat_template=True,
+        server.grpc_url, "llm_none", PROMPT, timeout_s=TIMEOUT_S, exclude_input_in_output=True,
+        apply_chat_template=True,
         sampling_parameters='{"max_tokens": "6", "min_tokens": "6", "ignore_eos": "true"}',
     ))  # what genai-perf sends with --streaming and fixed output lengths
     assert len(g.token_ids) == 6 and g.finish_reason == "length"
@@ -165,7 +175,8 @@ def test_openai_frontend_vllm_request_gets_usage_and_logprobs(server, tokenizer,
     names = ["output_ids", "num_input_tokens", "num_output_tokens", "logprobs", "cumulative_logprob", "finish_reason"]
     try:
         client.start_stream(callback=lambda result, error: results.put((result, error)))
-        client.async_stream_infer("llm_none", grpc_inputs(values), outputs=[grpcclient.InferRequestedOutput(n) for n in names])
+        client.async_stream_infer("llm_none", grpc_inputs(values),
+                                  outputs=[grpcclient.InferRequestedOutput(n) for n in names])
         responses = []
         while not responses or not responses[-1]["finish_reason"][0]:
             result, error = results.get(timeout=TIMEOUT_S)
@@ -262,7 +273,8 @@ def _start_long_stream(url: str, model: str, prompt: str, max_tokens: int, trtll
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     values = request_inputs(prompt, max_tokens=max_tokens, ignore_eos=True)
-    client.async_stream_infer(model, grpc_inputs(values, trtllm_format), outputs=[grpcclient.InferRequestedOutput("output_ids")])
+    client.async_stream_infer(model, grpc_inputs(values, trtllm_format),
+                              outputs=[grpcclient.InferRequestedOutput("output_ids")])
     return client, results
 
 
@@ -283,7 +295,8 @@ def test_cancellation_frees_the_slots(server, e2e):
     """stop_stream(cancel_requests=True) on requests to the decoupled model aborts them at the next
     engine step: a request queued behind them starts at once."""
     aborted_before = _finished(server, "abort")
-    streams = [_start_long_stream(server.grpc_url, "llm_none", f"Count from {i} to 1000.", 256) for i in range(e2e.slots)]
+    streams = [_start_long_stream(server.grpc_url, "llm_none", f"Count from {i} to 1000.", 256)
+               for i in range(e2e.slots)]
     try:
         for _, results in streams:  # every slot is busy decoding a 256-token request
             _, error = results.get(timeout=TIMEOUT_S)
@@ -307,7 +320,8 @@ def test_cancellation_frees_the_slots(server, e2e):
 def test_a_full_queue_answers_unavailable_and_the_server_keeps_serving(server, e2e):
     """Every slot busy and max_queue_size requests waiting: the next request gets UNAVAILABLE at
     once, naming the limit; once they are cancelled, requests run again and the gauges read 0."""
-    streams = [_start_long_stream(server.grpc_url, "llm_none", f"Count from {i} to 1000.", 256) for i in range(e2e.slots)]
+    streams = [_start_long_stream(server.grpc_url, "llm_none", f"Count from {i} to 1000.", 256)
+               for i in range(e2e.slots)]
     try:
         for _, results in streams:
             assert results.get(timeout=TIMEOUT_S)[1] is None  # decoding
@@ -317,7 +331,8 @@ def test_a_full_queue_answers_unavailable_and_the_server_keeps_serving(server, e
         start = time.perf_counter()
         with pytest.raises(GenerateError, match="max_queue_size"):
             collect(grpc_stream(server.grpc_url, "llm_none", "Hi", max_tokens=4, timeout_s=TIMEOUT_S))
-        assert time.perf_counter() - start < 5.0  # refused at once (the UNAVAILABLE code: tests/unit/test_triton_model.py)
+        # refused at once (the UNAVAILABLE code: tests/unit/test_triton_model.py)
+        assert time.perf_counter() - start < 5.0
     finally:
         for client, _ in streams:
             client.stop_stream(cancel_requests=True)
@@ -399,7 +414,8 @@ def test_concurrent_streams_each_get_their_own_tokens(server, tokenizer, referen
 
     def client(prompt: str):
         barrier.wait()  # 16 requests at once on 4 slots: 12 must queue, none dropped
-        return collect(grpc_stream(server.grpc_url, "llm_none", prompt, max_tokens=16, apply_chat_template=True, timeout_s=TIMEOUT_S))
+        return collect(grpc_stream(server.grpc_url, "llm_none", prompt, max_tokens=16, apply_chat_template=True,
+                                   timeout_s=TIMEOUT_S))
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(client, prompts))
@@ -414,7 +430,8 @@ def test_ngram_variant_is_lossless_and_drafts(server, e2e, tokenizer, reference_
     prompt = "Repeat this list twice: red, green, blue, yellow, red, green, blue, yellow."
     ids = tokenizer.encode(prompt, True)
     ref = reference(reference_engine, [ids], 32)[0]
-    g = collect(grpc_stream(server.grpc_url, "llm_ngram", prompt, max_tokens=32, apply_chat_template=True, timeout_s=TIMEOUT_S))
+    g = collect(grpc_stream(server.grpc_url, "llm_ngram", prompt, max_tokens=32, apply_chat_template=True,
+                            timeout_s=TIMEOUT_S))
     assert g.token_ids == ref.token_ids and g.text == ref.text
     assert g.stats["total_draft_tokens"] > 0
     assert metric(server, "specserve:spec_decode_num_draft_tokens_total", model="llm_ngram") > 0

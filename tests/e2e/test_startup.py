@@ -27,7 +27,8 @@ EAGER, SWITCHED = "serving eagerly while its compiled programs build", "switched
 
 
 @pytest.fixture(scope="module")
-def started(tmp_path_factory: pytest.TempPathFactory, engine_params: dict[str, str]) -> Iterator[tuple[LocalServer, Path]]:
+def started(tmp_path_factory: pytest.TempPathFactory,
+            engine_params: dict[str, str]) -> Iterator[tuple[LocalServer, Path]]:
     """llm_eagle3 started as the client's benchmarks start a server (`specserve serve` as a command);
     once the module is done, tritonserver is gone."""
     log = tmp_path_factory.mktemp("triton-startup") / "tritonserver.log"

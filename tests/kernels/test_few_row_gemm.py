@@ -1,7 +1,8 @@
 """The AVX2 few-row matmul (`specserve_kernels.few_row_gemm`) against torch: every row count a step
 can have, output widths that are not a multiple of the panel, rows bit-identical whatever they are
-multiplied with, bf16 storage giving the float32 products bit for bit, `FewRowLinear` as `nn.Linear`, the swap for an export, and the op inside an
-AOTInductor program. Skipped where the kernel cannot run (no AVX2 / FMA, no g++ or ninja)."""
+multiplied with, bf16 storage giving the float32 products bit for bit, `FewRowLinear` as `nn.Linear`, the swap for an
+export, and the op inside an AOTInductor program. Skipped where the kernel cannot run (no AVX2 / FMA, no g++ or
+ninja)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def test_bf16_storage_gives_the_float32_products_bit_for_bit(n, k):
     weight = torch.randn(n, k, generator=g).bfloat16().float()
     as_float, as_bf16 = few_row_gemm.pack(weight), few_row_gemm.pack(weight, torch.bfloat16)
     assert as_bf16.dtype == torch.bfloat16 and as_bf16.shape == as_float.shape
-    assert torch.equal(few_row_gemm.unpack(as_bf16, n), weight) and torch.equal(few_row_gemm.unpack(as_float, n), weight)
+    assert (torch.equal(few_row_gemm.unpack(as_bf16, n), weight)
+            and torch.equal(few_row_gemm.unpack(as_float, n), weight))
     for m in range(0, 18):
         x = torch.randn(m, k, generator=g)
         assert torch.equal(few_row_gemm.few_row_mm(x, as_bf16, n), few_row_gemm.few_row_mm(x, as_float, n)), m
@@ -93,7 +95,8 @@ def test_few_row_linear_is_nn_linear(bias):
     linear = nn.Linear(40, 70, bias=bias)
     x = torch.randn(2, 3, 40)
     with torch.inference_mode():
-        torch.testing.assert_close(few_row_gemm.FewRowLinear(linear.weight, linear.bias)(x), linear(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(few_row_gemm.FewRowLinear(linear.weight, linear.bias)(x), linear(x),
+                                   rtol=1e-5, atol=1e-5)
 
 
 class _Tiny(nn.Module):

@@ -12,7 +12,6 @@ from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.draft_plan import shape_menu
 from specserve.engine.adaptive import ShapeChooser
 from specserve.engine.engine import Engine
-from specserve.engine.warm_up import warm_up
 from specserve.runtime.paths import PathChooser
 from specserve.tree import DraftShape
 
@@ -138,7 +137,7 @@ def test_a_drafter_that_costs_more_than_it_saves_is_left_idle(tmp_path, tiny_tar
         return propose(seqs, shape)
 
     eng.drafter.propose = slow
-    warm_up(eng)  # remeasure with the slow drafter
+    eng.warm_up()  # remeasure with the slow drafter
     calls.clear()
     params = SamplingParams(max_tokens=160, ignore_eos=True)
     out = eng.generate([list(range(10, 40))], params)[0]
@@ -183,7 +182,8 @@ def test_a_drafter_without_catch_up_has_every_draft_timed(tiny_target_dir):
     picks, seen = iter(plan), []
     observe = eng.chooser.observe
     eng.chooser.choose = lambda batch_size: next(picks)
-    eng.chooser.observe = lambda bs, shape, seconds, *a, **kw: (seen.append(seconds), observe(bs, shape, seconds, *a, **kw))
+    eng.chooser.observe = lambda bs, shape, seconds, *a, **kw: (seen.append(seconds),
+                                                                 observe(bs, shape, seconds, *a, **kw))
     eng.generate([list(range(10, 70))], SamplingParams(max_tokens=len(plan) + 1, ignore_eos=True))
     assert len(seen) >= 3 and all(seconds is not None for seconds in seen)  # step 3 drafted after a plain one
 

@@ -36,7 +36,8 @@ class PagedPrefillReference:
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
              custom_mask=None, causal=False, q_data_type=None, kv_data_type=None):
-        self.plans.append(dict(qo_indptr=qo_indptr.tolist(), kv_indptr=kv_indptr.tolist(), kv_indices=kv_indices.tolist(),
+        self.plans.append(dict(qo_indptr=qo_indptr.tolist(), kv_indptr=kv_indptr.tolist(),
+                               kv_indices=kv_indices.tolist(),
                                last_page_len=last_page_len.tolist(), page_size=page_size, causal=causal,
                                custom_mask=None if custom_mask is None else custom_mask.clone()))
 

@@ -73,7 +73,8 @@ def every_import(tree: ast.Module) -> list[tuple[int, str]]:
 
 
 def test_every_import_sees_function_bodies():
-    tree = ast.parse("import os\ndef f():\n    from specserve.config import X\n    class C:\n        import specserve\n")
+    tree = ast.parse("import os\ndef f():\n    from specserve.config import X\n"
+                     "    class C:\n        import specserve\n")
     assert every_import(tree) == [(1, "os"), (3, "specserve"), (5, "specserve")]
 
 
@@ -98,7 +99,8 @@ def loads_by_name(tree: ast.Module) -> list[int]:
 
 
 def test_nothing_under_client_loads_a_module_by_name():
-    tree = ast.parse("import importlib\nx = __import__('a')\ny = importlib.import_module('b')\nimportlib.util.find_spec('c')\n")
+    tree = ast.parse("import importlib\nx = __import__('a')\ny = importlib.import_module('b')\n"
+                     "importlib.util.find_spec('c')\n")
     assert loads_by_name(tree) == [2, 3]
     offending = [f"{path.relative_to(CLIENT_DIR)}:{line}" for path in sorted(CLIENT_DIR.rglob("*.py"))
                  for line in loads_by_name(ast.parse(path.read_text(), filename=str(path)))]

@@ -194,9 +194,9 @@ def test_a_running_program_lets_the_other_python_threads_run(tiny_target_dir, co
 
 def test_the_key_covers_the_code_the_programs_are_traced_from(monkeypatch):
     """An edit to the model's or a head's code is another program, not a stale one from the cache."""
-    import specserve.drafters.eagle_model as eagle_model
-    import specserve.drafters.mtp_model as mtp_model
+    import specserve.models.eagle_head as eagle_model
     import specserve.models.llama as llama
+    import specserve.models.mtp_head as mtp_model
     import specserve.runtime.compiled as compiled
 
     sources = compiled.traced_sources()
@@ -279,8 +279,8 @@ def test_a_package_that_does_not_load_after_compiling_is_compiled_once_and_set_a
 
 def _engine(tiny_target_dir, compile_dir, cpu_compile, algorithm="none", **spec):
     return Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", max_batch_size=4,
-                               max_seq_len=128, cpu_compile=cpu_compile, compile_cache_dir=str(compile_dir), compiled_steps="always",
-                               spec=SpecConfig(algorithm=algorithm, **spec)))
+                               max_seq_len=128, cpu_compile=cpu_compile, compile_cache_dir=str(compile_dir),
+                               compiled_steps="always", spec=SpecConfig(algorithm=algorithm, **spec)))
 
 
 @pytest.mark.parametrize("algorithm", ["none", "ngram", "eagle", "eagle3"])
@@ -325,7 +325,8 @@ def test_compiled_head_matches_eager(tmp_path, tiny_target_dir, compile_dir, alg
                 num_draft_tokens=6)
     compiled = _engine(tiny_target_dir, compile_dir, True, algorithm, **spec).drafter
     eager = _engine(tiny_target_dir, compile_dir, False, algorithm, **spec).drafter
-    assert compiled.runner.compiled is not None and compiled.runner.few_rows is not None and eager.runner.compiled is None
+    assert (compiled.runner.compiled is not None and compiled.runner.few_rows is not None
+            and eager.runner.compiled is None)
     ran = {"head": 0, "few rows": 0}
     for name, program in (("head", compiled.runner.compiled), ("few rows", compiled.runner.few_rows)):
         for width, runner in program.runners.items():
@@ -370,7 +371,7 @@ def test_a_catch_up_in_few_row_chunks_matches_one_forward(tmp_path, tiny_target_
     two requests, one with a longer backlog than the other, after a prefix each."""
     from test_eagle import write_checkpoint
 
-    from specserve.runtime.head import CHUNKED_CATCH_UP_ROWS
+    from specserve.runtime.head_runner import CHUNKED_CATCH_UP_ROWS
 
     spec = dict(drafter_path=str(write_checkpoint(tmp_path / algorithm, algorithm)), num_steps=3, topk=2,
                 num_draft_tokens=6)

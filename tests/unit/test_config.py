@@ -79,11 +79,13 @@ def test_a_temperature_below_the_sampling_eps_decodes_greedily(temperature, stor
 
 
 def test_spec_defaults_follow_sglang():
-    assert SpecConfig(algorithm="eagle").resolved() == SpecConfig(algorithm="eagle", num_steps=5, topk=4, num_draft_tokens=8)
+    assert SpecConfig(algorithm="eagle").resolved() == SpecConfig(algorithm="eagle", num_steps=5, topk=4,
+                                                                  num_draft_tokens=8)
     chain = SpecConfig(algorithm="eagle3", num_steps=3, topk=1, num_draft_tokens=9).resolved()
     assert chain.num_draft_tokens == 4  # topk=1 forces num_steps + 1
     assert SpecConfig(algorithm="ngram").resolved().num_draft_tokens == 12
-    assert SpecConfig(algorithm="mtp").resolved() == SpecConfig(algorithm="mtp", num_steps=1, topk=2, num_draft_tokens=3)
+    assert SpecConfig(algorithm="mtp").resolved() == SpecConfig(algorithm="mtp", num_steps=1, topk=2,
+                                                                num_draft_tokens=3)
     assert SpecConfig(algorithm="mtp", num_steps=3, topk=1).resolved().num_draft_tokens == 4  # a chain of 3
     with pytest.raises(ValueError, match="^algorithm"):
         SpecConfig(algorithm="medusa")

@@ -155,7 +155,8 @@ def test_a_kind_gpu_instance_runs_on_the_gpu_triton_placed_it_on(device_id):
     config = engine_config_from_parameters({}, "GPU", device_id)
     assert (config.device, config.dtype) == (f"cuda:{device_id}", "bfloat16")
     assert engine_config_from_parameters({"device": "cuda"}, "GPU", device_id).device == f"cuda:{device_id}"
-    assert engine_config_from_parameters({"device": f"cuda:{device_id}"}, "GPU", device_id).device == f"cuda:{device_id}"
+    assert (engine_config_from_parameters({"device": f"cuda:{device_id}"}, "GPU", device_id).device
+            == f"cuda:{device_id}")
 
 
 def test_kind_cpu_and_kind_model_instances_keep_the_device_parameter():

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.bench import weight_bytes_per_token
-from specserve.drafters.eagle_model import SharedLmHead
 from specserve.models.cpu_linear import PackedLinear, can_pack, pack_for_inference, pack_linears
+from specserve.models.eagle_head import SharedLmHead
 from specserve.models.kv_cache import KVCache
 from specserve.models.weights import load_llama
 

@@ -23,8 +23,8 @@ VOCAB = 49152
 def _engine(tiny_target_dir, graph_mode, algorithm="none", batch=4, cuda_graph_max_bs=0, **kw):
     spec = SpecConfig(algorithm=algorithm, **kw)
     return Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", cpu_compile=False,
-                               max_batch_size=batch, max_seq_len=256, graph_mode=graph_mode, cuda_graph_max_bs=cuda_graph_max_bs,
-                               spec=spec))
+                               max_batch_size=batch, max_seq_len=256, graph_mode=graph_mode,
+                               cuda_graph_max_bs=cuda_graph_max_bs, spec=spec))
 
 
 def _prompts(n=6):
@@ -115,8 +115,8 @@ def test_static_engine_eagle3_slices_aux_features(tmp_path, tiny_target_dir):
 @pytest.mark.parametrize("graph_mode", ["static", "off"])
 @pytest.mark.parametrize(("algorithm", "num_steps", "topk", "num_draft_tokens"),
                          [("eagle", 4, 2, 8), ("eagle3", 3, 1, 4), ("eagle3", 3, 4, 12)])
-def test_device_beam_builds_the_host_drafts_trees(tmp_path, tiny_target_dir, algorithm, num_steps, topk, num_draft_tokens,
-                                                  graph_mode):
+def test_device_beam_builds_the_host_drafts_trees(tmp_path, tiny_target_dir, algorithm, num_steps, topk,
+                                                  num_draft_tokens, graph_mode):
     """Every propose (the on-device beam: static, as `DraftGraphs` captures it, padded to its
     bucket; or eager, keys cut to the longest request) gives the trees the host's
     `DynamicTreeBuilder` gives for the same drafter state. Static buckets 1, 2, 4
@@ -145,7 +145,8 @@ def test_device_beam_builds_the_host_drafts_trees(tmp_path, tiny_target_dir, alg
     ref = _engine(tiny_target_dir, "off")
     for n in (5, 3, 1):
         prompts = _prompts(6)[:n]
-        assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in ref.generate(prompts, params)]
+        assert ([o.token_ids for o in eng.generate(prompts, params)]
+                == [o.token_ids for o in ref.generate(prompts, params)])
     assert set(compared) == {3, 1} and set(above) == {5}
 
 
@@ -192,7 +193,8 @@ def test_a_bucket_whose_capture_fails_runs_eagerly_and_the_engine_serves(tmp_pat
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
     plan = RuntimePlan.from_config
-    monkeypatch.setattr(RuntimePlan, "from_config", classmethod(lambda cls, c: dataclasses.replace(plan(c), capture=True)))
+    monkeypatch.setattr(RuntimePlan, "from_config",
+                        classmethod(lambda cls, c: dataclasses.replace(plan(c), capture=True)))
     monkeypatch.setattr(cuda_graph, "capture", failing_capture)
     monkeypatch.setattr(cuda_graph.torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(cuda_graph.torch.cuda, "memory_allocated", lambda device=None: 0)

@@ -1,5 +1,5 @@
 """EAGLE-1/2 and EAGLE-3 heads on tiny random checkpoints written with the published key names;
-EagleDrafter in the engine (lossless, cache refresh) and its agreement with the training unroll."""
+HeadDrafter in the engine (lossless, cache refresh) and its agreement with the training unroll."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
-from specserve.drafters.eagle_model import load_eagle, save_eagle
 from specserve.engine.engine import Engine
+from specserve.models.eagle_head import load_eagle, save_eagle
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import rope_table
 from specserve.models.weights import load_llama
@@ -100,8 +100,8 @@ def test_eagle_fc_bias(tmp_path, target):
     assert head.fc.bias is not None
 
 
-@pytest.mark.parametrize(("algorithm", "key"), [("eagle", "layers.0.mlp.up_proj.weight"), ("eagle3", "midlayer.hidden_norm.weight"),
-                                           ("eagle3", "d2t")])
+@pytest.mark.parametrize(("algorithm", "key"), [("eagle", "layers.0.mlp.up_proj.weight"),
+                                                ("eagle3", "midlayer.hidden_norm.weight"), ("eagle3", "d2t")])
 def test_missing_key_is_named(tmp_path, target, algorithm, key):
     with pytest.raises(KeyError, match=key.replace(".", r"\.")):
         load_eagle(write_checkpoint(tmp_path / algorithm, algorithm, drop=key), target, torch.float32)
@@ -119,7 +119,8 @@ def test_save_load_round_trip(tmp_path, target, algorithm):
     tokens, feats = torch.randint(0, VOCAB, (1, 5)), torch.randn(1, 5, head.cfg.feature_size)
 
     def dense(attn, x):
-        q, k, v = attn.project(x, *(r[:5][None, :, None] for r in rope_table(head.cfg.layer_config(), 5, torch.float32)))
+        q, k, v = attn.project(x, *(r[:5][None, :, None]
+                                    for r in rope_table(head.cfg.layer_config(), 5, torch.float32)))
         o = torch.nn.functional.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                                              enable_gqa=True)
         return attn.o_proj(o.transpose(1, 2).reshape(1, 5, -1))
@@ -163,7 +164,8 @@ def test_greedy_lossless_with_continuous_batching(tmp_path, tiny_target_dir, alg
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     ref = _engine(tiny_target_dir).generate(_prompts(), params)
     # batch 2 for 4 prompts: requests join and leave mid-run
-    eng = _engine(tiny_target_dir, algorithm, batch=2, drafter_path=str(path), num_steps=steps, topk=topk, num_draft_tokens=ndt)
+    eng = _engine(tiny_target_dir, algorithm, batch=2, drafter_path=str(path), num_steps=steps, topk=topk,
+                  num_draft_tokens=ndt)
     outs = eng.generate(_prompts(), params)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert all(o.num_draft_tokens > 0 for o in outs)
@@ -182,7 +184,7 @@ def test_greedy_lossless_with_continuous_batching(tmp_path, tiny_target_dir, alg
 def test_int8_draft_logits_stay_lossless(tmp_path, tiny_target_dir, monkeypatch, algorithm):
     """The draft logits through int8 weights (as on a CPU where that is timed faster): the drafts
     change at most, the outputs do not."""
-    from specserve.drafters import eagle_model
+    from specserve.models import eagle_head as eagle_model
     from specserve.models.cpu_linear import Int8Linear
 
     monkeypatch.setattr(eagle_model, "fastest_logits_layer", Int8Linear)
@@ -202,8 +204,8 @@ def test_draft_cache_matches_recompute_and_training_unroll(tmp_path, tiny_target
     recompute over the whole sequence with fresh target features, and (2) a chain draft (topk=1)
     equals the training-time-test unroll of `train_drafter` at the last position."""
     steps = 4
-    eng = _engine(tiny_target_dir, algorithm, batch=1, drafter_path=str(write_checkpoint(tmp_path / algorithm, algorithm)),
-                  num_steps=steps, topk=1)
+    eng = _engine(tiny_target_dir, algorithm, batch=1,
+                  drafter_path=str(write_checkpoint(tmp_path / algorithm, algorithm)), num_steps=steps, topk=1)
     rid = eng.add_request(_prompts()[3], SamplingParams(max_tokens=40, ignore_eos=True))
     for _ in range(4):
         eng.step()

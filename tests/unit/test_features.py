@@ -55,7 +55,8 @@ def test_a_stopped_dump_goes_on_from_its_last_complete_shard(tmp_path, dumped, t
     dump(DumpConfig(**kw))
     assert (tmp_path / "shard-00000.safetensors").stat().st_mtime_ns == before  # kept, not recomputed
     index = json.loads((tmp_path / "index.json").read_text())
-    assert index["tokens_this_run"] == index["tokens"] - int(load_file(dumped / "shard-00000.safetensors")["offsets"][-1])
+    assert (index["tokens_this_run"]
+            == index["tokens"] - int(load_file(dumped / "shard-00000.safetensors")["offsets"][-1]))
     for name in ("shard-00001.safetensors", "shard-00002.safetensors"):
         a, b = load_file(dumped / name), load_file(tmp_path / name)
         assert all(torch.equal(a[k], b[k]) for k in a)

@@ -37,7 +37,8 @@ def test_variants_part_writes_one_json_as_it_goes(tmp_path, tiny_target_dir):
                       "none,ngram", "--num-prompts", "1", "--max-new-tokens", "4", "--graphs-only", "--json", str(out)])
     assert rc == 0
     rows = json.loads(out.read_text())["variants"]
-    assert [(r["algorithm"], r["shape"]) for r in rows] == [("none", "pinned"), ("ngram", "pinned"), ("ngram", "adaptive")]
+    assert [(r["algorithm"], r["shape"]) for r in rows] == [("none", "pinned"), ("ngram", "pinned"),
+                                                            ("ngram", "adaptive")]
     assert all(r["tokens_per_s"] > 0 and not r["cuda_graph"] for r in rows)
 
 

@@ -36,9 +36,11 @@ def test_the_gpu_command_runs_on_cpu_and_returns_its_files(tmp_path, tiny_target
     subprocess.run(["tar", "-cf", str(tmp_path / "corpus.tar"), "-C", str(tmp_path), "corpus"], check=True)
     prompts = export_prompts(tmp_path / "prompts.jsonl", str(data_file), 0)
     env = os.environ | {"DEVICE": "cpu", "MINUTES": "0.6", "ANSWER_TOKENS": "60", "WORK": str(tmp_path / "work"),
-                        "PYTHON": sys.executable, "TRAIN_ARGS": f"--model-dir {tiny_target_dir} --holdout 2 --dtype float32"}
+                        "PYTHON": sys.executable,
+                        "TRAIN_ARGS": f"--model-dir {tiny_target_dir} --holdout 2 --dtype float32"}
     out = tmp_path / "out"
-    subprocess.run([str(SCRIPT), str(out), str(tmp_path / "corpus.tar"), str(prompts)], env=env, check=True, timeout=120)
+    subprocess.run([str(SCRIPT), str(out), str(tmp_path / "corpus.tar"), str(prompts)], env=env, check=True,
+                   timeout=120)
     names = sorted(p.name for p in out.iterdir())
     assert names[-2:] == ["train-drafters.json", "train.log"] and len(names) <= 8
     assert {n.split(".")[0] for n in names[:-2]} == {"eagle3", "eagle", "mtp", "corpus"}
@@ -56,7 +58,8 @@ def test_a_dump_stopped_by_its_time_limit_goes_on(tmp_path, tiny_target_dir, dat
     with pytest.raises(ValueError, match="not complete"):
         FeatureStore(tmp_path)
     dump(DumpConfig(**kw))
-    assert json.loads((tmp_path / "index.json").read_text())["complete"] is True and len(FeatureStore(tmp_path).samples) == 12
+    assert (json.loads((tmp_path / "index.json").read_text())["complete"] is True
+            and len(FeatureStore(tmp_path).samples) == 12)
 
 
 def test_a_paused_training_goes_on_to_the_same_end(tmp_path, tiny_target_dir, data_file):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from specserve.engine.engine import Engine
 from specserve.serving.parameters import engine_config_from_parameters
-from specserve.serving.parsing import PromptTokenizer
+from specserve.serving.tokenizer import PromptTokenizer
 from specserve_client import servebench
 from specserve_client.datasets import load_prompts
 

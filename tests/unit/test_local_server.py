@@ -10,7 +10,8 @@ from specserve_client import local_server as ls
 
 
 def test_a_server_that_cannot_start_is_reported_with_its_output():
-    with pytest.raises(RuntimeError, match="unknown variant"), ls.local_server("no_such_variant", startup_timeout_s=120):
+    with (pytest.raises(RuntimeError, match="unknown variant"),
+          ls.local_server("no_such_variant", startup_timeout_s=120)):
         pass
 
 

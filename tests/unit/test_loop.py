@@ -141,7 +141,8 @@ def test_an_upgrade_under_constant_load_takes_over_while_the_old_engine_finishes
     lock = threading.Lock()
 
     def submit(i: int) -> None:
-        loop.submit([i, i], SamplingParams(max_tokens=1), lambda out: out.finished and (lock.acquire(), ended.append(out.request_id), lock.release()))
+        loop.submit([i, i], SamplingParams(max_tokens=1),
+                    lambda out: out.finished and (lock.acquire(), ended.append(out.request_id), lock.release()))
 
     try:
         for i in range(4):
@@ -308,7 +309,8 @@ def _tiny_engine(tiny_target_dir, **config):
     from specserve.engine.engine import Engine
 
     config = {"max_batch_size": 2, "max_seq_len": 128, **config}
-    return Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", cpu_compile=False, **config))
+    return Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", cpu_compile=False,
+                               **config))
 
 
 def _slots(load: EngineLoad) -> tuple[int, int, int]:

@@ -10,9 +10,9 @@ import pytest
 
 from specserve.cli import build_parser, main
 from specserve.config import SpecConfig
-from specserve.drafters.eagle_model import HEAD_CLASSES
-from specserve.drafters.heads import HEADS
 from specserve.methods import ALGORITHMS, ALIASES, HEAD_METHODS, METHODS, canonical, method
+from specserve.models.draft_heads import HEADS
+from specserve.models.eagle_head import HEAD_CLASSES
 from specserve.serving.repository import VARIANTS, served_drafter
 from specserve.serving.server import list_variants
 from specserve.training.configs import RECIPES, HeadsConfig, TrainConfig
@@ -99,10 +99,12 @@ def _method_name_tables(path: Path) -> list[str]:
     per-method table kept somewhere other than `methods.METHODS`."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        items = node.keys if isinstance(node, ast.Dict) else node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else []
+        items = (node.keys if isinstance(node, ast.Dict)
+                 else node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else [])
         names = {i.value for i in items if isinstance(i, ast.Constant) and (i.value in METHODS or i.value in ALIASES)}
         if len(names) >= 2:
-            found.append(f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}:{node.lineno} {sorted(names)}")
+            found.append(f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}:"
+                         f"{node.lineno} {sorted(names)}")
     return found
 
 
@@ -144,7 +146,7 @@ def test_a_method_is_built_from_its_row(monkeypatch):
 
     row = dataclasses.replace(METHODS["none"], name="plain2", drafter="specserve.drafters.base:NoDrafter")
     monkeypatch.setitem(METHODS, "plain2", row)
-    spec = types.SimpleNamespace(algorithm="plain2")  # what build_drafter reads of a SpecConfig
+    spec = types.SimpleNamespace(method=row)  # what build_drafter reads of a SpecConfig
     built = []
     monkeypatch.setattr(NoDrafter, "build", classmethod(lambda cls, spec, ctx: built.append(cls) or "drafter"))
     assert factory.build_drafter(spec, None) == "drafter" and built == [NoDrafter]

@@ -12,9 +12,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
-from specserve.drafters.mtp_model import load_mtp, save_mtp
 from specserve.engine.engine import Engine
 from specserve.models.llama import rope_table
+from specserve.models.mtp_head import load_mtp, save_mtp
 from specserve.models.weights import load_llama
 
 H, HEADS, KV, INTER, LAYERS, VOCAB = 64, 4, 2, 128, 8, 49152  # as tiny_target_dir

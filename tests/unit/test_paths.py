@@ -11,7 +11,8 @@ import pytest
 
 from specserve.draft_plan import shape_menu
 from specserve.engine.adaptive import ShapeChooser
-from specserve.runtime.paths import Clocks, PathChooser, StartupTiming, time_interleaved
+from specserve.estimates import Clocks, StartupTiming, time_interleaved
+from specserve.runtime.paths import PathChooser
 
 KEY = (1, 1)
 BOUND = 50  # steps within which a wrong figure must be undone

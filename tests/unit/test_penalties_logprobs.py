@@ -56,10 +56,12 @@ def test_token_logprobs_ranks_and_alternatives():
 
 def _engine(tiny_target_dir, algorithm: str, batch: int) -> Engine:
     return Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", cpu_compile=False,
-                               max_batch_size=batch, max_seq_len=256, spec=SpecConfig(algorithm=algorithm, adaptive=False)))
+                               max_batch_size=batch, max_seq_len=256,
+                               spec=SpecConfig(algorithm=algorithm, adaptive=False)))
 
 
-PROMPTS = [[int(t) for t in torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(n))] * 3 for n in (4, 7, 5)]
+PROMPTS = [[int(t) for t in torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(n))] * 3
+           for n in (4, 7, 5)]
 
 
 @pytest.mark.parametrize("algorithm", ["ngram", "standalone"])

@@ -18,7 +18,7 @@ def test_beside_decoding_a_step_adds_at_most_stall_decode_steps_of_prompt_work()
     budget = PrefillBudget(limit=512, stall=3.0)
     budget.observe(0.030, prompt_tokens=0, decoding=True)  # a decode step: 30 ms
     budget.observe(0.030 + 0.256, prompt_tokens=512, decoding=True)  # 512 tokens beside it: 0.5 ms each
-    assert budget.token_s == pytest.approx(0.0005)
+    assert budget.prompt.slope == pytest.approx(0.0005)
     assert budget.tokens(decoding=True, unlimited=4096) == 180  # 3 x 30 ms / 0.5 ms
     assert budget.tokens(decoding=False, unlimited=4096) == 512  # alone: the whole limit
 
@@ -26,20 +26,25 @@ def test_beside_decoding_a_step_adds_at_most_stall_decode_steps_of_prompt_work()
 def test_a_prompt_only_step_measures_the_token_cost_and_zero_means_whole_prompts():
     budget = PrefillBudget(limit=0)
     budget.observe(0.5, prompt_tokens=1000, decoding=False)
-    assert budget.token_s == pytest.approx(0.0005)
+    assert budget.prompt.slope == pytest.approx(0.0005)
     assert budget.tokens(decoding=False, unlimited=4096) == 4096
     budget.observe(0.01, prompt_tokens=0, decoding=True)
     assert budget.tokens(decoding=True, unlimited=4096) == 60
 
 
 def test_estimates_follow_the_machine_and_a_prompt_always_progresses():
-    budget = PrefillBudget(limit=512, smoothing=0.5)
+    budget = PrefillBudget(limit=512, horizon=2)
     budget.observe(0.010, prompt_tokens=0, decoding=True)
     budget.observe(0.030, prompt_tokens=0, decoding=True)  # the machine slowed down
     assert budget.decode_s == pytest.approx(0.020)
-    budget.observe(0.010 + 10.0, prompt_tokens=100, decoding=True)  # a stall: 0.1 s a token
+    budget.observe(0.050, prompt_tokens=0, decoding=True)  # past the horizon: a moving average
+    assert budget.decode_s == pytest.approx(0.035)
+    budget.observe(0.035 + 10.0, prompt_tokens=100, decoding=True)  # a stall: 0.1 s a token
     assert budget.tokens(decoding=True, unlimited=4096) == MIN_CHUNK
-    assert PrefillBudget(limit=7, decode_s=0.01, token_s=1.0).tokens(decoding=True, unlimited=64) == 7
+    small = PrefillBudget(limit=7)
+    small.observe(0.01, prompt_tokens=0, decoding=True)
+    small.observe(1.0, prompt_tokens=1, decoding=False)
+    assert small.tokens(decoding=True, unlimited=64) == 7
 
 
 def test_a_fixed_cost_per_forward_does_not_shrink_the_chunks_to_the_floor():
@@ -55,5 +60,5 @@ def test_a_fixed_cost_per_forward_does_not_shrink_the_chunks_to_the_floor():
     for _ in range(3):  # a long prompt beside the streams
         n = budget.tokens(decoding=True, unlimited=4096)
         budget.observe(0.035 + cost(n), prompt_tokens=n, decoding=True)
-    assert budget.overhead_s == pytest.approx(0.030) and budget.token_s == pytest.approx(0.0004)
+    assert budget.prompt.intercept == pytest.approx(0.030) and budget.prompt.slope == pytest.approx(0.0004)
     assert budget.tokens(decoding=True, unlimited=4096) == 187

@@ -198,7 +198,8 @@ def test_prefix_metrics_follow_the_engine_load(triton_model):  # noqa: F811
 
     m.set_load(EngineLoad(0, 1, 1, prefix_cache_tokens=50, prompt_tokens_reused=30, prompt_tokens_computed=70))
     m.set_load(EngineLoad(0, 1, 1, prefix_cache_tokens=20, prompt_tokens_reused=30, prompt_tokens_computed=75))
-    m.set_load(EngineLoad(0, 0, 0, prefix_cache_tokens=0, prompt_tokens_reused=4, prompt_tokens_computed=6))  # a new engine
+    # a new engine
+    m.set_load(EngineLoad(0, 0, 0, prefix_cache_tokens=0, prompt_tokens_reused=4, prompt_tokens_computed=6))
     assert values("prefix_cache_tokens") == [50.0, 20.0, 0.0]
     assert values("prompt_tokens_cached_total") == [30.0, 4.0]
     assert values("prompt_tokens_computed_total") == [70.0, 5.0, 6.0]

@@ -14,7 +14,8 @@ def test_the_command_is_a_streaming_kserve_vllm_profile_without_warmup(tmp_path)
     cmd = genai_perf_command(Path("gp"), "localhost:8001", "llm_none", "vllm", "models/m", 4, 16, 128, 64, tmp_path)
     line = " ".join(cmd)
     assert cmd[:2] == ["gp", "profile"] and "--streaming" in cmd
-    assert "--endpoint-type kserve --backend vllm" in line and "--concurrency 4" in line and "--request-count 16" in line
+    assert ("--endpoint-type kserve --backend vllm" in line and "--concurrency 4" in line
+            and "--request-count 16" in line)
     assert "-m llm_none" in line and f"--artifact-dir {tmp_path}" in line
     assert "warmup" not in line  # tritonclient 2.50's perf_analyzer never ends a decoupled measurement with it
 

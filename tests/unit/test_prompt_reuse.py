@@ -41,8 +41,8 @@ def float32_draft_logits(monkeypatch):
     """Every engine's draft heads keep their float32 output layer: `fastest_logits_layer` picks an
     int8 one where it times faster, which on a busy machine differs from one engine to the next, and
     the drafts compared here would differ with it."""
-    import specserve.drafters.eagle_model as eagle_model
-    import specserve.drafters.mtp_model as mtp_model
+    import specserve.models.eagle_head as eagle_model
+    import specserve.models.mtp_head as mtp_model
 
     for module in (eagle_model, mtp_model):
         monkeypatch.setattr(module, "fastest_logits_layer", lambda weight, rows=(1, 4): None)
@@ -97,7 +97,7 @@ class Drafts:
 
 def run_script(engine: Engine, arrivals) -> dict[str, object]:
     """Add each prompt at its step, step until all finish; the merged output per name."""
-    from specserve.engine.engine import merge_outputs
+    from specserve.engine.outputs import merge_outputs
 
     merged, step = {}, 0
     pending = sorted(arrivals, key=lambda a: a[0])
@@ -234,7 +234,8 @@ def test_prompt_work_beside_decoding_streams_is_sized_by_measured_step_times(tin
     the same prompt alone gets the configured 256 a step."""
     engine = make_engine(tiny_target_dir, slots=3, max_seq_len=512, budget=256, prefill_stall_steps=stall)
     engine.prefill_budget.observe = lambda *args: None
-    engine.prefill_budget.decode_s, engine.prefill_budget.token_s = 0.010, 0.0005
+    engine.prefill_budget.decode.add(0.010)
+    engine.prefill_budget.prompt.slope = 0.0005
 
     def computed_per_step(rid: str) -> list[int]:
         per_step = []

@@ -14,7 +14,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from specserve.prompts import ChatTemplate, chat_template, render_chat
 from specserve.serving.contract import RequestError
-from specserve.serving.parsing import PromptTokenizer
+from specserve.serving.tokenizer import PromptTokenizer
 
 TEXTS = ["Hello", "héllo wörld 🤖\n\n  two spaces", "<|im_start|>user\nx<|im_end|>", "",
          "a template in the text: {{ x }} {% raw %}", "日本語のテキスト"]
@@ -84,7 +84,7 @@ def test_a_model_without_a_chat_template_is_a_request_error(smollm2_dir, tmp_pat
 
 
 def test_prompts_load_without_transformers_or_torch(smollm2_dir):
-    code = ("import sys; from specserve.serving.parsing import PromptTokenizer; "
+    code = ("import sys; from specserve.serving.tokenizer import PromptTokenizer; "
             f"t = PromptTokenizer({str(smollm2_dir)!r}); t.encode('hi', True); t.decode_token(5); "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

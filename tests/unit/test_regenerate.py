@@ -27,8 +27,9 @@ def test_first_turns_are_the_users_first_messages(data_file):
 
 
 def regen(tmp_path, tiny_target_dir, data_file, **kw):
-    return regenerate(RegenerateConfig(model_dir=str(tiny_target_dir), out=str(tmp_path / "corpus"), data=str(data_file),
-                                       max_prompt_tokens=64, max_new_tokens=6, batch_size=2, dtype="float32", **kw))
+    return regenerate(RegenerateConfig(model_dir=str(tiny_target_dir), out=str(tmp_path / "corpus"),
+                                       data=str(data_file), max_prompt_tokens=64, max_new_tokens=6, batch_size=2,
+                                       dtype="float32", **kw))
 
 
 def test_regenerate_appends_the_targets_greedy_answers(tmp_path, tiny_target_dir, data_file):

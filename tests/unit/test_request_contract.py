@@ -108,7 +108,8 @@ def test_trtllm_style_tensors():
 def test_vllm_style_sampling_parameters():
     params = {"max_tokens": 10, "temperature": 0.7, "top_p": 0.95, "top_k": -1, "seed": 3, "stop": ["END"],
               "ignore_eos": True, "n": 1, "presence_penalty": 0.0, "skip_special_tokens": True, "logprobs": None}
-    p = parse_request(req(sampling_parameters=sp(params), stream=flag(True), exclude_input_in_output=flag(True)), LIMITS)
+    p = parse_request(req(sampling_parameters=sp(params), stream=flag(True), exclude_input_in_output=flag(True)),
+                      LIMITS)
     assert p.request.params == SamplingParams(
         max_tokens=10, temperature=0.7, top_p=0.95, top_k=0, seed=3, stop=("END",), ignore_eos=True
     )
@@ -168,7 +169,8 @@ def test_openai_frontend_trtllm_request_replayed():
 
 def test_genai_perf_string_values():
     # genai-perf --streaming with deterministic output lengths sends numbers as strings
-    p = parse_request(req(sampling_parameters=sp({"max_tokens": "24", "min_tokens": "24", "ignore_eos": "true"})), LIMITS)
+    p = parse_request(req(sampling_parameters=sp({"max_tokens": "24", "min_tokens": "24", "ignore_eos": "true"})),
+                      LIMITS)
     assert (p.request.params.max_tokens, p.request.params.min_tokens, p.request.params.ignore_eos) == (24, 24, True)
     p = parse_request(req(sampling_parameters=sp({"temperature": "0.25", "top_p": "1", "max_tokens": "16.0"})), LIMITS)
     assert (p.request.params.temperature, p.request.params.top_p, p.request.params.max_tokens) == (0.25, 1.0, 16)
@@ -560,7 +562,8 @@ def test_decoupled_inputs_from_preprocessing():
 
 
 def test_decoupled_inputs_direct_contract():
-    ids, out = parse_decoupled_inputs(req("ab", apply_chat_template=flag(True), stream=flag(True)), LIMITS, FakeTokenizer())
+    ids, out = parse_decoupled_inputs(req("ab", apply_chat_template=flag(True), stream=flag(True)), LIMITS,
+                                      FakeTokenizer())
     assert ids == [1, 97, 98, 2] and out.stream is True
 
 
@@ -569,13 +572,16 @@ def test_decoupled_inputs_direct_contract():
     [
         ({"input_ids": np.array([1], dtype=np.int32)}, "input_ids"),  # without request_config
         ({"input_ids": np.array([1], dtype=np.int32), "request_config": b("{}"), "text_input": b("x")}, "input_ids"),
-        ({"input_ids": np.array([], dtype=np.int32), "request_config": encode_request_config(GenerateRequest(SamplingParams()))}, "input_ids"),
-        ({"input_ids": np.array([1.0], dtype=np.float32), "request_config": encode_request_config(GenerateRequest(SamplingParams()))}, "input_ids"),
+        ({"input_ids": np.array([], dtype=np.int32),
+          "request_config": encode_request_config(GenerateRequest(SamplingParams()))}, "input_ids"),
+        ({"input_ids": np.array([1.0], dtype=np.float32),
+          "request_config": encode_request_config(GenerateRequest(SamplingParams()))}, "input_ids"),
         ({"input_ids": np.zeros(256, dtype=np.int32),
           "request_config": encode_request_config(GenerateRequest(SamplingParams()))}, "input_ids"),
         ({"input_ids": np.array([1], dtype=np.int32), "request_config": b(config({"top_k": 5.5}).decode())},
          "top_k"),
-        ({"input_ids": np.array([1], dtype=np.int32), "request_config": encode_request_config(GenerateRequest(SamplingParams(max_tokens=999)))}, "max_tokens"),
+        ({"input_ids": np.array([1], dtype=np.int32),
+          "request_config": encode_request_config(GenerateRequest(SamplingParams(max_tokens=999)))}, "max_tokens"),
         (req("x" * 300), "text_input"),  # too long for the context once tokenized
         (req(max_tokens=i32(0)), "max_tokens"),
     ],
@@ -629,8 +635,10 @@ def test_engine_config_from_parameters():
     assert cfg.spec.disable_by_batch_size == 4
     assert cfg.spec.drafter_path is None and cfg.num_threads is None
     assert cfg.model_dir.endswith("models/SmolLM2-135M-Instruct")
-    assert engine_config_from_parameters({"model_dir": "/abs/m", "drafter_path": "models/d"}).spec.drafter_path.endswith("/models/d")
-    gpu = engine_config_from_parameters({"attention_backend": "torch", "disable_cuda_graph": "true", "cuda_graph_max_bs": "16"})
+    assert engine_config_from_parameters(
+        {"model_dir": "/abs/m", "drafter_path": "models/d"}).spec.drafter_path.endswith("/models/d")
+    gpu = engine_config_from_parameters({"attention_backend": "torch", "disable_cuda_graph": "true",
+                                         "cuda_graph_max_bs": "16"})
     assert (gpu.attention_backend, gpu.graph_mode, gpu.cuda_graph_max_bs) == ("torch", "off", 16)
     assert engine_config_from_parameters({"disable_cuda_graph": "false"}).graph_mode == "auto"
     assert engine_config_from_parameters({"adaptive": "false"}).spec.adaptive is False
@@ -663,7 +671,9 @@ def test_engine_config_errors(params, field):
 
 
 def test_request_limits_from_parameters():
-    assert request_limits_from_parameters({"max_seq_len": "512", "default_max_tokens": "", "apply_chat_template": "1"}) == (
+    assert request_limits_from_parameters(
+        {"max_seq_len": "512", "default_max_tokens": "", "apply_chat_template": "1"}
+    ) == (
         RequestLimits(max_seq_len=512, default_max_tokens=128, apply_chat_template=True)
     )
     with pytest.raises(ValueError, match="apply_chat_template"):

@@ -34,7 +34,8 @@ RESTRICTED = "model-repository,shared-memory,trace,logging"
 def test_variants_and_models():
     variants = list_variants(default_repository())
     assert "none" in variants
-    assert models_for(["none", "ngram"]) == ["preprocessing", "llm_none", "ensemble_none", "llm_ngram", "ensemble_ngram"]
+    assert models_for(["none", "ngram"]) == ["preprocessing", "llm_none", "ensemble_none", "llm_ngram",
+                                             "ensemble_ngram"]
 
 
 def test_command_line():

@@ -49,7 +49,8 @@ class HostCopies(TorchDispatchMode):
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         host = [t for t in tensors if t.device.type == "cpu"]
         target = kwargs.get("device")
-        to_device = any(t.device.type == "meta" for t in tensors) or (target is not None and torch.device(target).type == "meta")
+        to_device = (any(t.device.type == "meta" for t in tensors)
+                     or (target is not None and torch.device(target).type == "meta"))
         if host and to_device and any(t.untyped_storage().data_ptr() != self.ring for t in host):
             self.pageable.append(f"{func}: host {[tuple(t.shape) for t in host]}")
         return func(*args, **kwargs)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specserve.drafters.eagle_model import load_eagle
-from specserve.drafters.mtp_model import load_mtp
+from specserve.models.eagle_head import load_eagle
+from specserve.models.mtp_head import load_mtp
 from specserve.models.weights import load_llama
 from specserve.training.data import read_json_array, tokenize_conversation
 from specserve.training.train_drafter import TrainConfig, train
@@ -113,7 +113,8 @@ def test_benchmark_prompts_stay_out_of_training_data(tmp_path):
     mtbench = load_questions("mtbench")[3]
     chat = load_questions(str(repo_root() / "bench/chat_heldout.jsonl"))[0]
     rows = CONVERSATIONS + [
-        {"id": "m", "conversations": [{"from": "human", "value": "Please:  " + mtbench.upper()}, {"from": "gpt", "value": "ok"}]},
+        {"id": "m", "conversations": [{"from": "human", "value": "Please:  " + mtbench.upper()},
+                                      {"from": "gpt", "value": "ok"}]},
         {"id": "c", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
                                       {"from": "human", "value": chat}, {"from": "gpt", "value": "sure"}]},
     ]
@@ -128,7 +129,7 @@ def test_benchmark_prompts_stay_out_of_training_data(tmp_path):
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
 def test_the_loss_counts_exactly_the_labelled_positions(tiny_target_dir, algorithm):
     """Logits are computed only where the mask has a label; the loss equals the dense masked one."""
-    from specserve.drafters.heads import HEADS
+    from specserve.models.draft_heads import HEADS
     from specserve.models.llama import rope_table
     from specserve.training.train_drafter import ttt_losses
 

@@ -69,7 +69,8 @@ def test_the_heads_come_back_as_few_small_tar_parts(trained, tmp_path):
         with tarfile.open(joined) as tar:
             tar.extractall(tmp_path / "unpacked", filter="data")
         for name in ("model.safetensors", "config.json", "README.md"):
-            assert (tmp_path / "unpacked" / algorithm / name).read_bytes() == Path(hc.out_dir, algorithm, name).read_bytes()
+            assert ((tmp_path / "unpacked" / algorithm / name).read_bytes()
+                    == Path(hc.out_dir, algorithm, name).read_bytes())
 
 
 @pytest.mark.parametrize("algorithm", ["eagle3", "eagle", "mtp"])
@@ -97,7 +98,8 @@ def test_from_nothing_the_command_generates_its_corpus_on_the_device_and_returns
     the heads trained, evaluated and archived, the grown corpus returned as tar parts beside them."""
     prompts = export_prompts(tmp_path / "prompts.jsonl", str(data_file), 0)
     hc = HeadsConfig(corpus=None, prompts=str(prompts), generate_answer_tokens=120, generate_batch_size=24,
-                     model_dir=str(tiny_target_dir), out_dir=str(tmp_path / "out"), archive_dir=str(tmp_path / "archives"),
+                     model_dir=str(tiny_target_dir), out_dir=str(tmp_path / "out"),
+                     archive_dir=str(tmp_path / "archives"),
                      minutes=MINUTES, holdout=4, batch_tokens=512, max_rows=8, draft_vocab_size=256,
                      served_repository=None, archive_part_mib=1, dtype="float32")
     t0 = time.time()
@@ -107,7 +109,8 @@ def test_from_nothing_the_command_generates_its_corpus_on_the_device_and_returns
     assert generation["answer_tokens_given"] == 0
     assert generation["answer_tokens_made"] == record["corpus"]["answer_tokens"] >= 120
     assert generation["seconds"] <= hc.generate_share * MINUTES * 60 + 5 and generation["answer_tokens_per_s"] > 0
-    assert record["corpus_archived"] and all((Path(hc.out_dir) / a / "model.safetensors").is_file() for a in record["heads"])
+    assert record["corpus_archived"] and all((Path(hc.out_dir) / a / "model.safetensors").is_file()
+                                             for a in record["heads"])
     parts = sorted(p.name for p in Path(hc.archive_dir).iterdir())
     assert len(parts) <= 8 and [p for p in parts if p.startswith("corpus.tar.")] == ["corpus.tar.00"]
     with tarfile.open(Path(hc.archive_dir) / "corpus.tar.00") as tar:

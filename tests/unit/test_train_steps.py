@@ -66,5 +66,7 @@ def test_learning_rate_warms_up_and_decays_by_steps_or_time():
 
 
 def test_a_warmup_share_ends_the_warmup_early_in_a_short_run():
-    assert learning_rate(1.0, 0, 0.05, warmup_steps=50) == pytest.approx(0.02 * (0.05 + 0.95 * 0.5 * (1 + np.cos(np.pi * 0.05))))
-    assert learning_rate(1.0, 0, 0.05, 50, WARMUP_SHARE) == pytest.approx(0.5 * (0.05 + 0.95 * 0.5 * (1 + np.cos(np.pi * 0.05))))
+    assert (learning_rate(1.0, 0, 0.05, warmup_steps=50)
+            == pytest.approx(0.02 * (0.05 + 0.95 * 0.5 * (1 + np.cos(np.pi * 0.05)))))
+    assert (learning_rate(1.0, 0, 0.05, 50, WARMUP_SHARE)
+            == pytest.approx(0.5 * (0.05 + 0.95 * 0.5 * (1 + np.cos(np.pi * 0.05)))))

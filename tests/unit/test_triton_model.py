@@ -135,8 +135,8 @@ def stream_for(triton_model, stream: bool, echo: str | None = None, closing: boo
     if closing:
         event.set()
     sender = FakeSender()
-    s = triton_model._ResponseStream(sender, GenerateRequest(SamplingParams(), stream, echo), ServingMetrics("m", "1"), event,
-                                     decode_token=lambda t: f"<{t}>", wanted=wanted)
+    s = triton_model._ResponseStream(sender, GenerateRequest(SamplingParams(), stream, echo), ServingMetrics("m", "1"),
+                                     event, decode_token=lambda t: f"<{t}>", wanted=wanted)
     return s, sender
 
 
@@ -175,15 +175,16 @@ def test_logprobs_are_sent_per_token_and_accumulated_without_streaming(triton_mo
     outputs = sender.data[0].outputs()
     assert json.loads(outputs["logprobs"][0]) == [
         {"1": {"logprob": -0.5, "rank": 1, "decoded_token": "<1>"}},
-        {"2": {"logprob": -1.0, "rank": 2, "decoded_token": "<2>"}, "7": {"logprob": -0.2, "rank": 1, "decoded_token": "<7>"}},
+        {"2": {"logprob": -1.0, "rank": 2, "decoded_token": "<2>"},
+         "7": {"logprob": -0.2, "rank": 1, "decoded_token": "<7>"}},
     ]
     assert outputs["cumulative_logprob"][0] == pytest.approx(-1.5)
 
 
 @pytest.mark.parametrize(
     ("reason", "closing", "code"),
-    [("abort", False, FakeError.CANCELLED), ("abort", True, FakeError.UNAVAILABLE), ("error", False, FakeError.INTERNAL),
-     ("timeout", False, FakeError.UNAVAILABLE)],
+    [("abort", False, FakeError.CANCELLED), ("abort", True, FakeError.UNAVAILABLE),
+     ("error", False, FakeError.INTERNAL), ("timeout", False, FakeError.UNAVAILABLE)],
 )
 @pytest.mark.parametrize("stream", [True, False])
 def test_abort_and_error_end_with_an_error_and_final(triton_model, reason, closing, code, stream):
@@ -211,7 +212,8 @@ def test_metrics_follow_the_deltas(triton_model):
     assert values("spec_decode_accept_length") == [2.0, 1.0]
     assert values("prompt_tokens_total") == [5.0]
     assert len(values("time_to_first_token_seconds")) == 1
-    stop = [m for labels, m in FakeFamily.created["specserve:request_finished_total"].metrics if labels["finish_reason"] == "stop"]
+    stop = [m for labels, m in FakeFamily.created["specserve:request_finished_total"].metrics
+            if labels["finish_reason"] == "stop"]
     assert stop[0].values == [1.0]
 
 
@@ -281,13 +283,16 @@ def test_execute_submits_and_sends_nothing_yet(triton_model):
 @pytest.mark.parametrize(
     ("inputs", "loop_error", "code", "field"),
     [
-        ({"text_input": text("hi"), "max_tokens": np.array([0], dtype=np.int32)}, None, FakeError.INVALID_ARG, "max_tokens"),
+        ({"text_input": text("hi"), "max_tokens": np.array([0], dtype=np.int32)}, None, FakeError.INVALID_ARG,
+         "max_tokens"),
         ({"text_input": text("x" * 100)}, None, FakeError.INVALID_ARG, "text_input"),
-        ({"text_input": text("hi")}, ValueError("prompt: token id outside the vocabulary"), FakeError.INVALID_ARG, "prompt"),
+        ({"text_input": text("hi")}, ValueError("prompt: token id outside the vocabulary"), FakeError.INVALID_ARG,
+         "prompt"),
         ({"text_input": text("hi")}, RuntimeError("kaput"), FakeError.INTERNAL, "internal error"),
         ({"text_input": text("hi")}, QueueFull("max_queue_size: 4 requests are already waiting"), FakeError.UNAVAILABLE,
          "max_queue_size"),
-        ({"text_input": text("hi")}, EngineStopped("engine stopped: device lost"), FakeError.UNAVAILABLE, "engine stopped"),
+        ({"text_input": text("hi")}, EngineStopped("engine stopped: device lost"), FakeError.UNAVAILABLE,
+         "engine stopped"),
     ],
 )
 def test_execute_errors_end_with_final(triton_model, inputs, loop_error, code, field):

@@ -49,7 +49,8 @@ def grow_trees(
         columns.append([node - 1 for node in builder.beam])
     beam_tokens = torch.gather(tokens, 1, torch.tensor(columns))  # (B, k), host
     parent_state = state[:, None].expand(b, k, *state.shape[1:])
-    visible = torch.zeros(b, k, max(scratch_entries(num_steps, k), 1), dtype=torch.bool, device=dev)  # scratch ancestors
+    # scratch ancestors
+    visible = torch.zeros(b, k, max(scratch_entries(num_steps, k), 1), dtype=torch.bool, device=dev)
     own = torch.arange(k, device=dev)
     for s in range(1, num_steps):
         first = (s - 1) * k  # this step's scratch entries: [first, first + k)
@@ -94,7 +95,8 @@ def grow_trees_on_device(
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices  # (B, k): the first beam
     beam_nodes, beam_scores, beam_tokens = 1 + order, scores.gather(1, order), tokens.gather(1, order)
     parent_state = state[:, None].expand(b, k, *state.shape[1:])
-    visible = torch.zeros(b, k, max(scratch_entries(num_steps, k), 1), dtype=torch.bool, device=dev)  # scratch ancestors
+    # scratch ancestors
+    visible = torch.zeros(b, k, max(scratch_entries(num_steps, k), 1), dtype=torch.bool, device=dev)
     own = torch.arange(k, device=dev)
     batch_rows = torch.arange(b, device=dev)[:, None]
     for s in range(1, num_steps):

@@ -6,11 +6,10 @@ import importlib
 
 from specserve.config import SpecConfig
 from specserve.drafters.base import DraftContext, Drafter
-from specserve.methods import method
 
 
 def build_drafter(spec: SpecConfig, ctx: DraftContext) -> Drafter:
     """Imported when first built: each drafter pulls in its own models."""
-    module, name = method(spec.algorithm).drafter.split(":")
+    module, name = spec.method.drafter.split(":")
     drafter: type[Drafter] = getattr(importlib.import_module(module), name)
     return drafter.build(spec, ctx)

@@ -6,7 +6,8 @@ plus its final norm and lm_head (the same modules, no extra weights). It keeps i
 (one slot per request, like the target's) and, before drafting, catches up on every token not yet
 in that cache (the accepted tokens and the root), so no refresh after verify is needed. A prompt
 is cached chunk by chunk with its prefill (`on_prefill`); a slot's draft K/V stay after its request
-ends, and `copy_prefix` hands them to a request that reuses its prefix. Trees come from `beam.grow_trees` (topk=1 is a chain).
+ends, and `copy_prefix` hands them to a request that reuses its prefix. Trees come from
+`beam.grow_trees` (topk=1 is a chain).
 Every draft-model forward runs through `runtime.draft_model.DraftModelRunner`.
 
 The draft model never sees the target's hidden states; it does not verify or sample.

@@ -6,33 +6,10 @@ the n - 1 likeliest nodes). n = 1 is plain decoding: no draft forward at all, an
 drafters defer their catch-up until they draft again. The menu is n = 1, 2, 3, 4, 6, 8, 12, ...
 up to the configured num_draft_tokens (`draft_plan.shape_menu`).
 
-`ShapeChooser` keeps, per batch-size bucket and shape, an estimate of the step's wall time
-(measured at warm-up, then on every step: the median of the first samples, then a moving average
-that one slow step moves by a tenth at most) and, per shape, the mean accept length (tokens a
-request gains per step, the bonus token included; each request of a step is one sample). Where the
-drafter's trees are nested (EAGLE's dynamic tree: a smaller tree keeps a prefix of a larger
-one's nodes), a step that drafts n tokens also measures the acceptance of every smaller tree.
-A step runs the shape with the largest accept_length / step_time for its bucket, where a drafting
-shape must beat plain decoding by `margin` (step times on a busy CPU are noisy: a near-tie is not
-worth a draft). A shape's time, and a drafting shape's acceptance, count as unmeasured until
-`min_samples` samples have come in (a warm-up timing counts as that many): one slow or unlucky
-step must not lock a shape out. A drafting shape of unmeasured acceptance runs only if an
-optimistic bound on its acceptance (from the smaller shapes measured) could beat the best shape:
-at batch 4 on a small CPU a draft step costs 1.3-4x a plain one, and measuring every shape's
-acceptance there cost more than drafting ever won. Every `explore_every`-th step runs another
-shape instead, so the estimates around the best one stay current: its neighbours on the menu and
-the runner-up, in turn, and plain decoding whenever a draft is best (every 4 x `explore_every`
-steps while plain decoding is best; a drafter that catches up on skipped tokens then drafts for
-two steps, and only the second one's time stands for the shape; other shapes estimated below
-`explore_within` of the best are not tried). For such a drafter each exploration from plain
-decoding also pays a catch-up over every token skipped since the last one (about a hundredth of
-a step per token on a 2-core CPU), so while explorations keep leaving plain decoding best, the
-period doubles, up to `max_backoff` times; it is back to 4 x `explore_every` once a draft is best.
-Warm-up timings ran on a synthetic prompt, perhaps while the machine was busy: they make a shape
-measured, but they are provisional. A shape's first real step time replaces its warm-up figure
-(it is never averaged with it), and a neighbour or runner-up whose time is still only its warm-up
-figure is explored whatever its estimate, before the other candidates, so a skewed warm-up step
-is corrected at the next explorations instead of locking the shape out.
+`ShapeChooser` keeps, per batch-size bucket and shape, an estimate of the step's wall time and,
+per shape, the mean accept length, and runs the shape with the largest accept_length / step_time
+(a drafting shape must beat plain decoding by `margin`); it explores the shapes around the best
+one every `explore_every` steps. Its class docstring has the rules.
 
 This module measures nothing itself and knows nothing about models or trees: the engine reports
 each step's batch size, shape, time and accept lengths (`observe`), and each forward's path and time.
@@ -44,12 +21,41 @@ import bisect
 from collections import Counter
 from collections.abc import Sequence
 
-from specserve.runtime.paths import RunningAverage
+from specserve.estimates import RunningAverage
 from specserve.tree import DraftShape
 
 
 class ShapeChooser:
-    """Per step: `choose(batch_size)` -> a shape of the menu; after it: `observe(...)`."""
+    """Per step: `choose(batch_size)` -> a shape of the menu; after it: `observe(...)`.
+
+    `ShapeChooser` keeps, per batch-size bucket and shape, an estimate of the step's wall time
+    (measured at warm-up, then on every step: the median of the first samples, then a moving average
+    that one slow step moves by a tenth at most) and, per shape, the mean accept length (tokens a
+    request gains per step, the bonus token included; each request of a step is one sample). Where the
+    drafter's trees are nested (EAGLE's dynamic tree: a smaller tree keeps a prefix of a larger
+    one's nodes), a step that drafts n tokens also measures the acceptance of every smaller tree.
+    A step runs the shape with the largest accept_length / step_time for its bucket, where a drafting
+    shape must beat plain decoding by `margin` (step times on a busy CPU are noisy: a near-tie is not
+    worth a draft). A shape's time, and a drafting shape's acceptance, count as unmeasured until
+    `min_samples` samples have come in (a warm-up timing counts as that many): one slow or unlucky
+    step must not lock a shape out. A drafting shape of unmeasured acceptance runs only if an
+    optimistic bound on its acceptance (from the smaller shapes measured) could beat the best shape:
+    at batch 4 on a small CPU a draft step costs 1.3-4x a plain one, and measuring every shape's
+    acceptance there cost more than drafting ever won. Every `explore_every`-th step runs another
+    shape instead, so the estimates around the best one stay current: its neighbours on the menu and
+    the runner-up, in turn, and plain decoding whenever a draft is best (every 4 x `explore_every`
+    steps while plain decoding is best; a drafter that catches up on skipped tokens then drafts for
+    two steps, and only the second one's time stands for the shape; other shapes estimated below
+    `explore_within` of the best are not tried). For such a drafter each exploration from plain
+    decoding also pays a catch-up over every token skipped since the last one (about a hundredth of
+    a step per token on a 2-core CPU), so while explorations keep leaving plain decoding best, the
+    period doubles, up to `max_backoff` times; it is back to 4 x `explore_every` once a draft is best.
+    Warm-up timings ran on a synthetic prompt, perhaps while the machine was busy: they make a shape
+    measured, but they are provisional. A shape's first real step time replaces its warm-up figure
+    (it is never averaged with it), and a neighbour or runner-up whose time is still only its warm-up
+    figure is explored whatever its estimate, before the other candidates, so a skewed warm-up step
+    is corrected at the next explorations instead of locking the shape out.
+    """
 
     def __init__(self, menu: Sequence[DraftShape], batch_buckets: Sequence[int], explore_every: int = 16,
                  margin: float = 0.05, explore_within: float = 0.8, min_samples: int = 3,
@@ -64,7 +70,8 @@ class ShapeChooser:
         self.min_samples = min_samples
         self.max_backoff = max_backoff
         self._backoff = 1  # the plain-decoding exploration period's factor (see the module's docstring)
-        self.step_time = {(b, s): RunningAverage(horizon=10, robust=True) for b in self.buckets for s in self.menu}  # seconds
+        # seconds
+        self.step_time = {(b, s): RunningAverage(horizon=10, robust=True) for b in self.buckets for s in self.menu}
         self.accept = {s: RunningAverage(horizon=40) for s in self.menu}  # tokens per request per step
         self.chosen: Counter[DraftShape] = Counter()
         self._steps = 0

@@ -13,7 +13,7 @@ Each `step()`:
 `algorithm=none` is the degenerate tree (root only), so plain decoding is the same code path.
 Each step's tree shape comes from `adaptive.ShapeChooser` over the menu of the engine's
 `DraftPlan` (the configured shape alone when the user pins it), its costs measured first by
-`warm_up`: a step that would not pay for its draft decodes plainly. `verification.Verifier` decides
+`Engine.warm_up`: a step that would not pay for its draft decodes plainly. `verification.Verifier` decides
 what a step accepts; `profile.StepProfile` accumulates where step time goes. The engine knows
 nothing about Triton; `loop.py` runs it on a thread, `triton_model.py` serves it.
 """
@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,12 +48,13 @@ from specserve.engine.outputs import (
     EngineLoad,
     QueueFull,  # noqa: F401 - callers import it from here too
     RequestOutput,
+    merge_outputs,
 )
 from specserve.engine.prefill_budget import PrefillBudget
 from specserve.engine.prefix_cache import PrefixCache, PromptCounters, RunningRows
 from specserve.engine.profile import StepProfile, step_clock
+from specserve.engine.request import Request
 from specserve.engine.verification import Verifier
-from specserve.engine.warm_up import warm_up
 from specserve.host_memory import keep_freed_memory
 from specserve.models.kv_cache import KVCache
 from specserve.models.weights import load_llama
@@ -64,66 +66,21 @@ from specserve.staging import to_device
 from specserve.tree import DraftShape, DraftTree, TreeBatch
 
 MAX_PACKED_TOKENS = 32768  # prompt tokens per prefill forward (its staged inputs fit the staging ring)
+WARM_UP_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Speculative decoding drafts a few tokens cheaply and "
+    "verifies them with one forward of the target model, so the output stays exactly the same. "
+)
+log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class Request:
-    """One request's mutable state, owned by the engine thread."""
+@dataclass(frozen=True)
+class StepMode:
+    """How a step runs: `shape` forced on every request (None: the chooser's), `observe` whether
+    its time and acceptance feed the chooser, `warm_up` whether they seed it (`ShapeChooser.observe`)."""
 
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
-    arrival: float = field(default_factory=time.monotonic)
-    token_ids: list[int] = field(default_factory=list)  # prompt + generated; last = tree root
-    slot: int = -1
-    cache_len: int = 0  # tokens whose K/V are in the slot (all of token_ids but the root; while prefilling, fewer)
-    num_cached_tokens: int = 0  # prompt tokens whose K/V were reused from the prefix cache
-    finish_reason: str | None = None
-    error: str | None = None  # why it ended with FINISH_ERROR
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_verify_steps: int = 0
-    drafted_last_step: bool = False  # so the drafter has seen all but the last step's tokens
-    pending_ids: list[int] = field(default_factory=list)  # generated since the last output
-    pending_accept_lengths: list[int] = field(default_factory=list)
-    pending_tree_sizes: list[int] = field(default_factory=list)
-    pending_logprobs: list[dict[int, tuple[float, int]]] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_ids)
-
-    @property
-    def prefilling(self) -> bool:
-        """Part of its prompt is still to be computed (it has no first token yet)."""
-        return len(self.token_ids) == len(self.prompt_ids)
-
-    def output(self) -> RequestOutput:
-        finished = self.finish_reason is not None
-        out = RequestOutput(
-            request_id=self.request_id,
-            token_ids=self.pending_ids,
-            text=self.detokenizer.delta(final=finished),
-            finished=finished,
-            finish_reason=self.finish_reason,
-            num_prompt_tokens=len(self.prompt_ids),
-            num_cached_tokens=self.num_cached_tokens,
-            num_output_tokens=self.num_output_tokens,
-            num_draft_tokens=self.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens,
-            num_verify_steps=self.num_verify_steps,
-            accept_lengths=self.pending_accept_lengths,
-            tree_sizes=self.pending_tree_sizes,
-            logprobs=self.pending_logprobs if self.params.logprobs is not None else None,
-            cumulative_logprob=self.cumulative_logprob,
-            error=self.error,
-        )
-        self.pending_ids, self.pending_accept_lengths, self.pending_tree_sizes = [], [], []
-        self.pending_logprobs = []
-        return out
+    shape: DraftShape | None = None
+    observe: bool = True
+    warm_up: bool = False
 
 
 class Engine:
@@ -162,9 +119,7 @@ class Engine:
         # after the runner, which reserves the static buckets' padding slot
         self.prefix_cache = PrefixCache(self.cache, config.enable_prefix_caching, config.prefix_cache_max_tokens)
         self.prompt_counters = PromptCounters()
-        self.forced_shape: DraftShape | None = None  # every step drafts it (the warm-up runs each shape in turn)
-        self.observe_steps = True  # whether steps feed the chooser's estimates
-        self.warming_up = False  # steps then seed the chooser's time estimates (`ShapeChooser.observe`)
+        self._mode = StepMode()  # the running step's (`step(mode)`)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._inbox: deque[Request] = deque()
@@ -179,7 +134,7 @@ class Engine:
         # seeding every tree size of the menu lets the warm-up's shape timings run on the faster path
         self.runner.seed_paths(list(self.draft_plan.tree_sizes), self.cache.num_free, config.max_seq_len)
         if len(menu) > 1:
-            warm_up(self)
+            self.warm_up()
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
@@ -238,13 +193,17 @@ class Engine:
     # ---- the engine thread ------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
+    def step(self, mode: StepMode = StepMode()) -> list[RequestOutput]:
+        """One engine step; `mode` forces a draft shape and says how its time counts (the warm-up's)."""
+        self._mode = mode
         step_start = time.perf_counter()
         self._outputs = outputs = self._take_inbox()
         outputs += self._expire()
         self._admit()
         decoding = [r for r in self.running if not r.prefilling]
-        work = self._prompt_chunks(self.prefill_budget.tokens(bool(decoding), self.config.max_seq_len * len(self.running)))
+        work = self._prompt_chunks(
+            self.prefill_budget.tokens(bool(decoding), self.config.max_seq_len * len(self.running))
+        )
         prefilled = self._prefill(work)
         start = time.perf_counter()
         if decoding:
@@ -282,7 +241,8 @@ class Engine:
             self.waiting.extend(self._inbox)
             self._inbox.clear()
             aborts, self._aborts = self._aborts, set()
-        return [self._end(req, FINISH_ABORT) for req in [r for r in (*self.waiting, *self.running) if r.request_id in aborts]]
+        return [self._end(req, FINISH_ABORT)
+                for req in [r for r in (*self.waiting, *self.running) if r.request_id in aborts]]
 
     def _expire(self) -> list[RequestOutput]:
         """End the requests older than request_timeout_s, waiting or running."""
@@ -359,14 +319,15 @@ class Engine:
                 return proposal
             proposal = proposal.unbatch()
         trees = [
-            t if t.num_draft_tokens <= room else DraftTree.from_parents(t.tokens[:room].tolist(), t.parents[:room].tolist())
+            t if t.num_draft_tokens <= room
+            else DraftTree.from_parents(t.tokens[:room].tolist(), t.parents[:room].tolist())
             for t, room in zip(proposal, rooms)
         ]
         return TreeBatch.from_trees(trees).to(self.device)
 
     def _shape_for(self, batch_size: int) -> DraftShape:
-        if self.forced_shape is not None:
-            return self.forced_shape
+        if self._mode.shape is not None:
+            return self._mode.shape
         limit = self.spec.disable_by_batch_size
         if limit and batch_size >= limit:
             return DraftShape(1, 0, 1)
@@ -419,13 +380,13 @@ class Engine:
         accepted = [result.accepted_nodes[i, : len(emitted[i])] for i in range(len(reqs))]
         self.drafter.on_accept(reqs, out, accepted)
         p.drafter_update += clock() - t4
-        if self.observe_steps:
+        if self._mode.observe:
             lengths = [len(e) for e in emitted]
             seconds = clock() - start if settled and not catching_up else None
             nested = None
             if shape.drafts and self.drafter.nested_trees and len(self.chooser.menu) > 1:
                 nested = v.accepted
-            self.chooser.observe(len(reqs), shape, seconds, lengths, nested, warm_up=self.warming_up)
+            self.chooser.observe(len(reqs), shape, seconds, lengths, nested, warm_up=self._mode.warm_up)
 
     def _clock(self) -> float:
         """Host time for the profile's phases (`profile.step_clock`)."""
@@ -452,9 +413,40 @@ class Engine:
             if req.finish_reason is not None:
                 return
 
+    @torch.inference_mode()
+    def warm_up(self, steps_per_shape: int = 2) -> None:
+        """Measure every draft shape's step time at every batch-size bucket of the chooser on a
+        synthetic prompt (the first step of each shape is discarded), so the chooser starts from
+        this machine's costs; then leave the engine as if nothing had run (no profile, no cached
+        prompt, no counters, the chooser's acceptance forgotten)."""
+        chooser = self.chooser
+        prompt = self.tokenizer.encode(WARM_UP_TEXT * 2, add_special_tokens=False).ids
+        prompt = prompt[: max(1, self.config.max_seq_len // 4)]
+        params = SamplingParams(max_tokens=self.config.max_seq_len - len(prompt), ignore_eos=True)
+        start, admitting = time.perf_counter(), StepMode(warm_up=True)
+        for bs in chooser.buckets:
+            ids = [self.add_request(prompt, params, request_id=f"warm-up-{bs}-{i}") for i in range(bs)]
+            self.step(admitting)  # admit and prefill
+            while any(r.prefilling for r in self.running):  # a prompt longer than max_num_batched_tokens
+                self.step(admitting)
+            for shape in chooser.menu:
+                for i in range(steps_per_shape):
+                    self.step(StepMode(shape, observe=i > 0, warm_up=True))
+            for rid in ids:
+                self.abort(rid)
+            self.step(admitting)
+        chooser.forget_acceptance()
+        self.profile = StepProfile()
+        self.prefill_budget.forget_decode_time()
+        self.prefix_cache.forget()  # the synthetic prompt is no one's prefix
+        self.prompt_counters = PromptCounters()
+        log.info("adaptive speculation: %d shapes x batch sizes %s measured in %.1f s",
+                 len(chooser.menu), chooser.buckets, time.perf_counter() - start)
+
     # ---- convenience for the CLI, benchmarks and tests --------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
         """Run prompts to completion (continuous batching); one merged output per prompt, in order."""
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
@@ -463,16 +455,3 @@ class Engine:
             for out in self.step():
                 merged[out.request_id] = merge_outputs(merged.get(out.request_id), out)
         return [merged[i] for i in ids]
-
-
-def merge_outputs(acc: RequestOutput | None, out: RequestOutput) -> RequestOutput:
-    """Fold a delta into the running total (counters are cumulative already)."""
-    if acc is None:
-        return out
-    out.token_ids = acc.token_ids + out.token_ids
-    out.text = acc.text + out.text
-    out.accept_lengths = acc.accept_lengths + out.accept_lengths
-    out.tree_sizes = acc.tree_sizes + out.tree_sizes
-    if acc.logprobs is not None and out.logprobs is not None:
-        out.logprobs = acc.logprobs + out.logprobs
-    return out

@@ -211,7 +211,9 @@ class EngineLoop:
                     outputs = engine.fail_running(f"engine error: {type(e).__name__}: {e}")
                     if failures >= self.max_failed_steps:
                         self._deliver(outputs)
-                        raise RuntimeError(f"{failures} engine steps failed in a row; last: {type(e).__name__}: {e}") from e
+                        raise RuntimeError(
+                            f"{failures} engine steps failed in a row; last: {type(e).__name__}: {e}"
+                        ) from e
                 # the load first: a client that has a response then reads gauges that count its request
                 self._report_load()
                 self._deliver(outputs)
@@ -257,8 +259,10 @@ class EngineLoop:
             return
         if self._on_step is not None:
             load = old.load()
-            self._retired = EngineLoad(0, 0, 0, prompt_tokens_reused=self._retired.prompt_tokens_reused + load.prompt_tokens_reused,
-                                       prompt_tokens_computed=self._retired.prompt_tokens_computed + load.prompt_tokens_computed)
+            self._retired = EngineLoad(
+                0, 0, 0, prompt_tokens_reused=self._retired.prompt_tokens_reused + load.prompt_tokens_reused,
+                prompt_tokens_computed=self._retired.prompt_tokens_computed + load.prompt_tokens_computed,
+            )
         with self._lock:
             self._replaced = None
 

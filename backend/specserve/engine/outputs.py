@@ -59,3 +59,16 @@ class RequestOutput:
 
 class QueueFull(RuntimeError):
     """`add_request` while `max_queue_size` requests already wait: try again later."""
+
+
+def merge_outputs(acc: RequestOutput | None, out: RequestOutput) -> RequestOutput:
+    """Fold a delta into the running total (counters are cumulative already)."""
+    if acc is None:
+        return out
+    out.token_ids = acc.token_ids + out.token_ids
+    out.text = acc.text + out.text
+    out.accept_lengths = acc.accept_lengths + out.accept_lengths
+    out.tree_sizes = acc.tree_sizes + out.tree_sizes
+    if acc.logprobs is not None and out.logprobs is not None:
+        out.logprobs = acc.logprobs + out.logprobs
+    return out

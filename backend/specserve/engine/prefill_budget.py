@@ -9,7 +9,7 @@ With nothing decoding, a step takes the whole configured budget: a prompt alone 
 the fewest, most efficient forwards.
 
 Times come from the steps themselves (wall time, which on CUDA includes the step's one host read):
-a decode step's time is a moving average over steps without prompt work; the prompt work of a step
+a decode step's time is a running average over steps without prompt work; the prompt work of a step
 (its time less a decode step's, when requests decoded in it) is fitted as a fixed part plus a cost
 per token over the last `window` steps with prompt work (least squares; per token alone while their
 sizes do not differ). The fixed part matters: priced per token alone, small chunks look dear and the
@@ -20,8 +20,9 @@ choose which requests' chunks run (the engine takes them in arrival order) or ho
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
+
+from specserve.estimates import LinearFit, RunningAverage
 
 MIN_CHUNK = 16  # prompt tokens a step beside decoding computes at least (within the limit): a prompt progresses
 
@@ -30,47 +31,43 @@ MIN_CHUNK = 16  # prompt tokens a step beside decoding computes at least (within
 class PrefillBudget:
     """limit: the configured tokens per step (0 = whole prompts); stall: the prompt work a step may
     add beside decoding requests, in decode steps' time (0 = no bound but the limit);
-    smoothing: weight of a new decode sample; window: the steps with prompt work the fit reads."""
+    horizon: the decode steps the decode time averages over; window: the steps with prompt work
+    the fit reads."""
 
     limit: int
     stall: float = 3.0
-    smoothing: float = 0.3
+    horizon: int = 3
     window: int = 32
-    decode_s: float | None = None  # a step without prompt work, seconds
-    token_s: float | None = None  # a prompt token, seconds (the fit's slope)
-    overhead_s: float = 0.0  # a step's prompt work's fixed part, seconds
-    samples: deque[tuple[int, float]] = field(init=False)  # (prompt tokens, seconds), the last `window`
+    decode: RunningAverage = field(init=False)  # a step without prompt work, seconds
+    prompt: LinearFit = field(init=False)  # a step's prompt work: seconds per prompt token + a fixed part
 
     def __post_init__(self) -> None:
-        self.samples = deque(maxlen=self.window)
+        self.decode = RunningAverage(self.horizon)
+        self.prompt = LinearFit(self.window)
+
+    @property
+    def decode_s(self) -> float | None:
+        return self.decode.value if self.decode.samples else None
+
+    def forget_decode_time(self) -> None:
+        """Drop the decode time (warm-up steps ran every shape); the prompt work's fit holds."""
+        self.decode.reset()
 
     def tokens(self, decoding: bool, unlimited: int) -> int:
         """Prompt tokens this step may compute; `unlimited` stands for a limit of 0 (whole prompts)."""
         limit = self.limit or unlimited
-        if not decoding or not self.stall or self.decode_s is None or not self.token_s:
+        decode_s, token_s = self.decode_s, self.prompt.slope
+        if not decoding or not self.stall or decode_s is None or not token_s:
             return limit
-        return min(limit, max(MIN_CHUNK, int((self.stall * self.decode_s - self.overhead_s) / self.token_s)))
+        return min(limit, max(MIN_CHUNK, int((self.stall * decode_s - self.prompt.intercept) / token_s)))
 
     def observe(self, step_s: float, prompt_tokens: int, decoding: bool) -> None:
         """A finished step: its wall time, the prompt tokens it computed, whether requests decoded in it."""
         if prompt_tokens == 0:
             if decoding:
-                self.decode_s = step_s if self.decode_s is None else \
-                    (1 - self.smoothing) * self.decode_s + self.smoothing * step_s
+                self.decode.add(step_s)
             return
-        if decoding and self.decode_s is None:
+        decode_s = self.decode_s
+        if decoding and decode_s is None:
             return  # no decode time to take out yet
-        self.samples.append((prompt_tokens, max(step_s - (self.decode_s if decoding else 0.0), 0.0)))
-        self._fit()
-
-    def _fit(self) -> None:
-        """seconds = overhead_s + token_s * tokens, least squares over the window."""
-        n = [float(x) for x, _ in self.samples]
-        t = [y for _, y in self.samples]
-        mean_n, mean_t = sum(n) / len(n), sum(t) / len(t)
-        var = sum((x - mean_n) ** 2 for x in n)
-        slope = sum((x - mean_n) * (y - mean_t) for x, y in zip(n, t)) / var if var > 0 else 0.0
-        if slope > 0 and mean_t - slope * mean_n >= 0:
-            self.token_s, self.overhead_s = slope, mean_t - slope * mean_n
-        else:  # one size only, or noise: per token alone
-            self.token_s, self.overhead_s = mean_t / mean_n, 0.0
+        self.prompt.add(prompt_tokens, max(step_s - (decode_s if decoding else 0.0), 0.0))

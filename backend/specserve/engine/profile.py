@@ -44,7 +44,9 @@ class StepProfile:
         counts = ("steps", "drafting_steps", "draft_forwards")
         n = max(self.steps, 1)
         out = {k: round(v * 1e3 / n, 3) for k, v in asdict(self).items() if k not in counts}
-        out["bookkeeping"] = round(out["total"] - out["draft"] - out["forward"] - out["verify"] - out["drafter_update"], 3)
+        out["bookkeeping"] = round(
+            out["total"] - out["draft"] - out["forward"] - out["verify"] - out["drafter_update"], 3
+        )
         out["host_work"] = round(out["total"] - out["device_wait"], 3)
         if self.drafting_steps:
             out["draft_per_drafting_step"] = round(self.draft * 1e3 / self.drafting_steps, 3)

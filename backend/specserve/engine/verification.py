@@ -30,7 +30,7 @@ from specserve.staging import to_device
 from specserve.tree import TreeBatch
 
 if TYPE_CHECKING:
-    from specserve.engine.engine import Request
+    from specserve.engine.request import Request
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Attention over the static KV cache: plain torch (any device), our Triton kernel, or flashinfer (CUDA).
 
-`AttentionInputs` is what every layer of one forward shares. A backend gets one `plan` per forward (host side, before the forward or before a CUDA-graph
-replay) and one `attend` per layer (inside the forward, capturable). The model writes the new
-tokens' K/V into the cache before `attend`; a backend only reads it.
+`AttentionInputs` is what every layer of one forward shares. A backend gets one `prepare` per forward
+(host side, before the forward or before a CUDA-graph replay) and one `attend` per layer (inside the
+forward, capturable). The model writes the new tokens' K/V into the cache before `attend`; a backend
+only reads it.
 
 The cache of one layer is (num_slots, num_kv_heads, max_len, head_dim). flashinfer sees it as a
 paged cache in its HND layout with one page per slot (page_size = max_len): a request's page
@@ -31,10 +32,10 @@ WORKSPACE_BYTES = 128 * 2**20  # flashinfer's float workspace, as its examples s
 
 class AttentionBackend(Protocol):
     name: str
-    needs_plan: bool  # False: `plan` is a no-op and callers may skip building its inputs
+    needs_prepare: bool  # False: `prepare` is a no-op and callers may skip building its inputs
     reads_mask: bool  # False: `attend` reads `new_mask` and the cache lengths, not the (B, 1, T, S) mask
 
-    def plan(self, a: AttentionInputs, host_cache_lens: list[int]) -> None:
+    def prepare(self, a: AttentionInputs, host_cache_lens: list[int]) -> None:
         """Host-side preparation for one forward (index buffers, masks); no-op for torch."""
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: AttentionInputs) -> torch.Tensor:
@@ -68,10 +69,10 @@ class TorchAttention:
     """
 
     name = "torch"
-    needs_plan = False
+    needs_prepare = False
     reads_mask = True
 
-    def plan(self, a: AttentionInputs, host_cache_lens: list[int]) -> None:
+    def prepare(self, a: AttentionInputs, host_cache_lens: list[int]) -> None:
         return None
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: AttentionInputs) -> torch.Tensor:
@@ -110,10 +111,10 @@ class TritonAttention:
     prefill of fresh sequences through SDPA. Needs no (B, 1, T, S) mask and no plan."""
 
     name = "triton"
-    needs_plan = False
+    needs_prepare = False
     reads_mask = False
 
-    def plan(self, a: AttentionInputs, host_cache_lens: list[int]) -> None:
+    def prepare(self, a: AttentionInputs, host_cache_lens: list[int]) -> None:
         return None
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: AttentionInputs) -> torch.Tensor:
@@ -160,11 +161,11 @@ class FlashInferAttention:
     Causal prefill uses `causal=True`; decode and tree verification pass the (B, 1, T, S) mask as
     flashinfer's flattened per-request custom mask (T x kv_len each). With `graph_batch_size`
     set, the wrapper is built in flashinfer's CUDA-graph mode with index and mask buffers for
-    exactly that many requests of `graph_num_tokens` tokens; `plan` refills them before a replay.
+    exactly that many requests of `graph_num_tokens` tokens; `prepare` refills them before a replay.
     """
 
     name = "flashinfer"
-    needs_plan = True
+    needs_prepare = True
     reads_mask = True
 
     def __init__(
@@ -196,11 +197,12 @@ class FlashInferAttention:
             paged_kv_indptr_buf=torch.arange(bs + 1, **i32),
             paged_kv_indices_buf=torch.zeros(bs, **i32),
             paged_kv_last_page_len_buf=torch.ones(bs, **i32),
-            custom_mask_buf=torch.zeros(bs * ((t * max_len + 7) // 8), dtype=torch.uint8, device=device),  # bit-packed per request
+            # bit-packed per request
+            custom_mask_buf=torch.zeros(bs * ((t * max_len + 7) // 8), dtype=torch.uint8, device=device),
             mask_indptr_buf=torch.zeros(bs + 1, **i32),
         )
 
-    def plan(self, a: AttentionInputs, host_cache_lens: list[int]) -> None:
+    def prepare(self, a: AttentionInputs, host_cache_lens: list[int]) -> None:
         b, t = a.write_pos.shape
         kv_lens = torch.tensor(host_cache_lens, dtype=torch.int32) + t  # (B,) keys per request, host
         custom_mask = None  # causal prefill, or one new token seeing every key
@@ -248,7 +250,8 @@ def resolve_attention(name: str, device: torch.device, dtype: torch.dtype) -> st
         return "flashinfer" if usable and flashinfer_available() else "triton"
     if name == "flashinfer" and not (usable and flashinfer_available()):
         raise ValueError(
-            "attention_backend: flashinfer needs a CUDA device, dtype bfloat16 or float16, and the `gpu` extra installed"
+            "attention_backend: flashinfer needs a CUDA device, dtype bfloat16 or float16, "
+            "and the `gpu` extra installed"
         )
     return name
 

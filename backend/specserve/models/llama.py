@@ -142,7 +142,8 @@ class Attention(nn.Module):
         v = qkv[..., q_out + kv_out :].view(b, t, self.num_kv_heads, self.head_dim)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, layer_cache: tuple[torch.Tensor, torch.Tensor], a: AttentionInputs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layer_cache: tuple[torch.Tensor, torch.Tensor],
+                a: AttentionInputs) -> torch.Tensor:
         k_cache, v_cache = layer_cache  # (slots, Hkv, max_len, D)
         if self.fused:  # one kernel: rope on q and k, k and v into the cache
             q = K.rope_kv_write(self.qkv_proj(x), a.cos, a.sin, k_cache, v_cache, a.write_slots, a.write_pos,
@@ -221,7 +222,8 @@ class LlamaModel(nn.Module):
 
     def init_rope(self, max_len: int) -> None:
         self._rope = rope_table(self.cfg, max_len, self.embed_tokens.weight.dtype)
-        self._rope = (self._rope[0].to(self.embed_tokens.weight.device), self._rope[1].to(self.embed_tokens.weight.device))
+        self._rope = (self._rope[0].to(self.embed_tokens.weight.device),
+                      self._rope[1].to(self.embed_tokens.weight.device))
 
     def attention_inputs(
         self,
@@ -275,7 +277,7 @@ class LlamaModel(nn.Module):
             backend=backend,
             new_mask=new_mask,
         )
-        a.backend.plan(a, host_cache_lens)
+        a.backend.prepare(a, host_cache_lens)
         return a
 
     def static_attention_inputs(

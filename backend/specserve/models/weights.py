@@ -42,7 +42,8 @@ def take(tensors: dict[str, torch.Tensor], key: str, shape: tuple[int, ...]) -> 
     return t
 
 
-def llama_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig, prefix: str = "model.") -> dict[str, torch.Tensor]:
+def llama_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig,
+                     prefix: str = "model.") -> dict[str, torch.Tensor]:
     """Map HF Llama/Qwen2 keys onto `LlamaModel`'s (fused qkv and gate_up)."""
     h, d = cfg.hidden_size, cfg.head_dim
     q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d

@@ -6,38 +6,19 @@ AOTInductor (inductor's C++ backend) with the weights frozen and prepacked for o
 PyTorch spends a good part of a small model's step between the matmuls (dispatch, small ops); the
 compiled program does not (docs/performance.md has the figures).
 
-`CompiledTarget` is the target's forward in two programs: one for forwards of a few rows (batch x
-tokens: decode, tree verification, short prompt chunks; `STEP_ROWS`, or `TEMPLATE_STEP_ROWS` with
-inductor's template matmuls, which beat the prefill program up to 64 rows: docs/performance.md)
-and one for prefills, which keeps oneDNN's prepacked matmuls. In float32 on an AVX2 CPU the step
-program's matmuls are the few-row kernel (`specserve_kernels.few_row_gemm`: each weight panel
-streamed once per step, in bf16 where the checkpoint's values are bf16 numbers, so the products
-stay float32's; faster there than inductor's matmuls, in a smaller program compiled sooner:
-docs/performance.md); elsewhere inductor autotunes them between its C++ micro-kernel template and
-oneDNN (`STEP_CONFIGS`: the template wins at a few rows, where oneDNN's small-M kernels are far
-from the memory bound). `CompiledHead` is one forward of a one-layer draft head (EAGLE-2/3, MTP)
-over its own cache. Each package is stored in a compile cache under a key of everything the
-program depends on (`program_key`: weights, sizes, the code it is traced from), so a restart
-loads it in well under a second instead of compiling again. Processes that want the same package
-take turns through a file lock: one compiles, the others load. A stored package that does not load
-(a file cut short or overwritten) is set aside as `<name>.corrupt` and compiled again, once, by
-the process that found it (the background compiling process where a server has one: `precompile`).
-
-A forward of more new tokens than the step program takes runs padded to one of a bounded set of
-token counts (`cpu_linear.padded_rows`, at most 12.5 % more): oneDNN keeps memory for every
-shape it meets, and prompt chunks and catch-ups of every length grew a server without bound.
-
-The programs only read their KV cache: they return the new tokens' K/V, which are written
-afterwards with one indexed copy (inductor would copy a cache mutated inside the program whole).
-Keys are each request's first S cache entries followed by the new tokens; the mask says which of
-them a token sees. The step program computes every row's logits itself (a step needs them all);
-after the prefill program they come from the eager, prepacked lm_head at the positions asked for,
-so a prefill does not pay for every prompt position's logits.
+`CompiledTarget` is the target's forward in two programs: a step program for forwards of a few rows
+(decode, tree verification, short prompt chunks; its matmuls chosen for this CPU, `STEP_CONFIGS`, or
+the few-row kernel in float32 on AVX2) and a prefill program with oneDNN's prepacked matmuls.
+`CompiledHead` is one forward of a one-layer draft head over its own cache. Packages are cached
+under a key of everything a program depends on (`program_key`), compiled by one process while
+the others wait on a file lock, and a package that does not load is set aside and compiled again
+once. The programs only read their KV cache (the new K/V are written afterwards); the classes'
+docstrings say how rows, padding and logits are handled.
 
 This module does not decide when programs are used: the runtime layer's runners do
-(`runtime.target.TargetRunner` for the target, `runtime.head.HeadRunner` for a draft head, by the
-`RuntimePlan` and, for the target's steps, `PathChooser`'s timings); the engine and the drafters
-never ask. It does nothing on CUDA.
+(`runtime.target.TargetRunner` for the target, `runtime.head_runner.HeadRunner` for a draft
+head, by the `RuntimePlan` and, for the target's steps, `PathChooser`'s timings); the engine and
+the drafters never ask. It does nothing on CUDA.
 """
 
 from __future__ import annotations
@@ -76,8 +57,8 @@ PREFILL_CONFIGS = {"freezing": True}  # inductor settings: frozen weights, oneDN
 STEP_CONFIGS = {**PREFILL_CONFIGS, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 # the modules whose code a program is traced from (under the specserve package): an edit to any of
 # them is another program, never a stale one loaded from the compile cache
-TRACED_SOURCES = ("runtime/compiled.py", "models/llama.py", "models/cpu_linear.py", "drafters/eagle_model.py",
-                  "drafters/mtp_model.py")
+TRACED_SOURCES = ("runtime/compiled.py", "models/llama.py", "models/cpu_linear.py", "models/eagle_head.py",
+                  "models/mtp_head.py")
 STALE_AFTER_DAYS = 14  # a compile-cache package unused this long is deleted when another is compiled
 CORRUPT_SUFFIX = ".corrupt"  # a package that did not load, moved out of its key (`set_aside`)
 Runner = Callable[..., list[torch.Tensor]]
@@ -317,7 +298,19 @@ class ReadOnlyForward(nn.Module):
 class CompiledTarget:
     """The compiled forwards of one target with one KV cache (a step program and a prefill
     program); build it before the target's linears are prepacked for eager use (export reads the
-    plain weights)."""
+    plain weights).
+
+    A forward of more new tokens than the step program takes runs padded to one of a bounded set of
+    token counts (`cpu_linear.padded_rows`, at most 12.5 % more): oneDNN keeps memory for every
+    shape it meets, and prompt chunks and catch-ups of every length grew a server without bound.
+
+    The programs only read their KV cache: they return the new tokens' K/V, which are written
+    afterwards with one indexed copy (inductor would copy a cache mutated inside the program whole).
+    Keys are each request's first S cache entries followed by the new tokens; the mask says which of
+    them a token sees. The step program computes every row's logits itself (a step needs them all);
+    after the prefill program they come from the eager, prepacked lm_head at the positions asked for,
+    so a prefill does not pay for every prompt position's logits.
+    """
 
     def __init__(self, model: LlamaModel, cache: KVCache, aux_layers: tuple[int, ...], max_batch_size: int,
                  max_tokens: int, cache_dir: Path, step_matmul: str = "auto") -> None:
@@ -352,7 +345,8 @@ class CompiledTarget:
         i64 = dict(dtype=torch.int64, device=self.cache.data.device)
         b, t = 2, 3  # sizes of 1 would be specialised
         example = (torch.zeros(b, t, **i64), torch.arange(t, **i64).expand(b, t).contiguous(), torch.zeros(b, **i64),
-                   torch.zeros(b, **i64), torch.ones(b, t, t, dtype=torch.bool).tril(), prefix_keys(self.cache, KEY_ALIGN))
+                   torch.zeros(b, **i64), torch.ones(b, t, t, dtype=torch.bool).tril(),
+                   prefix_keys(self.cache, KEY_ALIGN))
         return torch.export.export(ReadOnlyForward(self.model, self.aux_layers, with_logits).eval(), example,
                                    dynamic_shapes=dynamic, strict=False)
 
@@ -444,7 +438,8 @@ class CompiledHead:
         dev, dtype = self.cache.data.device, self.cache.data.dtype
         b, t = 2, 3  # sizes of 1 would be specialised
         pos = torch.arange(t, device=dev).expand(b, t).contiguous()
-        example = (torch.zeros(b, t, dtype=torch.int64, device=dev), torch.zeros(b, t, feature_size, dtype=dtype, device=dev),
+        example = (torch.zeros(b, t, dtype=torch.int64, device=dev),
+                   torch.zeros(b, t, feature_size, dtype=dtype, device=dev),
                    pos, pos.clone(), torch.zeros(b, dtype=torch.int64, device=dev),
                    torch.ones(b, 1, t, KEY_ALIGN, dtype=torch.bool, device=dev), prefix_keys(self.cache, KEY_ALIGN))
         return torch.export.export(ReadOnlyHeadStep(self.head, self.rope).eval(), example, dynamic_shapes=dynamic,

@@ -135,7 +135,7 @@ class GraphRunner:
         bk.new_mask.copy_(torch.eye(t, dtype=torch.bool, device=self.device).expand(bs, t, t))
         if new_mask is not None:
             bk.new_mask[:b, :n, :n] = new_mask
-        if bk.backend.needs_plan:
+        if bk.backend.needs_prepare:
             self._plan(bk, list(host_cache_lens) + [0] * (bs - b))
         if bk.graph is not None:
             bk.graph.replay()
@@ -162,14 +162,16 @@ class GraphRunner:
     def _plan(self, bk: _Bucket, host_cache_lens: list[int]) -> None:
         """Plan the bucket's backend for the buffers' current contents; keys and mask are cut to
         the longest request (flashinfer flattens the mask per request up to its own key count)."""
-        a = self.model.static_attention_inputs(bk.positions, bk.slots, bk.cache_lens, bk.new_mask, self.cache, bk.backend)
+        a = self.model.static_attention_inputs(bk.positions, bk.slots, bk.cache_lens, bk.new_mask, self.cache,
+                                               bk.backend)
         key_len = max(host_cache_lens) + bk.tokens.shape[1]
         assert a.mask is not None
-        bk.backend.plan(replace(a, key_len=key_len, mask=a.mask[..., :key_len]), host_cache_lens)
+        bk.backend.prepare(replace(a, key_len=key_len, mask=a.mask[..., :key_len]), host_cache_lens)
 
     def _run(self, bk: _Bucket) -> ForwardOutput:
         """The static forward: every shape from the buffers, nothing read from the host."""
-        a = self.model.static_attention_inputs(bk.positions, bk.slots, bk.cache_lens, bk.new_mask, self.cache, bk.backend)
+        a = self.model.static_attention_inputs(bk.positions, bk.slots, bk.cache_lens, bk.new_mask, self.cache,
+                                               bk.backend)
         return self.model(bk.tokens, a, self.cache, aux_layers=self.aux_layers)
 
     def captured_functions(self) -> dict[tuple[int, int], Callable[[], ForwardOutput]]:
@@ -177,7 +179,7 @@ class GraphRunner:
         return {key: capturable(lambda bk=bk: self._run(bk)) for key, bk in self.buckets.items()}
 
     def _capture(self, bk: _Bucket, pool: object, key: tuple[int, int]) -> None:
-        if bk.backend.needs_plan:
+        if bk.backend.needs_prepare:
             self._plan(bk, [0] * bk.tokens.shape[0])  # padding rows only: a valid plan to capture
         bk.graph, bk.output = self.failures.capture(key, capturable(lambda: self._run(bk)), self.device, pool)
 

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from specserve.config import EngineConfig, ModelConfig
-from specserve.methods import method
 
 if TYPE_CHECKING:
     from specserve.runtime.plan import RuntimePlan
@@ -130,7 +129,7 @@ def draft_kv_bytes_per_token(config: EngineConfig, target: ModelConfig) -> int:
     EAGLE-3 / EAGLE / MTP layouts keep the target's heads), a standalone draft model its own
     layers (the target's first `standalone_num_layers` when it has no drafter_path)."""
     spec, dtype = config.spec, config.torch_dtype
-    m = method(spec.algorithm)
+    m = spec.method
     if m.is_head:
         return kv_bytes_per_token(target, 1, dtype)
     if m.draft_model:

@@ -16,132 +16,28 @@ machine still busy, a program's pages read back in): a forward more than `doubt_
 faster than its path's estimate restarts that estimate, so stalled forwards cost at most one
 exploring period.
 
-`RunningAverage` is the estimate both this chooser and the draft-shape chooser keep;
-`time_interleaved` times the start-up forwards it is handed and says whether the machine looked
-busy. The chooser measures nothing itself: the runtime reports each forward's path and time.
+Its estimates are `specserve.estimates`' (`RunningAverage`; start-up figures from
+`time_interleaved`). The chooser measures nothing itself: the runtime reports each forward's path
+and time.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import statistics
-import time
 from collections import Counter
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+
+from specserve.estimates import RunningAverage, StartupTiming
 
 log = logging.getLogger(__name__)
-
-BUSY_FACTOR = 2.0  # wall time above this many times what the CPU time explains: the process waited for a CPU
-
-
-class RunningAverage:
-    """A running mean over the first `horizon` samples, then an exponential moving average.
-
-    robust (for times, whose noise is one-sided: a step is never faster than its work, often
-    slower): the median of the first `horizon` samples, then a moving average of samples clipped
-    to twice the estimate. A sample of weight w counts as w equal samples.
-
-    A start-up figure (`seed`) stands in until the first real sample, which replaces it: `count`
-    counts it as its weight towards being measured, `samples` counts real samples only."""
-
-    def __init__(self, horizon: int, robust: bool = False) -> None:
-        self.horizon, self.robust = horizon, robust
-        self.samples, self.value, self.seed_weight = 0, 0.0, 0
-        self._first: list[float] = []
-
-    @property
-    def count(self) -> int:
-        """Samples towards being measured: the real ones, or the seed's weight while more."""
-        return max(self.samples, self.seed_weight)
-
-    @property
-    def provisional(self) -> bool:
-        """Whether the value is a start-up figure no real sample has checked yet."""
-        return self.seed_weight > 0 and self.samples == 0
-
-    def add(self, x: float, weight: int = 1) -> None:
-        self.samples += weight
-        if self.robust and self.samples <= self.horizon:
-            self._first += [x] * weight
-            self.value = statistics.median(self._first)
-            return
-        if self.robust:
-            x = min(x, 2.0 * self.value)
-        self.value += (x - self.value) * min(1.0, weight / min(self.samples, self.horizon))
-
-    def seed(self, x: float, weight: int) -> None:
-        """A start-up measurement, counted as `weight` samples towards being measured until the first
-        real sample replaces it (warm-up ran on a synthetic prompt, perhaps on a busy machine). A
-        later seed replaces an earlier one; once real samples exist, seeds are ignored."""
-        if self.samples == 0:
-            self.value, self.seed_weight = x, weight
-
-    def reset(self) -> None:
-        self.samples, self.value, self.seed_weight, self._first = 0, 0.0, 0, []
-
-
-@dataclass(frozen=True)
-class Clocks:
-    """What a start-up timing reads: wall time, the process's CPU time (every thread's), and the
-    calling thread's CPU time."""
-
-    wall: Callable[[], float] = time.perf_counter
-    process: Callable[[], float] = time.process_time
-    thread: Callable[[], float] = time.thread_time
-
-
-@dataclass(frozen=True)
-class StartupTiming:
-    """One path's start-up timing at one key: each timed repeat's wall time (seconds), and the wall
-    time their CPU time explains (per repeat the larger of the calling thread's CPU time and the
-    process's divided by the threads it computes with)."""
-
-    repeats: tuple[float, ...]
-    explained_s: float
-
-    @property
-    def median_s(self) -> float:
-        return statistics.median(self.repeats)
-
-    @property
-    def busy(self) -> bool:
-        """Wall time more than `BUSY_FACTOR` times what the CPU time explains: the process waited
-        for a CPU (another job ran), so the figure overstates the path's cost."""
-        return sum(self.repeats) > BUSY_FACTOR * self.explained_s
-
-    def summary(self) -> dict:
-        ms = [round(r * 1e3, 2) for r in (min(self.repeats), self.median_s, max(self.repeats))]
-        return {"min_ms": ms[0], "median_ms": ms[1], "max_ms": ms[2], "busy": self.busy}
-
-    def __str__(self) -> str:
-        return (f"{self.median_s * 1e3:.1f} ms ({min(self.repeats) * 1e3:.1f}-{max(self.repeats) * 1e3:.1f})"
-                + (" busy" if self.busy else ""))
-
-
-def time_interleaved(forwards: Mapping[str, Callable[[], object]], repeats: int, untimed: int = 2, threads: int = 1,
-                     clocks: Clocks = Clocks()) -> dict[str, StartupTiming]:
-    """Each forward `untimed` times, then `repeats` timed times, interleaved round by round (a busy
-    spell weighs on every path alike). threads: the threads the forwards compute with."""
-    walls: dict[str, list[float]] = {name: [] for name in forwards}
-    explained = dict.fromkeys(forwards, 0.0)
-    for i in range(untimed + repeats):
-        for name, forward in forwards.items():
-            wall, process, thread = clocks.wall(), clocks.process(), clocks.thread()
-            forward()
-            if i >= untimed:
-                walls[name].append(clocks.wall() - wall)
-                explained[name] += max(clocks.thread() - thread, (clocks.process() - process) / max(threads, 1))
-    return {name: StartupTiming(tuple(walls[name]), explained[name]) for name in forwards}
-
 
 class PathChooser:
     """Per step: `choose(key)` -> "compiled" or "eager"; after the forward: `observe(key, path, seconds)`.
 
     key: (batch-size bucket, tokens per request). A path counts as unmeasured until `min_samples`
-    forwards have run it (`seed` counts as that many); unmeasured paths run first, compiled first. pinned: always the compiled program (no exploring, nothing
-    measured). This class keeps no clock: the runtime times each forward."""
+    forwards have run it (`seed` counts as that many); unmeasured paths run first, compiled first.
+    pinned: always the compiled program (no exploring, nothing measured). This class keeps no clock:
+    the runtime times each forward."""
 
     PATHS = ("compiled", "eager")
 
@@ -201,7 +97,9 @@ class PathChooser:
         avgs = self._averages(key)
         fast, slow = sorted(a.value for a in avgs.values())
         slowdown = slow / fast if fast > 0 else 1.0
-        period = self.explore_every * (min(math.ceil(slowdown), self.max_slowdown) if slowdown > self.explore_within else 1)
+        period = self.explore_every * (
+            min(math.ceil(slowdown), self.max_slowdown) if slowdown > self.explore_within else 1
+        )
         if any(a.samples < self.min_samples for a in avgs.values()):
             period = min(period, self.provisional_period)
         return period

@@ -93,7 +93,7 @@ class PackedAttention:
     meets; `runtime.compiled`); the padded queries are dropped, no real query sees a padded key."""
 
     name = "packed"
-    needs_plan = False
+    needs_prepare = False
     reads_mask = False
 
     def __init__(self, packed: PackedPrompts, device: torch.device, max_len: int) -> None:
@@ -110,7 +110,7 @@ class PackedAttention:
                 rows, keys = padded_rows(t), min(padded_rows(c.end), max_len)
                 self.spans.append((c.slot, rows, keys, cols, lower_right(t, c.end, device, rows, keys)))
 
-    def plan(self, a: AttentionInputs, host_cache_lens: list[int]) -> None:
+    def prepare(self, a: AttentionInputs, host_cache_lens: list[int]) -> None:
         return None
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, a: AttentionInputs) -> torch.Tensor:
@@ -120,7 +120,8 @@ class PackedAttention:
             queries = q[:, :, cols]
             t = queries.shape[2]
             queries = F.pad(queries, (0, 0, 0, rows - t))  # padded queries: zeros, dropped below
-            keys, values = k_cache[slot : slot + 1, :, :end], v_cache[slot : slot + 1, :, :end]  # views (1, Hkv, end, D)
+            # views (1, Hkv, end, D)
+            keys, values = k_cache[slot : slot + 1, :, :end], v_cache[slot : slot + 1, :, :end]
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=mask is None,
                                                  enable_gqa=True)
             outs.append(out[:, :, :t])
@@ -155,7 +156,8 @@ def packed_forward(model: LlamaModel, cache: KVCache, packed: PackedPrompts,
     a = AttentionInputs(
         slots=slots_t[:, 0], cache_lens=positions_t[:, 0], write_slots=slots_t, write_pos=positions_t,
         key_len=max(c.end for c in packed.chunks), mask=None, is_causal=False, slot_range=None,
-        cos=cos[positions_t].unsqueeze(2), sin=sin[positions_t].unsqueeze(2), backend=PackedAttention(packed, dev, cache.max_len),
+        cos=cos[positions_t].unsqueeze(2), sin=sin[positions_t].unsqueeze(2),
+        backend=PackedAttention(packed, dev, cache.max_len),
     )
     return model(tokens_t, a, cache, logit_index=last, aux_layers=aux_layers)
 

@@ -20,13 +20,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specserve.config import EngineConfig
+from specserve.estimates import time_interleaved
 from specserve.models.attention import TORCH_ATTENTION, AttentionBackend, make_attention_backend
 from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, LlamaModel
 from specserve.runtime.compiled import CompiledTarget, compiled_or_none
 from specserve.runtime.cuda_graph import GraphRunner, default_batch_sizes
-from specserve.runtime.paths import PathChooser, time_interleaved
+from specserve.runtime.paths import PathChooser
 from specserve.runtime.plan import RuntimePlan
 from specserve.runtime.prefill import PackedPrompts, PromptChunk, concat_outputs, packed_forward
 from specserve.staging import to_device
@@ -108,14 +109,17 @@ class TargetRunner:
         slot's first `start` entries; logits (B, 1, V) at each row's last token."""
         assert self.compiled is not None
         dev, b, t = self.cache.data.device, len(chunks), len(chunks[0].tokens)
-        staged = to_device([list(c.tokens) for c in chunks] + [list(range(c.start, c.end)) for c in chunks], dev)  # (2B, T)
-        slots, starts, last = to_device([[c.slot for c in chunks], [c.start for c in chunks], [t - 1] * b], dev)  # (B,) each
+        # (2B, T)
+        staged = to_device([list(c.tokens) for c in chunks] + [list(range(c.start, c.end)) for c in chunks], dev)
+        # (B,) each
+        slots, starts, last = to_device([[c.slot for c in chunks], [c.start for c in chunks], [t - 1] * b], dev)
         causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(b, t, t)
         return self.compiled.forward(staged[:b], staged[b:], slots, starts, causal, [c.start for c in chunks],
                                      last[:, None])
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache_lens: torch.Tensor,
-             mask: torch.Tensor, root_only: bool, host_lens: list[int], host_slots: list[int]) -> tuple[ForwardOutput, bool]:
+             mask: torch.Tensor, root_only: bool, host_lens: list[int],
+             host_slots: list[int]) -> tuple[ForwardOutput, bool]:
         """A decode or tree-verify forward. tokens, positions (B, N); slots, cache_lens (B,); mask
         (B, N, N) the trees' masks (root_only: N = 1, plain decoding).
 

@@ -1,1 +1,2 @@
-"""Serving under Triton: the Python models, the request contract, parameters, metrics, the repository's configs, the server launcher."""
+"""Serving under Triton: the Python models, the request contract, parameters, metrics, the repository's configs,
+the server launcher."""

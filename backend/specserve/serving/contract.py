@@ -6,8 +6,9 @@ OpenAI frontend send it): `text_input` plus optional `stream`, `exclude_input_in
 TRT-LLM-style scalar tensors (`max_tokens`, `min_length`, `temperature`, ...). Outputs are one
 response per engine delta (`output_arrays`).
 
-Between `preprocessing` and `llm_<variant>` (the ensemble `ensemble_<variant>`) a request travels as `input_ids` (INT32 [-1]) and
-`request_config` (BYTES [1]): the validated `GenerateRequest` as JSON (`parsing.encode_request_config`).
+Between `preprocessing` and `llm_<variant>` (the ensemble `ensemble_<variant>`) a request travels as
+`input_ids` (INT32 [-1]) and `request_config` (BYTES [1]): the validated `GenerateRequest` as JSON
+(`parsing.encode_request_config`).
 This module validates nothing (`parsing` does) and imports no Triton.
 """
 
@@ -147,7 +148,6 @@ class ParsedRequest:
     request: GenerateRequest
 
 
-
 # ---- responses ------------------------------------------------------------------------------
 
 
@@ -168,7 +168,8 @@ class ResponseDelta:
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
-def logprobs_entries(logprobs: list[dict[int, tuple[float, int]]], decode: Callable[[int], str]) -> list[dict[str, dict[str, Any]]]:
+def logprobs_entries(logprobs: list[dict[int, tuple[float, int]]],
+                     decode: Callable[[int], str]) -> list[dict[str, dict[str, Any]]]:
     """The engine's per-token {id: (logprob, rank)} -> vLLM's backend format: per token
     {"<id>": {"logprob": float, "rank": int, "decoded_token": str}}."""
     return [

@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from specserve.config import SamplingParams
-from specserve.engine.engine import Engine, merge_outputs
+from specserve.engine.engine import Engine
 from specserve.engine.loop import EngineLoop
+from specserve.engine.outputs import merge_outputs
 from specserve.serving.parameters import engine_config_from_parameters, model_dir_from_parameters
-from specserve.serving.parsing import PromptTokenizer
 from specserve.serving.server import default_repository, read_parameters
+from specserve.serving.tokenizer import PromptTokenizer
 from specserve_client.datasets import load_prompts
 
 ENGINE_FIELDS = ("algorithm", "max_batch_size", "max_seq_len", "dtype", "num_threads")  # reported as configured
@@ -58,7 +59,8 @@ def in_process(variant_params: dict[str, str], prompt_ids: list[list[int]], max_
         loop.shutdown()
     tokens = sum(len(o.token_ids) for o in outputs)
     gc.collect()
-    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "token_ids": [o.token_ids for o in outputs]}
+    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
+            "token_ids": [o.token_ids for o in outputs]}
 
 
 def run_variant(variant: str, dataset: str, num_prompts: int, max_tokens: int, repository: Path | None = None,

@@ -120,7 +120,8 @@ def instance_device(configured: str, instance_kind: str, device_id: str) -> str:
     return placed
 
 
-def engine_config_from_parameters(params: Mapping[str, str], instance_kind: str = "", device_id: str = "") -> EngineConfig:
+def engine_config_from_parameters(params: Mapping[str, str], instance_kind: str = "",
+                                  device_id: str = "") -> EngineConfig:
     """The decoupled model's config.pbtxt parameters -> EngineConfig.
 
     A parameter per engine knob, under the knob's edge name (model_repository/README.md lists them);

@@ -14,13 +14,11 @@ import dataclasses
 import json
 import math
 from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from specserve.config import SamplingParams
-from specserve.prompts import NoChatTemplate, render_chat
+from specserve.config import SamplingParams, shown
 from specserve.serving.contract import (
     CONTRACT_INPUTS,
     INTERNAL_INPUTS,
@@ -34,6 +32,7 @@ from specserve.serving.contract import (
     RequestError,
     RequestLimits,
 )
+from specserve.serving.tokenizer import Tokenizer
 
 # ---- scalar readers -------------------------------------------------------------------------
 
@@ -117,12 +116,6 @@ def _stop_strings(strings: list[str], name: str) -> tuple[str, ...]:
     return tuple(strings)
 
 
-def _shown(value: Any) -> str:
-    """A client's value for an error message, cut short."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _json_text(raw: Any, name: str, max_bytes: int) -> str:
     """A JSON input's text: its size checked before it is decoded."""
     _check_bytes(raw, name, max_bytes)
@@ -147,7 +140,7 @@ def _loads(text: str, name: str) -> Any:
 
 def _json_int(key: str, v: Any) -> int:
     if isinstance(v, bool):
-        raise RequestError(f"sampling_parameters.{key}: expected an integer, got {_shown(v)}")
+        raise RequestError(f"sampling_parameters.{key}: expected an integer, got {shown(v)}")
     if isinstance(v, int):
         return v
     if isinstance(v, float) and v.is_integer():
@@ -162,7 +155,7 @@ def _json_int(key: str, v: Any) -> int:
                 f = math.nan
             if f.is_integer():
                 return int(f)
-    raise RequestError(f"sampling_parameters.{key}: expected an integer, got {_shown(v)}")
+    raise RequestError(f"sampling_parameters.{key}: expected an integer, got {shown(v)}")
 
 
 def _json_float(key: str, v: Any) -> float:
@@ -174,10 +167,10 @@ def _json_float(key: str, v: Any) -> float:
         if isinstance(v, str):
             return float(v.strip())
     except OverflowError:
-        raise RequestError(f"sampling_parameters.{key}: out of range, got {_shown(v)}") from None
+        raise RequestError(f"sampling_parameters.{key}: out of range, got {shown(v)}") from None
     except ValueError:
         pass
-    raise RequestError(f"sampling_parameters.{key}: expected a number, got {_shown(v)}")
+    raise RequestError(f"sampling_parameters.{key}: expected a number, got {shown(v)}")
 
 
 def _json_bool(key: str, v: Any) -> bool:
@@ -187,7 +180,7 @@ def _json_bool(key: str, v: Any) -> bool:
         return bool(v)
     if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0"):
         return v.strip().lower() in ("true", "1")
-    raise RequestError(f"sampling_parameters.{key}: expected a boolean, got {_shown(v)}")
+    raise RequestError(f"sampling_parameters.{key}: expected a boolean, got {shown(v)}")
 
 
 def _json_stop(key: str, v: Any) -> tuple[str, ...]:
@@ -195,13 +188,13 @@ def _json_stop(key: str, v: Any) -> tuple[str, ...]:
         v = [v]
     if isinstance(v, list) and all(isinstance(s, str) for s in v):
         return _stop_strings([s for s in v if s], f"sampling_parameters.{key}")
-    raise RequestError(f"sampling_parameters.{key}: expected a string or a list of strings, got {_shown(v)}")
+    raise RequestError(f"sampling_parameters.{key}: expected a string or a list of strings, got {shown(v)}")
 
 
 def _json_str(key: str, v: Any) -> str:
     if isinstance(v, str):
         return v
-    raise RequestError(f"sampling_parameters.{key}: expected a string, got {_shown(v)}")
+    raise RequestError(f"sampling_parameters.{key}: expected a string, got {shown(v)}")
 
 
 def _json_logprobs(key: str, v: Any) -> int | None:
@@ -427,9 +420,9 @@ def _request_from_config(payload: Any, limits: RequestLimits) -> GenerateRequest
             raise RequestError(f"request_config.{key}: missing")
     stream, echo_text = payload["stream"], payload.get("echo_text")
     if not isinstance(stream, bool):
-        raise RequestError(f"request_config.stream: expected a boolean, got {_shown(stream)}")
+        raise RequestError(f"request_config.stream: expected a boolean, got {shown(stream)}")
     if echo_text is not None and not isinstance(echo_text, str):
-        raise RequestError(f"request_config.echo_text: expected a string or null, got {_shown(echo_text)}")
+        raise RequestError(f"request_config.echo_text: expected a string or null, got {shown(echo_text)}")
     params = _params_from_config(payload["params"], limits)
     return GenerateRequest(params=params, stream=stream, echo_text=echo_text)
 
@@ -444,7 +437,7 @@ def _params_from_config(params: Any, limits: RequestLimits) -> SamplingParams:
     if "stop" in kw:
         stop = kw["stop"]
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise RequestError(f"request_config.params.stop: expected a list of strings, got {_shown(stop)}")
+            raise RequestError(f"request_config.params.stop: expected a list of strings, got {shown(stop)}")
         kw["stop"] = _stop_strings(stop, "request_config.params.stop")
     sampling = _sampling_params(kw)
     _check_max_tokens(sampling.max_tokens, limits)
@@ -462,37 +455,6 @@ def parse_prompt_ids(inputs: Mapping[str, np.ndarray], limits: RequestLimits) ->
         raise RequestError(f"input_ids: {ids.size} ids; the prompt must be shorter than the context of "
                            f"{limits.max_seq_len} tokens")
     return ids.reshape(-1).astype(np.int64).tolist()
-
-
-# ---- prompt -> token ids --------------------------------------------------------------------
-
-
-class PromptTokenizer:
-    """The model's `tokenizer.json` (the `tokenizers` library, as transformers' fast tokenizers run
-    it): raw prompts tokenized as-is with the tokenizer's special tokens (like vLLM's backend), or
-    wrapped in the model's chat template as one user turn (`prompts.render_chat`)."""
-
-    def __init__(self, model_dir: str | Path) -> None:
-        from tokenizers import Tokenizer as FastTokenizer
-
-        self._model_dir = str(model_dir)
-        self._tok = FastTokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-
-    def decode_token(self, token_id: int) -> str:
-        return self._tok.decode([token_id], skip_special_tokens=False)
-
-    def encode(self, text: str, apply_chat_template: bool) -> list[int]:
-        if not apply_chat_template:
-            return self._tok.encode(text).ids
-        try:
-            text = render_chat(self._model_dir, text)
-        except NoChatTemplate:
-            raise RequestError("apply_chat_template: the model has no chat template") from None
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-
-class Tokenizer(Protocol):
-    def encode(self, text: str, apply_chat_template: bool) -> list[int]: ...
 
 
 def parse_decoupled_inputs(

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import ipaddress
 import os
 import re
 import secrets
@@ -33,32 +32,36 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
 from specserve.methods import renamed
 from specserve.prepare import repo_root
 from specserve.serving.drain import DRAIN_FILE_ENV, request_drain, wait_drained
+from specserve.serving.exposure import (
+    ADMIN_HEADER,
+    ADMIN_KEY_ENV,
+    ALL_INTERFACES,
+    GRPC_ADMIN_HEADER,
+    RESTRICTED_APIS,
+    Exposure,
+    check_admin_key,
+    check_host,
+    client_host,
+    port_problems,
+)
+from specserve.serving.install import TritonInstall, find_tritonserver
 
 EXIT_TIMEOUT_S = 10  # tritonserver's own wait for in-flight requests and unloading
 SHUTDOWN_GRACE_S = 5.0  # open streams may finish this long after a stop; the rest end "shutting down"
 MAX_SHUTDOWN_GRACE_S = 3600.0
 DRAIN_MARGIN_S = 2.0  # past the grace, the models' aborts and FINALs go out
-ALL_INTERFACES = "0.0.0.0"  # Triton's default address
-ADMIN_KEY_ENV = "SPECSERVE_ADMIN_KEY"
-ADMIN_HEADER = "specserve-admin-key"  # HTTP header of the admin key
-GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # gRPC metadata key (Triton adds the prefix)
-# Triton's API groups that need the key; health, metadata, model-config, statistics, inference stay open
-RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
-_KEY_CHARS = re.compile(r"[A-Za-z0-9._~+/-]{16,}")
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
@@ -71,7 +74,8 @@ def list_variants(repository: Path) -> list[str]:
     return sorted(
         p.name.removeprefix("llm_")
         for p in repository.glob("llm_*")
-        if (p / "config.pbtxt").is_file() and (repository / f"ensemble_{p.name.removeprefix('llm_')}" / "config.pbtxt").is_file()
+        if (p / "config.pbtxt").is_file()
+        and (repository / f"ensemble_{p.name.removeprefix('llm_')}" / "config.pbtxt").is_file()
     )
 
 
@@ -81,114 +85,6 @@ def models_for(variants: Iterable[str]) -> list[str]:
     for v in variants:
         models += [f"llm_{v}", f"ensemble_{v}"]
     return models
-
-
-# ---- locating the server --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TritonInstall:
-    binary: Path
-    backend_dir: Path | None  # None = the server's built-in default
-    env: dict[str, str]  # added to the server's environment
-
-
-def _pytriton_dir() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("pytriton")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("tritonserver: not on PATH and the nvidia-pytriton wheel is not installed")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def _wheel_backend_dir(server_dir: Path, cache_root: Path) -> Path:
-    """`<cache>/backends` = the wheel's backends/ plus the stub for this Python (made once, atomically)."""
-    py = f"{sys.version_info.major}.{sys.version_info.minor}"
-    stub = server_dir / "python_backend_stubs" / py / "triton_python_backend_stub"
-    if not stub.is_file():
-        raise FileNotFoundError(f"tritonserver: the wheel has no Python-backend stub for Python {py}")
-    target = cache_root / f"backends-py{py}-{int(stub.stat().st_mtime)}"
-    if (target / "python" / "triton_python_backend_stub").is_file():
-        return target
-    cache_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="backends-", dir=cache_root))
-    shutil.copytree(server_dir / "backends", tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy2(stub, tmp / "python" / "triton_python_backend_stub")
-    try:
-        tmp.rename(target)
-    except OSError:  # another process won the race
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def find_tritonserver(cache_root: Path | None = None) -> TritonInstall:
-    on_path = shutil.which("tritonserver")
-    if on_path:
-        return TritonInstall(Path(on_path), None, {})
-    server_dir = _pytriton_dir() / "tritonserver"
-    cache_root = cache_root or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specserve" / "tritonserver"
-    libs = [str(server_dir.parent.parent / "nvidia_pytriton.libs")]
-    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
-        # the stub links libpython3.X.so dynamically: give it this interpreter's (e.g. pyenv's),
-        # not the system one, or compiled stdlib modules such as _ssl fail on missing symbols
-        libs.insert(0, str(sysconfig.get_config_var("LIBDIR")))
-    venv_bin = str(Path(sys.executable).parent)
-    ld = os.pathsep.join(p for p in (*libs, os.environ.get("LD_LIBRARY_PATH", "")) if p)
-    return TritonInstall(
-        binary=server_dir / "bin" / "tritonserver",
-        backend_dir=_wheel_backend_dir(server_dir, cache_root),
-        env={"LD_LIBRARY_PATH": ld, "PATH": os.pathsep.join([venv_bin, os.environ.get("PATH", "")])},
-    )
-
-
-# ---- exposure: admin key, addresses, ports --------------------------------------------------
-
-
-def check_admin_key(key: str) -> str:
-    """`key` if it can be the admin key: 16 or more characters of `A-Z a-z 0-9 . _ ~ + / -`."""
-    if not _KEY_CHARS.fullmatch(key):
-        raise ValueError("the admin key needs 16 or more characters, each a letter, a digit or . _ ~ + / -")
-    return key
-
-
-def check_host(host: str) -> str:
-    """`host` if it is an IPv4 address the endpoints can bind (0.0.0.0: every interface)."""
-    try:
-        return str(ipaddress.IPv4Address(host))
-    except ValueError:
-        raise ValueError(f"--host takes an IPv4 address such as 127.0.0.1 or 0.0.0.0, got {host!r}") from None
-
-
-def port_problems(host: str, ports: Mapping[str, int]) -> list[str]:
-    """Why each of `ports` ({"HTTP": 8000, ...}) cannot be bound on `host` now; [] when all can."""
-    problems = []
-    seen: dict[int, str] = {}
-    for name, port in ports.items():
-        if port in seen:
-            problems.append(f"the {name} port {port} is also the {seen[port]} port")
-            continue
-        seen[port] = name
-        if (error := _bind_error(host, port)) is not None:
-            problems.append(f"the {name} port {port} on {host} is not free ({error})")
-    return problems
-
-
-def _bind_error(host: str, port: int) -> str | None:
-    """The error binding host:port gives, or None. SO_REUSEADDR as servers set it: a port whose
-    connections linger in TIME_WAIT counts as free, one another socket listens on does not."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            return e.strerror or str(e)
-    return None
-
-
-def client_host(host: str) -> str:
-    """The address a client on this machine reaches endpoints bound to `host` at."""
-    return "localhost" if host == ALL_INTERFACES else host
 
 
 # ---- dying with the parent ------------------------------------------------------------------
@@ -358,7 +254,9 @@ class TritonProcess:
         deadline = time.monotonic() + (timeout_s or self.startup_timeout_s)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with code {self.proc.returncode} while starting{self._log_hint()}")
+                raise RuntimeError(
+                    f"tritonserver exited with code {self.proc.returncode} while starting{self._log_hint()}"
+                )
             if self.is_ready():
                 return
             time.sleep(0.5)
@@ -447,24 +345,6 @@ def copy_repository(src: Path, dst: Path, overrides: Mapping[str, Mapping[str, s
 
 
 # ---- `specserve serve` ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Exposure:
-    """Where `specserve serve` listens and who may use its admin APIs."""
-
-    host: str = ALL_INTERFACES
-    admin_key: str | None = None  # None: a random one, printed once the server is ready
-    open_admin_api: bool = False
-
-    def check(self) -> Exposure:
-        """This exposure with its host normalized; ValueError naming what is wrong."""
-        if self.open_admin_api and self.admin_key is not None:
-            raise ValueError(f"--open-admin-api and an admin key (--admin-key, {ADMIN_KEY_ENV}) exclude "
-                             "each other")
-        if self.admin_key is not None:
-            check_admin_key(self.admin_key)
-        return replace(self, host=check_host(self.host))
 
 
 def serve(

@@ -58,8 +58,9 @@ from specserve.serving.contract import (
 )
 from specserve.serving.drain import DrainWatch
 from specserve.serving.metrics import RequestStats, ServingMetrics
-from specserve.serving.parsing import PromptTokenizer, parse_decoupled_inputs
+from specserve.serving.parsing import parse_decoupled_inputs
 from specserve.serving.repository import llm_inputs, llm_outputs
+from specserve.serving.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -81,7 +82,8 @@ def _send(sender: Any, response: Any | None, flags: int = 0, tensors: list[Any] 
 
 def _tensors(delta: ResponseDelta, wanted: frozenset[str] | None) -> list[Any]:
     """The response's output tensors: those in `wanted` (the request's requested outputs), or all."""
-    return [pb_utils.Tensor(name, arr) for name, arr in output_arrays(delta).items() if wanted is None or name in wanted]
+    return [pb_utils.Tensor(name, arr) for name, arr in output_arrays(delta).items()
+            if wanted is None or name in wanted]
 
 
 def _error(message: str, code: int) -> Any:
@@ -387,7 +389,8 @@ class TritonPythonModel:
             _send(sender, _error(str(e), pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
         except Exception as e:  # noqa: BLE001 - FINAL on every path
             log.error("submit failed:\n%s", traceback.format_exc())
-            _send(sender, _error(f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL), flags=FINAL)
+            _send(sender, _error(f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL),
+                  flags=FINAL)
 
     def _unload(self, reason: str) -> None:
         """The engine loop stopped for good: unload this model (not ready) from a thread of its own,

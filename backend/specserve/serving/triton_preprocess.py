@@ -1,8 +1,9 @@
 """The `preprocessing` Triton Python model: contract inputs -> `input_ids` + `request_config`.
 
 It validates the request (`parsing.parse_request`), applies the chat template when asked,
-tokenizes with the model's `tokenizer.json` (`parsing.PromptTokenizer`) and checks the prompt fits the context. A bad request
-gets an INVALID_ARG error naming the field; the ensemble then ends the client's stream with it.
+tokenizes with the model's `tokenizer.json` (`tokenizer.PromptTokenizer`) and checks the prompt fits
+the context. A bad request gets an INVALID_ARG error naming the field; the ensemble then ends the
+client's stream with it.
 An unexpected failure answers its own request with INTERNAL: one request never fails the batch.
 Not decoupled: one response per request.
 """
@@ -24,11 +25,11 @@ from specserve.serving.parameters import (
     request_limits_from_parameters,
 )
 from specserve.serving.parsing import (
-    PromptTokenizer,
     check_prompt_length,
     encode_request_config,
     parse_request,
 )
+from specserve.serving.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
 

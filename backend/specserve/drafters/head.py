@@ -1,6 +1,6 @@
-"""EAGLE-2 / EAGLE-3 (and MTP) drafting: the draft head's own KV cache, EAGLE-2's dynamic tree,
-cache refresh. Any head that reads the target's features runs here: EAGLE heads (`eagle_model`)
-and MTP heads (`mtp_model`), as SGLang runs MTP through its EAGLE worker.
+"""EAGLE-2 / EAGLE-3 and MTP drafting (`HeadDrafter`): the draft head's own KV cache, EAGLE-2's dynamic tree,
+cache refresh. Any head that reads the target's features runs here: EAGLE heads (`models.eagle_head`)
+and MTP heads (`models.mtp_head`), as SGLang runs MTP through its EAGLE worker.
 
 Positions. The drafter's position j holds (token j+1, target feature j); its output predicts token
 j+2. Its cache therefore always has the target's length L (= the request's cache_len): position
@@ -12,15 +12,16 @@ up over everything it has not seen at the start of the next propose, overwriting
 so the drafter's cache holds target features only. Steps that decode without drafts therefore cost
 the drafter nothing. on_prefill stores a prompt chunk's features and catches the head up on them at
 once, so a long prompt's catch-up is spread over its prefill chunks. A slot keeps its features and
-head K/V after its request ends; `copy_prefix` hands them to a request that reuses its prefix. How each head forward runs (eager, the CPU's compiled
-programs, few-row chunks of a long catch-up) is `runtime.head.HeadRunner`'s choice.
+head K/V after its request ends; `copy_prefix` hands them to a request that reuses its prefix. How
+each head forward runs (eager, the CPU's compiled programs, few-row chunks of a long catch-up) is
+`runtime.head_runner.HeadRunner`'s choice.
 propose: after the catch-up, step 0 takes topk children of the root from `last_hidden`;
 `beam.grow_trees_on_device` runs the num_steps - 1 draft forwards over the beam (rope position
 L + step - 1, K/V in a scratch area after L that only the node's descendants see), each node
 carrying its parent's hidden state, and picks the beam and the final tree by tensor ops. On a
 static runtime plan (CUDA graphs) the configured shape's draft, with keys over the whole slot, is
-what the runner captures once per batch size; other shapes run eagerly. `draft_on_host` is the same draft with the host's `DynamicTreeBuilder`: the tests'
-reference.
+what the runner captures once per batch size; other shapes run eagerly. `draft_on_host` is the
+same draft with the host's `DynamicTreeBuilder`: the tests' reference.
 
 The drafter does not verify, sample or touch the target's cache.
 """
@@ -35,11 +36,10 @@ import torch
 from specserve.config import SpecConfig
 from specserve.drafters.base import DraftContext, Drafter, SequenceView
 from specserve.drafters.beam import grow_trees, grow_trees_on_device
-from specserve.drafters.heads import HEADS, load_token_map
-from specserve.methods import method
+from specserve.models.draft_heads import HEADS, load_token_map
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, KeyMask, rope_table
-from specserve.runtime.head import HeadRunner
+from specserve.runtime.head_runner import HeadRunner
 from specserve.runtime.prefill import PackedPrompts
 from specserve.staging import to_device
 from specserve.tree import DraftShape, DraftTree, TreeBatch
@@ -47,14 +47,13 @@ from specserve.tree import DraftShape, DraftTree, TreeBatch
 log = logging.getLogger(__name__)
 
 
-
-class EagleDrafter(Drafter):
+class HeadDrafter(Drafter):
     nested_trees = True  # trees come out in rank order (`grow_trees_on_device`)
     catches_up = True
 
     def __init__(self, spec: SpecConfig, ctx: DraftContext) -> None:
         self.spec = spec
-        self.method = method(spec.algorithm)
+        self.method = spec.method
         path = spec.drafter_path or (ctx.model_dir if self.method.head_in_target else None)
         if not path:
             raise ValueError(f"drafter_path: algorithm {spec.algorithm} needs a drafter directory")

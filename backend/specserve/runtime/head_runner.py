@@ -12,12 +12,12 @@ This module does not draft: the drafter hands it the head, and the draft functio
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from specserve.estimates import time_interleaved
 from specserve.models.attention import TORCH_ATTENTION, TRITON_ATTENTION
 from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.kv_cache import KVCache
@@ -88,7 +88,8 @@ class HeadRunner:
 
     def chunks_pay(self, rows: int = CATCH_UP_PROBE_ROWS, repeats: int = 3) -> bool:
         """Whether a catch-up of `rows` rows runs faster as few-row forwards than as one forward of
-        the general program, timed on this CPU (best of `repeats` each, after one untimed run) in
+        the general program, timed on this CPU (the median of `repeats` each, interleaved, after one
+        untimed run; `estimates.time_interleaved`) in
         slot 0's first `rows` cache entries, which it gives back as it found them."""
         assert self.compiled is not None and self.few_rows is not None
         feature_size = self.head.cfg.feature_size
@@ -99,23 +100,23 @@ class HeadRunner:
         if not (self.compiled.fits(rows) and self.few_rows.covers(tokens[:, :FEW_ROWS], feats[:, :FEW_ROWS], rows)):
             return False
 
-        def run(program, width: int) -> float:  # noqa: ANN001
-            start = time.perf_counter()
+        def run(program, width: int) -> None:  # noqa: ANN001
             for a in range(0, rows, width):
                 z = min(a + width, rows)
                 mask = KeyMask(torch.tensor([a], device=self.device)).dense(z - a, z)
                 program.forward(tokens[:, a:z], feats[:, a:z], positions[:, a:z], positions[:, a:z], mask, slots)
-            return time.perf_counter() - start
 
         with torch.inference_mode():
             entries = self.cache.data[:, :, 0, :, :rows].clone()  # (layers, 2, kv heads, rows, head dim)
-            whole = min(run(self.compiled, rows) for _ in range(repeats + 1))
-            chunked = min(run(self.few_rows, FEW_ROWS) for _ in range(repeats + 1))
+            timings = time_interleaved({"whole": lambda: run(self.compiled, rows),
+                                        "chunked": lambda: run(self.few_rows, FEW_ROWS)},
+                                       repeats, untimed=1, threads=torch.get_num_threads())
             self.cache.data[:, :, 0, :, :rows] = entries
-        log.info("%s drafter: a %d-row catch-up takes %.2f ms in one forward, %.2f ms in %d-row forwards: %s",
-                 self.name, rows, whole * 1e3, chunked * 1e3, FEW_ROWS,
-                 "chunked" if chunked < whole else "one forward")
-        return chunked < whole
+        whole, chunked = timings["whole"], timings["chunked"]
+        log.info("%s drafter: a %d-row catch-up takes %s in one forward, %s in %d-row forwards: %s",
+                 self.name, rows, whole, chunked, FEW_ROWS,
+                 "chunked" if chunked.median_s < whole.median_s else "one forward")
+        return chunked.median_s < whole.median_s
 
     # ---- whole drafts ---------------------------------------------------------------------------
 

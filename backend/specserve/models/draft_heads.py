@@ -1,9 +1,9 @@
 """Draft heads by method: the one place that says which module builds, loads and saves the head
-of `eagle`, `eagle3` and `mtp` (the methods whose `Method.drafter` is "head").
+of `eagle`, `eagle3` and `mtp` (the methods whose `Method.is_head`).
 
-Serving (`drafters.eagle`) loads heads through `HEADS[method].load`; training
+Serving (`drafters.head`) loads heads through `HEADS[method].load`; training
 (`training.train_drafter`, `training.train_heads`) builds, reloads and saves them through the same
-table. Each head's network and published format live in `eagle_model` / `mtp_model`; this module
+table. Each head's network and published format live in `eagle_head` / `mtp_head`; this module
 only chooses between them.
 """
 
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from specserve.drafters.eagle_model import (
+from specserve.methods import method
+from specserve.models.eagle_head import (
     Eagle2Head,
     Eagle3Head,
     EagleConfig,
@@ -21,9 +22,8 @@ from specserve.drafters.eagle_model import (
     load_eagle,
     save_eagle,
 )
-from specserve.drafters.mtp_model import MtpConfig, MtpHead, load_mtp, save_mtp
-from specserve.methods import method
 from specserve.models.llama import LlamaModel
+from specserve.models.mtp_head import MtpConfig, MtpHead, load_mtp, save_mtp
 
 DraftHead = EagleHead | MtpHead
 TOKEN_MAP = "token_map.pt"  # a head's draft vocabulary, next to its weights (SGLang's --speculative-token-map)

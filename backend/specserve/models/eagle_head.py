@@ -12,7 +12,7 @@ EAGLE-3 (SafeAILab `cnets.py`, SGLang `LlamaForCausalLMEagle3`), f = the inputs 
 
 Both read the target's embedding (EAGLE-3 may ship its own) and EAGLE-1/2 its lm_head.
 This module knows nothing about KV caches, trees or requests: `forward` takes an `attend` callable
-that runs the attention (cached in `eagle.py`, dense with the training-time-test mask in training).
+that runs the attention (cached in `drafters/head.py`, dense with the training-time-test mask in training).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from specserve.models.weights import empty_modules, read_safetensors, take
 class EagleConfig:
     """A draft head's shape, read from its HF-style config.json."""
 
-    algorithm: str  # "eagle" (EAGLE-1/2) or "eagle3": the key of its class in HEAD_CLASSES
+    algorithm: str  # the method (EAGLE-1/2 or EAGLE-3): the key of its class in HEAD_CLASSES
     hidden_size: int
     intermediate_size: int
     num_heads: int

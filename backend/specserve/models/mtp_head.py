@@ -9,7 +9,7 @@ Two published layouts, each one decoder layer of the target's architecture:
         logits = target.lm_head(final_layernorm(x))
 h is the target's final-norm hidden state on the first step, then the head's own pre-norm output
 (one head reused autoregressively for every draft step; MiMo's further heads are not used yet).
-The head has EagleHead's interface, so `EagleDrafter` runs it; this module knows no caches.
+The head has EagleHead's interface, so `HeadDrafter` runs it; this module knows no caches.
 Only Llama/Qwen2-style dense layers are supported (not DeepSeek's MLA / MoE layers).
 """
 
@@ -25,8 +25,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.drafters.eagle_model import SharedLmHead
 from specserve.models.cpu_linear import apply_few_rows, fastest_logits_layer
+from specserve.models.eagle_head import SharedLmHead
 from specserve.models.llama import Attend, DecoderLayer, LlamaModel, RMSNorm
 from specserve.models.weights import empty_modules, read_safetensors, take
 
