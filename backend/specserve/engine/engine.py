@@ -99,7 +99,7 @@ class Engine:
         self.plan = RuntimePlan.from_config(config)
         num_slots = config.max_batch_size + self.plan.spare_slots  # static buckets' padding rows write in the spare
         check_kv_cache_fits(config, self.model_config, num_slots, config.max_seq_len + max_nodes,
-                            self.draft_plan.shape.num_draft_tokens, DeviceMemory.of(self.device, host=True),
+                            self.draft_plan.shape.num_draft_tokens, DeviceMemory.of(self.device),
                             compiled_weight_copies(self.plan))
         self.cache = KVCache(self.model_config, num_slots, config.max_seq_len + max_nodes, config.torch_dtype,
                              config.device)

@@ -13,8 +13,7 @@ programs, the engine that still serves.
 
 On CUDA the memory left is what `gpu_memory_utilization` of the device leaves
 (`torch.cuda.mem_get_info`, as vLLM counts it). On a CPU it is the host's available memory
-(`/proc/meminfo`'s MemAvailable, within a cgroup's limit), checked only where the caller asks
-(`DeviceMemory.of(device, host=True)`); elsewhere nothing is checked.
+(`/proc/meminfo`'s MemAvailable, within a cgroup's limit). A meta device is not checked.
 
 This module allocates nothing.
 """
@@ -49,13 +48,13 @@ class DeviceMemory:
     host: bool = False
 
     @classmethod
-    def of(cls, device: torch.device, host: bool = False) -> DeviceMemory | None:
-        """The device's memory, or None where there is none to check: meta, and a CPU unless
-        `host` (its memory is then the host's, `host_memory`)."""
+    def of(cls, device: torch.device) -> DeviceMemory | None:
+        """The device's memory (a CPU's is the host's, `host_memory`), or None where there is none
+        to check (meta)."""
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             return cls(free=free, total=total)
-        if device.type == "cpu" and host:
+        if device.type == "cpu":
             return host_memory()
         return None
 
