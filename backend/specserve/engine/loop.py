@@ -172,12 +172,7 @@ class EngineLoop:
     def shutdown(self) -> None:
         """Refuse new requests, abort the open ones, let the loop send their final outputs, then join
         its thread (after an upgrade build it had begun: none begins once this is called)."""
-        with self._lock:
-            self._stop.set()
-            pending = list(self._subs)
-        for rid in pending:
-            self.abort(rid)
-        self._wake.set()
+        self.drain(0.0)
         self._thread.join()
 
     def _engines(self) -> list[Engine]:
