@@ -88,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="runs per side (default: %(default)s)")
     p.add_argument("--out", type=Path, default=REPO / "results" / "ab")
     args = p.parse_args(own)
+    args.out = args.out.resolve()  # the runs write from their own worktrees
     args.out.mkdir(parents=True, exist_ok=True)
     trees = {"before": worktree(args.before, args.out / "trees"),
              "after": REPO if args.after is None else worktree(args.after, args.out / "trees")}
