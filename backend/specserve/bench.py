@@ -9,6 +9,7 @@ It also estimates the memory-bandwidth limit for batch 1 (weight bytes per token
 
 from __future__ import annotations
 
+import json
 import logging
 import platform
 import time
@@ -20,10 +21,11 @@ from tqdm import tqdm
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.engine import Engine
 from specserve.engine.profile import StepProfile
+from specserve.grammar import GrammarSpec
 from specserve.hardware import describe
 from specserve.models.cpu_linear import PackedLinear
 from specserve.models.llama import RMSNorm
-from specserve.prompts import load_questions, render_chat
+from specserve.prompts import load_questions, load_schemas, render_chat
 from specserve.tree import DraftShape
 
 log = logging.getLogger(__name__)
@@ -67,26 +69,42 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
 
 
 class EngineRun:
-    """One engine under test; `run` times it on a chunk of prompts and accumulates its outputs."""
+    """One engine under test; `run` times it on a chunk of prompts and accumulates its outputs.
+    `grammars`: per prompt index, the structured output its request asks for (none: free text)."""
 
-    def __init__(self, engine: Engine, max_new_tokens: int) -> None:
-        self.engine, self.params = engine, SamplingParams(max_tokens=max_new_tokens)
+    def __init__(self, engine: Engine, max_new_tokens: int, grammars: list[GrammarSpec] | None = None) -> None:
+        self.engine, self.max_new_tokens, self.grammars = engine, max_new_tokens, grammars
         self.outputs: list[list[int]] = []
+        self.texts: list[str] = []
+        self.finish_reasons: list[str | None] = []
         self.seconds = 0.0
         self.steps = self.accepted = 0
 
+    def params(self, first: int, count: int) -> list[SamplingParams]:
+        """The requests' parameters for prompts first .. first + count - 1."""
+        return [SamplingParams(max_tokens=self.max_new_tokens,
+                               structured_output=self.grammars[i] if self.grammars else None)
+                for i in range(first, first + count)]
+
     def warm_up(self, prompt: list[int]) -> None:
         """A real prompt and budget, untimed; then the profile, shape and path counts start afresh."""
-        self.engine.generate([prompt], self.params)
+        self.engine.generate([prompt], self.params(0, 1))
         self.engine.profile = StepProfile()
         self.engine.chooser.chosen.clear()
         self.engine.runner.paths.chosen.clear()
 
-    def run(self, prompts: list[list[int]]) -> None:
+    def run(self, prompts: list[list[int]], first: int = 0) -> None:
+        """Time prompts (numbered from `first`) through the engine together (continuous batching)."""
+        params = self.params(first, len(prompts))
+        if self.grammars:  # compiled before the clock starts, as a server compiles before queueing
+            for p in params:
+                self.engine.grammar_match(p)
         start = time.perf_counter()
-        outs = self.engine.generate(prompts, self.params)  # continuous batching over the chunk
+        outs = self.engine.generate(prompts, params)
         self.seconds += time.perf_counter() - start
         self.outputs += [o.token_ids for o in outs]
+        self.texts += [o.text for o in outs]
+        self.finish_reasons += [o.finish_reason for o in outs]
         self.steps += sum(o.num_verify_steps for o in outs)
         self.accepted += sum(o.num_accepted_tokens for o in outs)
 
@@ -119,6 +137,25 @@ def start_flagged(engine: Engine) -> bool:
     """Whether a start-up timing of the target's step paths was taken while the machine looked
     busy (its choices then began from a skewed figure)."""
     return engine.runner.paths.start_flagged
+
+
+def structured_counts(run: EngineRun, schemas: list[dict]) -> dict[str, int]:
+    """A structured run's outputs: `valid` (parse and validate against their schema), `invalid`,
+    and `cut` (ended at max_tokens, counted apart: a grammar cannot end a text it was not given
+    room for)."""
+    import jsonschema
+
+    counts = {"valid": 0, "invalid": 0, "cut": 0}
+    for text, reason, schema in zip(run.texts, run.finish_reasons, schemas):
+        if reason == "length":
+            counts["cut"] += 1
+            continue
+        try:
+            jsonschema.validate(json.loads(text), schema)
+            counts["valid"] += 1
+        except (ValueError, jsonschema.ValidationError):
+            counts["invalid"] += 1
+    return counts
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
@@ -160,16 +197,26 @@ class HFRun:
 
 
 def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_tokens: int, batch_size: int,
-              hf_baseline: bool = True, specs: list[SpecConfig] | None = None, profile: bool = False) -> dict:
+              hf_baseline: bool = True, specs: list[SpecConfig] | None = None, profile: bool = False,
+              structured: bool = False) -> dict:
     """specs: the algorithms to compare with none (default: config.spec alone). profile: add each
     run's per-step phase times (`profile_ms`). Every run also reports the shapes its steps chose.
+    structured: each dataset row has a JSON `schema` its answer must follow; the baseline is
+    `none` under the schema without forced-text drafting, `none+forced` runs beside it with it,
+    and every run counts its outputs that validate (`structured_counts`); no HF baseline.
 
     The runs are interleaved: each chunk of `batch_size` prompts goes through HF, `none` and every
     algorithm in turn, so a slow spell of a shared machine weighs on all of them alike; the turn
     rotates from one chunk to the next, so no run always follows the same other one."""
     specs = [s for s in (specs or [config.spec]) if s.method.drafts]
     questions = load_questions(dataset, num_prompts)
-    base_engine = Engine(replace(config, spec=SpecConfig(algorithm="none")))
+    schemas = load_schemas(dataset, num_prompts) if structured else []
+    grammars = [GrammarSpec("json_schema", json.dumps(s)) for s in schemas] or None
+    hf_baseline = hf_baseline and not structured
+    base_config = replace(config, spec=SpecConfig(algorithm="none"))
+    if structured:
+        base_config = replace(base_config, structured_output_jump_forward=False)
+    base_engine = Engine(base_config)
     prompts = [base_engine.tokenizer.encode(render_chat(config.model_dir, q), add_special_tokens=False).ids
                for q in questions]
     report: dict = {
@@ -195,8 +242,13 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         hf = HFRun(hf_model, max_new_tokens, base_engine.eos_ids)
         if any(s.method.hf_lookup_baseline for s in specs):  # HF's own n-gram drafting
             lookup = HFRun(hf_model, max_new_tokens, base_engine.eos_ids, prompt_lookup_num_tokens=10)
-    base = EngineRun(base_engine, max_new_tokens)
-    runs = {spec.algorithm: EngineRun(Engine(replace(config, spec=spec)), max_new_tokens) for spec in specs}
+    base = EngineRun(base_engine, max_new_tokens, grammars)
+    runs = {spec.algorithm: EngineRun(Engine(replace(config, spec=spec)), max_new_tokens, grammars)
+            for spec in specs}
+    if structured:
+        forced = replace(config, spec=SpecConfig(algorithm="none"), structured_output_jump_forward=True)
+        runs = {"none+forced": EngineRun(Engine(forced), max_new_tokens, grammars), **runs}
+    report["structured"] = structured
     timed: dict[str, EngineRun | HFRun] = {"none": base, **runs}
     if hf is not None:
         timed["hf generate"] = hf
@@ -209,13 +261,15 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         # each chunk starts one run later: a run that pays for following another (HF's allocations,
         # cold caches) pays it in turn, not always the same one
         for r in order[n % len(order):] + order[: n % len(order)]:
-            r.run(prompts[i : i + batch_size])
+            r.run(prompts[i : i + batch_size], i) if isinstance(r, EngineRun) else r.run(prompts[i : i + batch_size])
 
     report["baseline_tokens_per_s"] = round(base.tokens_per_s, 2)
     report["compiled_step_buckets"] = list(base_engine.runner.compiled_step_buckets)  # as chosen at the end
     report["baseline_step_paths"] = base_engine.runner.paths.summary()
     report["baseline_path_mix"] = path_mix(base_engine)
     report["baseline_start_flagged"] = start_flagged(base_engine)
+    if structured:
+        report["baseline_structured"] = structured_counts(base, schemas)
     if profile:
         report["baseline_profile_ms"] = base.engine.profile.per_step_ms()
     if hf is not None:
@@ -252,6 +306,8 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
             "shape_mix": shape_mix(run.engine),  # steps per draft shape in the timed runs
             "start_flagged": start_flagged(run.engine),  # a start-up timing taken on a busy machine
         }
+        if structured:
+            row["structured"] = structured_counts(run, schemas)
         if profile:
             row["profile_ms"] = prof = run.engine.profile.per_step_ms()
             if "draft_model_per_forward" in prof:  # a draft model's forward against a plain decode step
@@ -267,13 +323,16 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
 
 def format_profile(report: dict) -> str:
     """The per-step phase times of every run in a report made with profile=True, as a table; the
-    draft phase also per drafting step and per draft model forward (catch-ups included), and the
-    time inside the draft model per forward (its output layer included). A last column marks a run
+    draft phase also per drafting step and per draft model forward (catch-ups included), the
+    time inside the draft model per forward (its output layer included) and, for a structured run,
+    the grammar's time per step and per masked tree node. A last column marks a run
     whose start-up path timings were taken on a busy machine ("busy start")."""
     phases = ("draft", "forward", "verify", "drafter_update", "bookkeeping", "total",
               "draft_per_drafting_step", "draft_per_forward", "draft_model_per_forward")
     heads = ("draft", "forward", "verify", "drafter_update", "bookkeeping", "total", "draft/drafting", "draft/forward",
              "model/forward")
+    if report.get("structured"):  # the grammar's share of the step, and per masked tree node
+        phases, heads = (*phases, "grammar", "grammar_per_node"), (*heads, "grammar", "grammar/node")
     rows = [("none", report.get("baseline_profile_ms", {}), report.get("baseline_start_flagged", False))]
     rows += [(alg, run.get("profile_ms", {}), run.get("start_flagged", False))
              for alg, run in report.get("runs", {}).items()]

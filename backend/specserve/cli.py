@@ -141,6 +141,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             hf_baseline=not args.no_hf,
             profile=args.profile,
+            structured=args.structured,
         )
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -299,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers generate() baseline")
     p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--structured", action="store_true",
+                   help="each --dataset line has a JSON `schema` its answer must follow (bench/structured.jsonl); "
+                        "counts the outputs that validate")
     _add_knob_args(p, knobs())
     p.set_defaults(func=cmd_bench)
 

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from specserve.grammar import GrammarSpec
 from specserve.hardware import auto_dtype
-from specserve.knobs import Knob, check_choices, config_knobs, knob, knob_of
+from specserve.knobs import Knob, check_choices, config_knobs, knob, knob_of, shown
 from specserve.methods import ALGORITHMS, METHODS, Method, canonical
 
 if typing.TYPE_CHECKING:
@@ -40,12 +41,6 @@ DTYPES = ("bfloat16", "float32", "float16")  # torch dtypes by name (torch is im
 # thousands of tokens
 CPU_BATCHED_TOKENS = 512
 GPU_BATCHED_TOKENS = 8192
-
-
-def shown(value: Any) -> str:
-    """A value (a client's, perhaps) for an error message, cut short."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def resolve_device(device: str) -> str:
@@ -144,6 +139,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # per output token: its log-probability and this many top alternatives
     cache_salt: str | None = None  # at most MAX_CACHE_SALT_CHARS characters, non-empty
+    structured_output: GrammarSpec | None = None  # the grammar every output token must follow
 
     SAMPLING_EPS = 1e-5  # vLLM's: a lower temperature decodes greedily (1e-40 would overflow the logits)
     MAX_CACHE_SALT_CHARS = 256
@@ -187,6 +183,8 @@ class SamplingParams:
             raise ValueError(f"logprobs: must be an integer or None, got {shown(self.logprobs)}")
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop: must be a tuple of non-empty strings, got {shown(self.stop)}")
+        if self.structured_output is not None and not isinstance(self.structured_output, GrammarSpec):
+            raise ValueError(f"structured_output: must be a GrammarSpec or None, got {shown(self.structured_output)}")
         salt = self.cache_salt
         if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= self.MAX_CACHE_SALT_CHARS):
             raise ValueError(f"cache_salt: must be a non-empty string of at most {self.MAX_CACHE_SALT_CHARS} "
@@ -375,6 +373,13 @@ class EngineConfig:
     request_timeout_s: float = knob(600.0, help="a request still unfinished this long after it arrived ends with "
                                     "finish_reason timeout, freeing its slot even when nobody reads its stream "
                                     "(0 = never)")
+    structured_output_max_bytes: int = knob(65536, help="the longest JSON schema, regex or grammar a request may "
+                                            "constrain its output with; a longer one is refused")
+    structured_output_compile_timeout_s: float = knob(5.0, help="a request's grammar that takes longer to compile is "
+                                                      "refused (compiled off the engine thread, cached by text)")
+    structured_output_jump_forward: bool = knob(True, help="draft the text a request's grammar forces next (xgrammar's "
+                                                "jump-forward string) beside the drafter's tree, for every method, "
+                                                "none included; verification accepts it like any draft")
     enable_prefix_caching: bool = knob(True, help="reuse the K/V of a new prompt's longest cached prefix: a slot keeps "
                                        "its request's prompt and answer after it ends, and a prompt continuing a free "
                                        "slot's content takes that slot, one sharing a prefix with another slot gets "
@@ -408,6 +413,9 @@ class EngineConfig:
             raise ValueError(f"prefill_stall_steps: must be >= 0, got {self.prefill_stall_steps}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("structured_output_max_bytes", "structured_output_compile_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         for name in ("cuda_graph_max_bs", "max_queue_size", "request_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")

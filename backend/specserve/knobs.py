@@ -14,6 +14,12 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
 
 
+def shown(value: Any) -> str:
+    """A value (a client's, perhaps) for an error message, cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 @dataclass(frozen=True)
 class Knob:
     """A config field's help and its edges: the CLI flag `--<edge>` and the config.pbtxt

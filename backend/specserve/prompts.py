@@ -15,10 +15,10 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from specserve_client.datasets import MTBENCH_PATH, load_questions, mtbench_file
+from specserve_client.datasets import MTBENCH_PATH, load_questions, load_schemas, mtbench_file
 
 __all__ = ["MTBENCH_PATH", "ChatTemplate", "NoChatTemplate", "chat_template", "hf_tokenizer", "load_questions",
-           "mtbench_file", "render_chat"]
+           "load_schemas", "mtbench_file", "render_chat"]
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 

@@ -84,6 +84,20 @@ class DraftTree:
             tokens=links[0], parents=links[1], depth=links[2], mask=mask, first_child=links[3], next_sibling=links[4]
         )
 
+    def with_path(self, tokens: Sequence[int]) -> DraftTree:
+        """This tree with `tokens` as a path below the root: through the nodes that already spell its
+        start, then new nodes after the existing ones (so their indices stay as they were)."""
+        toks, parents = self.tokens.tolist(), self.parents.tolist()
+        n, node = len(toks), 0
+        for t in tokens:
+            child = next((c for c in range(node + 1, len(toks)) if parents[c] == node and toks[c] == t), None)
+            if child is None:
+                toks.append(t)
+                parents.append(node)
+                child = len(toks) - 1
+            node = child
+        return self if len(toks) == n else DraftTree.from_parents(toks, parents)
+
     @classmethod
     def root_only(cls, token: int) -> DraftTree:
         """The degenerate tree of plain decoding: just the last verified token."""

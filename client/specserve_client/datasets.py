@@ -41,6 +41,19 @@ def load_questions(dataset: str, num_prompts: int | None = None) -> list[str]:
     return questions[:num_prompts]
 
 
+def load_schemas(dataset: str, num_prompts: int | None = None) -> list[dict]:
+    """The JSON `schema` of each line of a structured-output JSONL (as `load_questions` reads its
+    prompts): {"prompt": ..., "schema": {...}} per line."""
+    path = Path(dataset)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset: {path} not found (a structured run needs a JSONL with schemas)")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    missing = [i + 1 for i, row in enumerate(rows) if not isinstance(row.get("schema"), dict)]
+    if missing:
+        raise ValueError(f"dataset: {path} line {missing[0]} has no JSON schema (a `schema` object)")
+    return [row["schema"] for row in rows][:num_prompts]
+
+
 def load_prompts(dataset: str = "mtbench", num_prompts: int | None = None) -> list[str]:
     """`load_questions(dataset)` cycled to `num_prompts` prompts (all of them once when None)."""
     prompts = load_questions(dataset)

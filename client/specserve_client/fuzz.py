@@ -88,6 +88,7 @@ CONTRACT_INPUTS: dict[str, str] = {
     "seed": "UINT64", "random_seed": "UINT64", "ignore_eos": "BOOL", "stop_words": "BYTES",
     "bad_words": "BYTES", "beam_width": "INT32", "end_id": "INT32", "pad_id": "INT32",
     "frequency_penalty": "FP32", "presence_penalty": "FP32", "repetition_penalty": "FP32",
+    "guided_decoding_guide_type": "BYTES", "guided_decoding_guide": "BYTES",
     "return_num_input_tokens": "BOOL", "return_num_output_tokens": "BOOL", "return_finish_reason": "BOOL",
     "return_logprobs": "BOOL", "return_cumulative_logprob": "BOOL", "return_perf_metrics": "BOOL",
 }

@@ -52,6 +52,8 @@ _INPUT_TYPES = {
     "frequency_penalty": "FP32",
     "presence_penalty": "FP32",
     "repetition_penalty": "FP32",
+    "guided_decoding_guide_type": "BYTES",
+    "guided_decoding_guide": "BYTES",
     "return_logprobs": "BOOL",
     "return_num_input_tokens": "BOOL",
     "return_num_output_tokens": "BOOL",

@@ -450,3 +450,57 @@ def test_model_drafter_variants_are_lossless_and_accept(server, e2e, tokenizer, 
     assert g.token_ids == ref.token_ids and g.text == ref.text
     assert g.stats["total_draft_tokens"] > 0
     assert metric(server, "specserve:spec_decode_num_accepted_tokens_total", model=f"llm_{variant}") > 0
+
+
+# ---- structured outputs -------------------------------------------------------------------------
+
+ORDER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["item", "quantity", "express"],
+                "properties": {"item": {"type": "string", "maxLength": 20},
+                               "quantity": {"type": "integer", "minimum": 1, "maximum": 9},
+                               "express": {"type": "boolean"}}}
+ORDER_PROMPT = "I'd like three blue mugs, shipped express please. Answer in JSON."
+
+
+@pytest.mark.parametrize("variant", ["ngram", "eagle3"])
+def test_structured_outputs_in_both_backends_forms(server, tokenizer, reference_engine, variant):
+    """vLLM's `structured_outputs` to llm_<variant> and TensorRT-LLM's guided-decoding tensors to
+    ensemble_<variant>: the same greedy JSON, valid against its schema, as the in-process engine's
+    plain decoding under the schema."""
+    import json
+
+    import jsonschema
+
+    from specserve.grammar import GrammarSpec
+
+    sampling = json.dumps({"structured_outputs": {"json": ORDER_SCHEMA}})
+    direct = collect(grpc_stream(server.grpc_url, f"llm_{variant}", ORDER_PROMPT, max_tokens=64,
+                                 apply_chat_template=True, sampling_parameters=sampling, timeout_s=TIMEOUT_S))
+    ensemble = collect(grpc_stream(server.grpc_url, f"ensemble_{variant}", ORDER_PROMPT, max_tokens=64,
+                                   apply_chat_template=True, trtllm_format=True, timeout_s=TIMEOUT_S,
+                                   guided_decoding_guide_type="json_schema",
+                                   guided_decoding_guide=json.dumps(ORDER_SCHEMA)))
+    params = SamplingParams(max_tokens=64, structured_output=GrammarSpec("json_schema", json.dumps(ORDER_SCHEMA)))
+    with ThreadPoolExecutor(1) as pool:
+        ref = pool.submit(reference_engine.generate, [tokenizer.encode(ORDER_PROMPT, True)], params).result()[0]
+    assert direct.finish_reason == "stop", direct.text
+    jsonschema.validate(json.loads(direct.text), ORDER_SCHEMA)
+    assert direct.token_ids == ref.token_ids and ensemble.token_ids == ref.token_ids
+
+
+def test_structured_output_errors_end_only_their_request(server):
+    import json
+
+    for model, kwargs, error in [
+        ("llm_none", {"sampling_parameters": json.dumps({"structured_outputs": {"regex": "(unclosed"}})},
+         "structured_output: the regex does not compile"),
+        ("llm_none", {"sampling_parameters": json.dumps({"guided_decoding": {"regex": "a", "choice": ["b"]}})},
+         "set exactly one of"),
+        ("ensemble_none", {"trtllm_format": True, "guided_decoding_guide_type": "lark",
+                           "guided_decoding_guide": "start: x"}, "guided_decoding_guide_type: must be one of"),
+    ]:
+        with pytest.raises(GenerateError, match=re.escape(error)):
+            collect(grpc_stream(server.grpc_url, model, PROMPT, max_tokens=8, timeout_s=TIMEOUT_S, **kwargs))
+    choice = json.dumps({"structured_outputs": {"choice": ["Paris", "Lyon"]}})
+    g = collect(grpc_stream(server.grpc_url, "llm_none", PROMPT, max_tokens=8, apply_chat_template=True,
+                            sampling_parameters=choice, timeout_s=TIMEOUT_S))
+    assert g.text in ("Paris", "Lyon") and g.finish_reason == "stop"

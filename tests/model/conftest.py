@@ -10,10 +10,12 @@ from specserve.prompts import load_questions, render_chat
 
 
 def make_engine(model_dir, algorithm="none", dtype="float32", max_batch_size=8, max_seq_len=1024, cpu_compile=False,
-                **spec) -> Engine:
+                **fields) -> Engine:
+    """`fields`: SpecConfig's, or EngineConfig's other knobs."""
+    own = {k: fields.pop(k) for k in list(fields) if k in EngineConfig.__dataclass_fields__}
     return Engine(EngineConfig(model_dir=str(model_dir), max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                device="cpu", dtype=dtype, cpu_compile=cpu_compile, compiled_steps="always",
-                               spec=SpecConfig(algorithm=algorithm, **spec)))
+                               spec=SpecConfig(algorithm=algorithm, **fields), **own))
 
 
 @pytest.fixture(scope="session")

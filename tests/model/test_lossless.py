@@ -101,3 +101,43 @@ def test_compiled_adaptive_is_lossless(engine_factory, mtbench_prompts, compiled
     assert [o.token_ids for o in engine.generate(mtbench_prompts, params)] == compiled_reference
     assert [engine.generate([p], params)[0].token_ids for p in mtbench_prompts[:8]] == compiled_reference[:8]
     assert len(engine.chooser.chosen) >= 2
+
+
+@pytest.fixture(scope="module")
+def structured_prompts(smollm2_dir) -> list[tuple[list[int], SamplingParams]]:
+    """The structured-output benchmark's first 8 prompts, each with its JSON schema."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from specserve.grammar import GrammarSpec
+    from specserve.prepare import repo_root
+    from specserve.prompts import load_questions, load_schemas, render_chat
+
+    path = str(repo_root() / "bench" / "structured.jsonl")
+    tok = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    return [(tok.encode(render_chat(str(smollm2_dir), q), add_special_tokens=False).ids,
+             SamplingParams(max_tokens=64, structured_output=GrammarSpec("json_schema", json.dumps(s))))
+            for q, s in zip(load_questions(path, 8), load_schemas(path, 8))]
+
+
+@pytest.fixture(scope="module")
+def structured_reference(engine_factory, structured_prompts) -> list[list[int]]:
+    """Plain decoding under each prompt's schema: masks alone, no forced text drafted."""
+    engine = engine_factory(max_batch_size=4, structured_output_jump_forward=False)
+    prompts, params = zip(*structured_prompts)
+    return [o.token_ids for o in engine.generate(list(prompts), list(params))]
+
+
+@pytest.mark.parametrize("algorithm", ["none", "ngram", "eagle", "eagle3", "mtp", "standalone"])
+def test_greedy_under_a_json_schema_is_lossless(engine_factory, structured_prompts, structured_reference, algorithm):
+    """Every method under a grammar, its forced text drafted beside the drafter's tree (`none`'s
+    alone), adaptive shapes switching every other step: plain decoding's tokens under the schema."""
+    from specserve.serving.repository import served_drafter
+
+    engine = engine_factory(algorithm=algorithm, max_batch_size=4, **served_drafter(algorithm))
+    engine.chooser.explore_every = 2
+    prompts, params = zip(*structured_prompts)
+    outs = engine.generate(list(prompts), list(params))
+    assert [o.token_ids for o in outs] == structured_reference
+    assert sum(o.num_accepted_tokens for o in outs) > 0  # forced text or drafts were accepted

@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Tokenizer
@@ -64,6 +65,9 @@ from specserve.runtime.prefill import PromptChunk, split_packs
 from specserve.runtime.target import TargetRunner
 from specserve.staging import to_device
 from specserve.tree import DraftShape, DraftTree, TreeBatch
+
+if TYPE_CHECKING:
+    from specserve.engine.grammar import GrammarCompiler, GrammarMatch
 
 MAX_PACKED_TOKENS = 32768  # prompt tokens per prefill forward (its staged inputs fit the staging ring)
 WARM_UP_TEXT = (
@@ -122,6 +126,7 @@ class Engine:
         self._mode = StepMode()  # the running step's (`step(mode)`)
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._grammars: GrammarCompiler | None = None  # built with the first structured output
         self._inbox: deque[Request] = deque()
         self._aborts: set[str] = set()
         self._outputs: list[RequestOutput] = []  # the step's outputs so far: `fail_running` still sends them
@@ -146,9 +151,26 @@ class Engine:
 
     # ---- called from any thread -------------------------------------------------------------
 
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def grammar_match(self, params: SamplingParams) -> GrammarMatch | None:
+        """A matcher at the start of the request's structured output (None without one); compiles
+        its grammar (`GrammarCompiler`: cached, bounded in size and time), raising ValueError when
+        it is refused. Thread-safe: callers compile off the engine thread."""
+        if params.structured_output is None:
+            return None
+        with self._lock:
+            if self._grammars is None:
+                from specserve.engine.grammar import GrammarCompiler  # xgrammar loads with the first grammar
+
+                self._grammars = GrammarCompiler(
+                    f"{self.config.model_dir}/tokenizer.json", self.model_config.vocab_size, self.eos_ids,
+                    self.config.structured_output_max_bytes, self.config.structured_output_compile_timeout_s)
+        return self._grammars.match(params.structured_output)
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+                    grammar: GrammarMatch | None = None) -> str:
         """Queue a request; raises ValueError naming the field if it can never run, QueueFull while
-        `max_queue_size` requests wait."""
+        `max_queue_size` requests wait. `grammar`: its structured output's fresh matcher when the
+        caller compiled it (`grammar_match`); otherwise it is compiled here."""
         if len(prompt_ids) == 0:
             raise ValueError("prompt: is empty")
         if len(prompt_ids) >= self.config.max_seq_len:
@@ -160,6 +182,8 @@ class Engine:
         limit = self.config.max_queue_size
         if limit and len(self._inbox) + len(self.waiting) >= limit:
             raise QueueFull(f"max_queue_size: {limit} requests are already waiting for a slot; retry later")
+        if grammar is None:
+            grammar = self.grammar_match(params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         req = Request(
@@ -168,6 +192,7 @@ class Engine:
             params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
             generator=gen,
+            grammar=grammar,
             token_ids=list(prompt_ids),
         )
         with self._lock:
@@ -325,6 +350,23 @@ class Engine:
         ]
         return TreeBatch.from_trees(trees).to(self.device)
 
+    def _with_forced_tokens(self, reqs: list[Request], batch: TreeBatch) -> TreeBatch:
+        """Each grammar's forced text (`GrammarMatch.forced`) as a path below its request's root,
+        beside the drafter's tree, as far as the context and the tree's size limit leave room:
+        drafts no drafter pays for, checked by verification like any other."""
+        trees = batch.unbatch()
+        grown = False
+        for i, r in enumerate(reqs):
+            room = min(self.config.max_seq_len - r.cache_len, self.draft_plan.max_nodes) - trees[i].num_draft_tokens
+            if r.grammar is not None and room > 0:
+                forced = r.grammar.forced(self._encode, room)
+                if forced:
+                    trees[i], grown = trees[i].with_path(forced), True
+        return TreeBatch.from_trees(trees).to(self.device) if grown else batch
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
     def _shape_for(self, batch_size: int) -> DraftShape:
         if self._mode.shape is not None:
             return self._mode.shape
@@ -349,6 +391,10 @@ class Engine:
             batch = self._fit_trees(reqs, proposal)
         else:  # plain decoding this step; a drafter catches up on what it missed when it drafts again
             batch = TreeBatch.root_only(to_device([r.token_ids[-1] for r in reqs], self.device))
+        if self.config.structured_output_jump_forward and any(r.grammar is not None for r in reqs):
+            forced_start = time.perf_counter()
+            batch = self._with_forced_tokens(reqs, batch)
+            p.grammar += time.perf_counter() - forced_start
         t1 = clock()
         p.draft += t1 - t0
         host_lens = [r.cache_len for r in reqs]
@@ -358,7 +404,10 @@ class Engine:
                                         host_lens, [r.slot for r in reqs])
         t2 = clock()
         p.forward += t2 - t1
+        masked, mask_seconds = self.verifier.grammar_nodes, self.verifier.grammar_seconds
         v = self.verifier.accept(reqs, batch, out.logits, self.cache.data, slots, cache_lens)
+        p.grammar_nodes += self.verifier.grammar_nodes - masked
+        p.grammar += self.verifier.grammar_seconds - mask_seconds
         result, emitted, logprobs = v.result, v.emitted, v.logprobs
         if self.device.type != "cpu":  # on a GPU the step's host read waits for its queued work
             p.device_wait += v.device_wait
@@ -396,6 +445,9 @@ class Engine:
                        logprobs: list[dict[int, tuple[float, int]]] | None = None) -> None:
         p = req.params
         for j, tok in enumerate(tokens):
+            if req.grammar is not None and not req.grammar.accept(tok):  # verification masks: never expected
+                req.finish_reason, req.error = FINISH_ERROR, f"structured_output: token {tok} breaks the grammar"
+                return
             req.token_ids.append(tok)
             req.pending_ids.append(tok)
             if logprobs is not None:
@@ -406,7 +458,8 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - tokenizers refuses some byte sequences: this request ends alone
                 req.finish_reason, req.error = FINISH_ERROR, f"detokenization failed: {type(e).__name__}: {e}"
                 return
-            if hit_stop or (tok in self.eos_ids and not p.ignore_eos):  # EOS is masked before min_tokens
+            ended = req.grammar is not None and req.grammar.terminated  # its grammar ended with EOS
+            if hit_stop or ended or (tok in self.eos_ids and not p.ignore_eos):  # EOS is masked before min_tokens
                 req.finish_reason = FINISH_STOP
             elif req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.config.max_seq_len:
                 req.finish_reason = FINISH_LENGTH

@@ -123,6 +123,7 @@ class EngineLoop:
         """Queue a request under `request_id` (default: the loop's next `req-<n>`); raises ValueError
         (naming the field) when it can never run or its id is open already, QueueFull when the
         engine's queue is full, EngineStopped after the loop stopped."""
+        grammar = self.engine.grammar_match(params)  # compiled on the caller's thread, outside the lock
         with self._lock:
             if self.stopped_reason is not None:
                 raise EngineStopped(self.stopped_reason)
@@ -131,7 +132,7 @@ class EngineLoop:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._subs:
                 raise ValueError(f"request_id: {rid!r} is already in use by an unfinished request")
-            self.engine.add_request(prompt_ids, params, rid)
+            self.engine.add_request(prompt_ids, params, rid, grammar)
             self._subs[rid] = on_output
         self._wake.set()
         return rid

@@ -25,11 +25,14 @@ class StepProfile:
     forwards and the draft model's output layer (`Drafter.forward_seconds`). device_wait: time the
     host waited for the device (the step's host read, and the profile's own syncs on CUDA), so
     host_work = total - device_wait is the host's share of a step (on a CPU, all of it).
+    grammar: the part of the draft and verify phases spent on structured outputs (the forced
+    text drafted, every tree node's mask), over grammar_nodes masked tree nodes.
     """
 
     steps: int = 0
     drafting_steps: int = 0
     draft_forwards: int = 0
+    grammar_nodes: int = 0
     draft: float = 0.0
     draft_model: float = 0.0
     forward: float = 0.0
@@ -37,11 +40,12 @@ class StepProfile:
     drafter_update: float = 0.0
     total: float = 0.0  # whole verify steps, outputs included
     device_wait: float = 0.0
+    grammar: float = 0.0
 
     def per_step_ms(self) -> dict[str, float]:
         """Milliseconds per step of each phase, bookkeeping = total - the timed phases; the draft
         phase also per drafting step and per draft forward."""
-        counts = ("steps", "drafting_steps", "draft_forwards")
+        counts = ("steps", "drafting_steps", "draft_forwards", "grammar_nodes")
         n = max(self.steps, 1)
         out = {k: round(v * 1e3 / n, 3) for k, v in asdict(self).items() if k not in counts}
         out["bookkeeping"] = round(
@@ -53,6 +57,8 @@ class StepProfile:
         if self.draft_forwards:
             out["draft_per_forward"] = round(self.draft * 1e3 / self.draft_forwards, 3)
             out["draft_model_per_forward"] = round(self.draft_model * 1e3 / self.draft_forwards, 3)
+        if self.grammar_nodes:
+            out["grammar_per_node"] = round(self.grammar * 1e3 / self.grammar_nodes, 4)
         return {k: getattr(self, k) for k in counts} | out
 
 

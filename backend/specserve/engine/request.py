@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.config import SamplingParams
 from specserve.engine.detokenize import IncrementalDetokenizer
 from specserve.engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from specserve.engine.grammar import GrammarMatch
 
 
 @dataclass(eq=False)
@@ -25,6 +29,7 @@ class Request:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
+    grammar: GrammarMatch | None = None  # its structured output's matcher, advanced by each emitted token
     arrival: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(default_factory=list)  # prompt + generated; last = tree root
     slot: int = -1

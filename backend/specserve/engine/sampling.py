@@ -13,8 +13,11 @@ from specserve.config import SamplingParams
 from specserve.staging import to_device
 
 
-def suppress_eos(logits: torch.Tensor, depth: torch.Tensor, eos_ids: tuple[int, ...], tokens_short: int) -> None:
-    """In place: forbid EOS at nodes that would emit an output token before `min_tokens` is reached.
+def suppress_eos(logits: torch.Tensor, depth: torch.Tensor, eos_ids: tuple[int, ...], tokens_short: int,
+                 allowed: torch.Tensor | None = None) -> None:
+    """In place: forbid EOS at nodes that would emit an output token before `min_tokens` is reached,
+    except, under a grammar (`allowed` (N, V) bool: the tokens it allows per node), where it allows
+    nothing else: a grammar's end comes before min_tokens.
 
     logits: (N, V); depth: (N,) node depths (node at depth d emits output token number produced + d).
     tokens_short: min_tokens - produced.
@@ -23,6 +26,8 @@ def suppress_eos(logits: torch.Tensor, depth: torch.Tensor, eos_ids: tuple[int, 
         return
     rows = depth < tokens_short  # (N,)
     eos = to_device(list(eos_ids), logits.device)
+    if allowed is not None:
+        rows &= allowed.sum(-1) > allowed[:, eos].sum(-1)  # some token besides EOS is allowed
     logits[:, eos] = logits[:, eos].masked_fill(rows[:, None], float("-inf"))  # no host read of `rows`
 
 
@@ -90,3 +95,8 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[
 def draw_uniforms(n: int, generator: torch.Generator | None) -> torch.Tensor:
     """(n,) float32 uniforms in [0, 1) from a request's own generator (seeded requests repeat)."""
     return torch.rand(n, generator=generator, dtype=torch.float32)
+
+
+def apply_grammar(logits: torch.Tensor, allowed: torch.Tensor) -> None:
+    """In place: the tokens a grammar forbids at each node get -inf. logits, allowed: (N, V)."""
+    logits.masked_fill_(~allowed, float("-inf"))

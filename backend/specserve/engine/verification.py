@@ -2,7 +2,8 @@
 compaction of the accepted nodes' K/V.
 
 `Verifier.accept` takes a verify forward's logits over a batch of trees: each row's logits are
-masked and penalised as its request asks (`sampling`), greedy rows go to `verify_greedy`, sampled
+masked by its grammar at every node (`grammar.GrammarMatch`) and penalised as its request asks
+(`sampling`), greedy rows go to `verify_greedy`, sampled
 rows to the lossless `verify_sample`, and the accepted nodes' K/V move to consecutive cache
 positions (`compact_kv`). `Verifier.first_tokens` samples a prompt's first token the same way,
 from its last logits (a root-only tree). Each reads the device once (`Verified`). This module
@@ -20,6 +21,7 @@ import torch
 
 import specserve_kernels as K
 from specserve.engine.sampling import (
+    apply_grammar,
     apply_penalties,
     draw_uniforms,
     suppress_eos,
@@ -57,6 +59,8 @@ class Verifier:
         self.eos_ids = eos_ids
         self.device = device
         self._default_generator = torch.Generator().manual_seed(0)
+        self.grammar_seconds = 0.0  # spent masking tree nodes by their grammars (the profile's share)
+        self.grammar_nodes = 0
 
     def accept(self, reqs: Sequence[Request], batch: TreeBatch, logits: torch.Tensor, cache: torch.Tensor,
                slots: torch.Tensor, cache_lens: torch.Tensor) -> Verified:
@@ -81,7 +85,15 @@ class Verifier:
         """
         b, n = batch.tokens.shape
         for i, r in enumerate(reqs):
-            suppress_eos(logits[i], batch.depth[i], self.eos_ids, r.params.min_tokens - r.num_output_tokens)
+            allowed = None
+            if r.grammar is not None:
+                start = time.perf_counter()
+                allowed = r.grammar.allowed(batch.tokens[i], batch.first_child[i], batch.next_sibling[i])
+                allowed = allowed.to(logits.device)
+                apply_grammar(logits[i], allowed)
+                self.grammar_seconds += time.perf_counter() - start
+                self.grammar_nodes += n
+            suppress_eos(logits[i], batch.depth[i], self.eos_ids, r.params.min_tokens - r.num_output_tokens, allowed)
             apply_penalties(logits[i], r.params, r.token_ids, len(r.prompt_ids), batch.tokens[i], batch.mask[i])
         dev = logits.device
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]

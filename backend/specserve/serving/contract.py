@@ -63,6 +63,9 @@ CONTRACT_INPUTS: dict[str, str] = {
     "frequency_penalty": "FP32",
     "presence_penalty": "FP32",
     "repetition_penalty": "FP32",
+    # TRT-LLM's structured output: json, json_schema, regex or ebnf_grammar, and its schema / regex / grammar
+    "guided_decoding_guide_type": "BYTES",
+    "guided_decoding_guide": "BYTES",
     # vLLM-backend flags: finish_reason and the token counts are always returned, logprobs and
     # cumulative_logprob carry "null" / 0 unless asked for; TRT-LLM's return_perf_metrics: the
     # speculative counters (total_draft_tokens ...) are always returned
@@ -123,9 +126,9 @@ class RequestLimits:
 
     @property
     def max_request_config_bytes(self) -> int:
-        """The most bytes of a `request_config`: its echoed prompt JSON-escaped (\\u00XX: six bytes
-        for one), plus the sampling parameters."""
-        return JSON_ESCAPE_FACTOR * self.max_prompt_bytes + MAX_SAMPLING_PARAMETERS_BYTES
+        """The most bytes of a `request_config`: its echoed prompt and the sampling parameters (a
+        structured output's schema or grammar among them), JSON-escaped (\\u00XX: six bytes for one)."""
+        return JSON_ESCAPE_FACTOR * (self.max_prompt_bytes + MAX_SAMPLING_PARAMETERS_BYTES)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from specserve.config import SamplingParams, shown
+from specserve.config import SamplingParams
+from specserve.grammar import GrammarSpec, from_trtllm, from_vllm
+from specserve.knobs import shown
 from specserve.serving.contract import (
     CONTRACT_INPUTS,
     INTERNAL_INPUTS,
@@ -223,6 +225,8 @@ _JSON_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "logprobs": _json_logprobs,
     "cache_salt": _json_str,  # vLLM's: requests with different salts share no cached prefix
 }
+# vLLM's constraint object, under its name and its older one
+STRUCTURED_OUTPUT_KEYS = ("structured_outputs", "guided_decoding")
 # vLLM keys we accept only at their default (the engine has no such feature).
 _JSON_DEFAULT_ONLY: dict[str, Any] = {
     "n": 1,
@@ -255,7 +259,11 @@ def _sampling_kwargs(obj: dict[str, Any]) -> dict[str, Any]:
     for key, value in obj.items():
         if value is None:
             continue
-        if key in _JSON_FIELDS:
+        if key in STRUCTURED_OUTPUT_KEYS:
+            if "structured_output" in kwargs:
+                raise RequestError(f"sampling_parameters.{key}: give structured_outputs or guided_decoding, not both")
+            kwargs["structured_output"] = _grammar(from_vllm, value, f"sampling_parameters.{key}")
+        elif key in _JSON_FIELDS:
             kwargs[key] = _JSON_FIELDS[key](key, value)
         elif key in _JSON_DEFAULT_ONLY:
             default = _JSON_DEFAULT_ONLY[key]
@@ -297,7 +305,23 @@ def _tensor_overrides(inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
         kw["ignore_eos"] = v
     if stop := _strings(inputs, "stop_words"):
         kw["stop"] = _stop_strings(stop, "stop_words")
+    guide_type, guide = _one(inputs, "guided_decoding_guide_type"), _one(inputs, "guided_decoding_guide")
+    if guide_type is not None or guide is not None:
+        _check_bytes(guide_type, "guided_decoding_guide_type", 64)
+        _check_bytes(guide, "guided_decoding_guide", MAX_SAMPLING_PARAMETERS_BYTES)
+        kind = _text(guide_type, "guided_decoding_guide_type") if guide_type is not None else ""
+        text = _text(guide, "guided_decoding_guide") if guide is not None else None
+        if spec := _grammar(from_trtllm, kind, text):
+            kw["structured_output"] = spec
     return kw
+
+
+def _grammar(form: Callable[..., GrammarSpec | None], *args: Any) -> GrammarSpec | None:
+    """`form(*args)`: a request form's `GrammarSpec` (`specserve.grammar`), its ValueError as the client's error."""
+    try:
+        return form(*args)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
 
 
 def _check_unsupported(inputs: Mapping[str, np.ndarray]) -> None:
@@ -351,7 +375,10 @@ def parse_request(inputs: Mapping[str, np.ndarray], limits: RequestLimits) -> Pa
     kwargs: dict[str, Any] = {}
     if "sampling_parameters" in inputs:
         kwargs.update(parse_sampling_parameters(_one(inputs, "sampling_parameters")))
-    kwargs.update(_tensor_overrides(inputs))
+    overrides = _tensor_overrides(inputs)
+    if "structured_output" in kwargs and "structured_output" in overrides:
+        raise RequestError("guided_decoding_guide_type: conflicts with sampling_parameters.structured_outputs")
+    kwargs.update(overrides)
     # vLLM's backend returns logprobs only with return_logprobs; cumulative_logprob needs them computed
     if _bool(inputs, "return_logprobs") or _bool(inputs, "return_cumulative_logprob"):
         kwargs.setdefault("logprobs", 0)
@@ -434,6 +461,9 @@ def _params_from_config(params: Any, limits: RequestLimits) -> SamplingParams:
     if unknown := sorted(set(params) - _PARAMS_FIELDS):
         raise RequestError(f"request_config.params.{unknown[0]}: unknown parameter")
     kw = dict(params)
+    if kw.get("structured_output") is not None:
+        kw["structured_output"] = _grammar(GrammarSpec.from_dict, kw["structured_output"],
+                                           "request_config.params.structured_output")
     if "stop" in kw:
         stop = kw["stop"]
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):

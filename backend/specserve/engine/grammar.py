@@ -1,0 +1,139 @@
+"""Structured outputs on xgrammar: compiled grammars, and each request's matcher over draft trees.
+
+`GrammarCompiler` turns a `GrammarSpec` into xgrammar's compiled grammar for the served tokenizer,
+in a worker thread of its own bounded by a timeout and a size (so a client cannot stall the
+engine), and caches the results (xgrammar's own cache, bounded in bytes). `GrammarMatch` is one
+request's position in its grammar: it masks the logits of every node of a draft tree (each node as
+if the path to it had been emitted, `traverse_draft_tree`), names the tokens the grammar forces
+next, and advances over the tokens the request emits. Nothing here runs a model or decides
+acceptance: the verifier masks with it, the engine advances it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+import xgrammar as xgr
+
+from specserve.grammar import GrammarSpec
+
+COMPILE_THREADS = 2  # a slow grammar holds one; the next request's compiles on the other
+
+
+class GrammarCompiler:
+    """Compiles `GrammarSpec`s for one tokenizer (`tokenizer_file`, the model's `vocab_size`,
+    `stop_ids` its EOS tokens). `max_bytes` bounds a constraint's text, `timeout_s` a compile."""
+
+    def __init__(self, tokenizer_file: str, vocab_size: int, stop_ids: Sequence[int], max_bytes: int,
+                 timeout_s: float, cache_bytes: int = 64 << 20) -> None:
+        self.tokenizer_file, self.vocab_size, self.stop_ids = tokenizer_file, vocab_size, list(stop_ids)
+        self.max_bytes, self.timeout_s, self.cache_bytes = max_bytes, timeout_s, cache_bytes
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
+
+    def compiler(self) -> xgr.GrammarCompiler:
+        """xgrammar's compiler for this tokenizer, built on first use (~0.1 s for a 49k vocabulary)."""
+        with self._lock:
+            if self._compiler is None:
+                from transformers import PreTrainedTokenizerFast
+
+                tokenizer = PreTrainedTokenizerFast(tokenizer_file=self.tokenizer_file)
+                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self.cache_bytes)
+            return self._compiler
+
+    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """The compiled grammar; ValueError (starting with `structured_output`) when it is too large,
+        does not compile, or takes longer than `timeout_s`."""
+        size = len(spec.value.encode("utf-8"))
+        if size > self.max_bytes:
+            raise ValueError(f"structured_output: the {spec.kind} is {size} bytes, more than "
+                             f"structured_output_max_bytes ({self.max_bytes})")
+        compiler = self.compiler()
+        future = self._pool.submit(_compile, compiler, spec)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise ValueError(f"structured_output: the {spec.kind} did not compile within "
+                             f"{self.timeout_s:g} s (structured_output_compile_timeout_s)") from None
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors on a bad schema, regex or grammar
+            raise ValueError(f"structured_output: the {spec.kind} does not compile: {compile_error(e)}") from None
+
+    def match(self, spec: GrammarSpec) -> GrammarMatch:
+        """A fresh matcher at the start of `spec`'s grammar."""
+        return GrammarMatch(self.compile(spec), self.vocab_size)
+
+
+def _compile(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGrammar:
+    if spec.kind == "json_schema":
+        return compiler.compile_json_schema(spec.value, any_whitespace=spec.any_whitespace)
+    if spec.kind == "json_object":
+        return compiler.compile_builtin_json_grammar()
+    if spec.kind == "regex":
+        return compiler.compile_regex(spec.value)
+    if spec.kind == "choice":
+        return compiler.compile_grammar(choice_ebnf(spec.choices))
+    return compiler.compile_grammar(spec.value)
+
+
+def compile_error(e: Exception) -> str:
+    """xgrammar's message for a client: its first line, without the time and source-file prefix."""
+    lines = str(e).strip().splitlines()
+    text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", lines[0]) if lines else type(e).__name__
+    return text[:300]
+
+
+def choice_ebnf(choices: Sequence[str]) -> str:
+    """An EBNF grammar matching exactly one of `choices` (JSON string escapes are xgrammar's too)."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+class GrammarMatch:
+    """One request's position in its grammar (xgrammar's `GrammarMatcher`), advanced by the tokens
+    it emits; the root of a draft tree is the last token it accepted."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.vocab_size = vocab_size
+        self._bits = torch.arange(32, dtype=torch.int32)
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar ended and accepted a stop token: nothing may follow."""
+        return self.matcher.is_terminated()
+
+    def accept(self, token: int) -> bool:
+        """Advance over an emitted token; False (state unchanged) when the grammar forbids it."""
+        return self.matcher.accept_token(token)
+
+    def allowed(self, tokens: torch.Tensor, first_child: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
+        """(N, vocab) bool: the tokens the grammar allows after each node of one draft tree (node 0
+        the root), each node as if its path had been emitted. A node the grammar rejects, and every
+        node below it, allows everything: verification never accepts it (its parent's mask forbids
+        its token), so its logits are never read. tokens, first_child, next_sibling: (N,) int64."""
+        n = tokens.shape[0]
+        bitmask = torch.zeros(n, (self.vocab_size + 31) // 32, dtype=torch.int32)
+        self.matcher.traverse_draft_tree(first_child.cpu(), next_sibling.cpu(), tokens.cpu(), bitmask)
+        bitmask[bitmask.eq(0).all(-1)] = -1
+        return ((bitmask[:, :, None] >> self._bits) & 1).bool().view(n, -1)[:, : self.vocab_size]
+
+    def forced(self, encode: Callable[[str], list[int]], limit: int) -> list[int]:
+        """Up to `limit` tokens spelling the text the grammar forces from here (xgrammar's jump-forward
+        string, tokenized by `encode`), as far as the grammar accepts them; the matcher is left as it
+        was. Drafts that cost no drafter: verification still decides whether the target agrees."""
+        text = self.matcher.find_jump_forward_string()
+        forced: list[int] = []
+        for token in encode(text)[:limit] if text else []:
+            if not self.matcher.accept_token(token):
+                break
+            forced.append(token)
+        if forced:
+            self.matcher.rollback(len(forced))
+        return forced

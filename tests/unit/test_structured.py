@@ -1,0 +1,279 @@
+"""Structured outputs: the request forms, xgrammar compiled for the served tokenizer, the per-node
+masks of a draft tree, and speculative engines (float32) giving plain decoding's output under a grammar."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+import xgrammar as xgr
+
+from specserve.config import EngineConfig, SamplingParams, SpecConfig
+from specserve.engine.engine import Engine
+from specserve.engine.grammar import GrammarCompiler, choice_ebnf
+from specserve.grammar import GrammarSpec, from_trtllm, from_vllm
+from specserve.serving.contract import RequestError, RequestLimits
+from specserve.serving.parsing import decode_request_config, encode_request_config, parse_request
+from specserve.tree import DraftTree, TreeBatch
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "maxItems": 2, "items": {"enum": ["red", "blue"]}}}}
+
+
+# ---- request forms ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("raw", "kind", "value"), [
+    ({"json": SCHEMA}, "json_schema", json.dumps(SCHEMA)),
+    ({"json": json.dumps(SCHEMA)}, "json_schema", json.dumps(SCHEMA)),
+    (json.dumps({"json": SCHEMA}), "json_schema", json.dumps(SCHEMA)),  # as Triton's OpenAI frontend sends it
+    ({"json_object": True}, "json_object", ""),
+    ({"regex": "[0-9]{3}"}, "regex", "[0-9]{3}"),
+    ({"choice": ["yes", "no"]}, "choice", '["yes", "no"]'),
+    ({"grammar": 'root ::= "a"', "backend": "xgrammar", "disable_fallback": True}, "ebnf", 'root ::= "a"'),
+])
+def test_vllm_forms(raw, kind, value):
+    spec = from_vllm(raw, "structured_outputs")
+    assert (spec.kind, spec.value, spec.any_whitespace) == (kind, value, False)
+
+
+def test_vllm_free_whitespace_only_when_asked():
+    assert from_vllm({"json": SCHEMA, "disable_any_whitespace": False}, "x").any_whitespace
+    assert not from_vllm({"json": SCHEMA, "disable_any_whitespace": True}, "x").any_whitespace
+
+
+@pytest.mark.parametrize(("raw", "error"), [
+    ({}, "set exactly one of"),
+    ({"regex": "a", "choice": ["a"]}, "set exactly one of"),
+    ({"regex": "a", "flavour": 1}, "x.flavour: unknown parameter"),
+    ({"regex": "a", "structural_tag": "{}"}, "x.structural_tag: only null supported"),
+    ({"json": "{not json"}, "x.json: the schema is not valid JSON"),
+    ({"json": [1]}, "x.json: expected a JSON schema"),
+    ({"choice": []}, "x.choice: must be 1 to 256 non-empty strings"),
+    ({"choice": "yes"}, "x.choice: expected a list"),
+    ({"choice": ["a", ""]}, "x.choice: must be 1 to 256 non-empty strings"),
+    ({"json_object": "yes"}, "x.json_object: expected true"),
+    ({"regex": 5}, "x.regex: expected a string"),
+    ("[1, 2]", "x: expected an object"),
+    ("{oops", "x: not valid JSON"),
+])
+def test_vllm_form_errors_name_the_field(raw, error):
+    with pytest.raises(ValueError, match=error.replace("(", r"\(").replace("[", r"\[")):
+        from_vllm(raw, "x")
+
+
+def test_trtllm_forms():
+    assert from_trtllm("json_schema", json.dumps(SCHEMA)).kind == "json_schema"
+    assert from_trtllm("json", None) == GrammarSpec("json_object")
+    assert from_trtllm("regex", "a+").value == "a+"
+    assert from_trtllm("ebnf_grammar", 'root ::= "b"').kind == "ebnf"
+    assert from_trtllm("none", None) is None
+    with pytest.raises(ValueError, match="guided_decoding_guide_type: must be one of"):
+        from_trtllm("lark", "x")
+    with pytest.raises(ValueError, match="guided_decoding_guide: missing"):
+        from_trtllm("regex", "")
+
+
+def _bytes(value: str) -> np.ndarray:
+    return np.array([value.encode()], dtype=np.object_)
+
+
+def test_parse_request_carries_the_grammar_through_both_models():
+    limits = RequestLimits()
+    for key in ("structured_outputs", "guided_decoding"):
+        parsed = parse_request({"text_input": _bytes("hi"),
+                                "sampling_parameters": _bytes(json.dumps({key: {"regex": "[ab]+"}}))}, limits)
+        assert parsed.request.params.structured_output == GrammarSpec("regex", "[ab]+")
+    parsed = parse_request({"text_input": _bytes("hi"), "guided_decoding_guide_type": _bytes("json_schema"),
+                            "guided_decoding_guide": _bytes(json.dumps(SCHEMA))}, limits)
+    request = parsed.request
+    # preprocessing -> llm_<variant>: the spec travels in request_config and comes back equal
+    assert decode_request_config(encode_request_config(request)[0], limits) == request
+    with pytest.raises(RequestError, match="conflicts with sampling_parameters.structured_outputs"):
+        parse_request({"text_input": _bytes("hi"), "guided_decoding_guide_type": _bytes("regex"),
+                       "guided_decoding_guide": _bytes("a"),
+                       "sampling_parameters": _bytes(json.dumps({"structured_outputs": {"regex": "b"}}))}, limits)
+    with pytest.raises(RequestError, match="not both"):
+        parse_request({"text_input": _bytes("hi"), "sampling_parameters": _bytes(json.dumps(
+            {"structured_outputs": {"regex": "b"}, "guided_decoding": {"regex": "b"}}))}, limits)
+
+
+def test_forged_request_config_grammar_is_checked():
+    limits = RequestLimits()
+    for forged, error in [({"kind": "python", "value": "import os"}, "structured_output.kind: must be one of"),
+                          ({"kind": "regex", "value": "", "any_whitespace": False}, "structured_output.value: "),
+                          ({"kind": "regex", "value": "a", "code": 1}, "expected an object of kind")]:
+        payload = json.dumps({"params": {"structured_output": forged}, "stream": False})
+        with pytest.raises(RequestError, match=error):
+            decode_request_config(payload.encode(), limits)
+
+
+# ---- compiling ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiler(smollm2_dir):
+    return GrammarCompiler(str(smollm2_dir / "tokenizer.json"), 49152, [2], max_bytes=4096, timeout_s=5.0)
+
+
+def test_compile_errors_are_the_clients(compiler):
+    with pytest.raises(ValueError, match=r"^structured_output: the regex does not compile: Regex parsing error"):
+        compiler.compile(GrammarSpec("regex", "(unclosed"))
+    with pytest.raises(ValueError, match=r"structured_output: the json_schema does not compile: Unsupported type"):
+        compiler.compile(GrammarSpec("json_schema", '{"type": "spaceship"}'))
+    with pytest.raises(ValueError, match="more than structured_output_max_bytes"):
+        compiler.compile(GrammarSpec("regex", "a" * 5000))
+
+
+def test_a_slow_compile_is_refused_at_the_timeout(compiler, monkeypatch):
+    import specserve.engine.grammar as grammar
+
+    monkeypatch.setattr(grammar, "_compile", lambda c, s: time.sleep(3))
+    monkeypatch.setattr(compiler, "timeout_s", 0.2)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="did not compile within 0.2 s"):
+        compiler.compile(GrammarSpec("regex", "slow"))
+    assert time.perf_counter() - start < 1.0
+
+
+def test_choice_grammar_matches_exactly_one_choice(compiler):
+    compiled = compiler.compiler().compile_grammar(choice_ebnf(['say "hi"', "café", "a\\b"]))
+    for text, ok in [('say "hi"', True), ("café", True), ("a\\b", True), ("caf", False), ('say "hi"!', False)]:
+        matcher = xgr.GrammarMatcher(compiled)
+        assert (matcher.accept_string(text) and matcher.is_completed()) == ok, text
+
+
+# ---- masks over a draft tree ---------------------------------------------------------------------
+
+
+def _allowed_after(compiler, spec, path: list[int]) -> torch.Tensor | None:
+    """Reference: a fresh matcher fed `path` token by token, then its mask (None: the path is rejected)."""
+    match = compiler.match(spec)
+    for t in path:
+        if not match.accept(t):
+            return None
+    bitmask = xgr.allocate_token_bitmask(1, 49152)
+    match.matcher.fill_next_token_bitmask(bitmask)
+    logits = torch.zeros(1, 49152)
+    xgr.apply_token_bitmask_inplace(logits, bitmask)
+    return logits[0].isfinite()
+
+
+def test_tree_masks_equal_each_paths_own_mask(compiler, smollm2_dir):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    ids = tok.encode('{"name": "Al', add_special_tokens=False).ids
+    bad = tok.encode("x", add_special_tokens=False).ids[0]
+    match = compiler.match(spec)
+    assert match.accept(ids[0])  # the root: the last emitted token
+    assert len(ids) == 5, ids  # '{"', 'name', '":', ' "', 'Al'
+    # root -> ids[1] -> ids[2] -> ids[3] -> ids[4]; root -> bad -> ids[2]; ids[1] -> bad
+    tokens = [ids[0], ids[1], bad, ids[2], ids[2], bad, ids[3], ids[4]]
+    parents = [-1, 0, 0, 1, 2, 1, 3, 6]
+    tree = DraftTree.from_parents(tokens, parents)
+    batch = TreeBatch.from_trees([tree])
+    allowed = match.allowed(batch.tokens[0], batch.first_child[0], batch.next_sibling[0])
+    for node in range(len(tokens)):
+        path, i = [], node
+        while i > 0:
+            path.append(tokens[i])
+            i = parents[i]
+        want = _allowed_after(compiler, spec, [ids[0], *reversed(path)])
+        if want is None:  # a rejected node (or below one): everything, its logits are never read
+            assert bool(allowed[node].all()), node
+        else:
+            assert torch.equal(allowed[node], want), node
+    assert allowed[:, bad].sum() >= 1 and not allowed[0, bad]
+    assert match.accept(ids[1]), "the traversal left the matcher where it was"
+
+
+def test_forced_tokens_spell_the_jump_forward_string(compiler, smollm2_dir):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    encode = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
+    match = compiler.match(GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    forced = match.forced(encode, limit=16)
+    assert tok.decode(forced) == '{"name": "'
+    assert match.forced(encode, limit=2) == forced[:2]
+    assert not match.accept(2), "forced() left the matcher at the start, where EOS is not allowed"
+    for t in forced:
+        assert match.accept(t)
+    assert match.forced(encode, limit=16) == []  # inside the name's string: nothing is forced
+
+
+# ---- engines -----------------------------------------------------------------------------------
+
+
+def _engine(tiny_target_dir, algorithm: str, batch: int, jump_forward: bool = True) -> Engine:
+    return Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", cpu_compile=False,
+                               max_batch_size=batch, max_seq_len=256, structured_output_jump_forward=jump_forward,
+                               spec=SpecConfig(algorithm=algorithm, adaptive=False)))
+
+
+PROMPTS = [[int(t) for t in torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(n))] * 3
+           for n in (4, 7, 5)]
+GRAMMARS = [GrammarSpec("json_schema", json.dumps(SCHEMA)), GrammarSpec("regex", "(ab|cd)+[0-9]{2,40}"),
+            GrammarSpec("choice", json.dumps(["alpha beta gamma", "delta"]))]
+
+
+@pytest.mark.parametrize("algorithm", ["none", "ngram", "standalone"])
+def test_speculation_under_a_grammar_equals_plain_decoding_under_it(tiny_target_dir, algorithm):
+    """Plain decoding under the grammar (masks only) against each method with the forced text drafted."""
+    params = [SamplingParams(max_tokens=40, structured_output=g, logprobs=1) for g in GRAMMARS]
+    ref = _engine(tiny_target_dir, "none", 3, jump_forward=False).generate(PROMPTS, params)
+    outs = _engine(tiny_target_dir, algorithm, 3).generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert sum(o.num_accepted_tokens for o in outs) > 0, "forced text or drafts were accepted"
+    assert sum(r.num_accepted_tokens for r in ref) == 0
+    for o, r in zip(outs, ref):
+        for tok, got, want in zip(o.token_ids, o.logprobs, r.logprobs):
+            assert got[tok][0] == pytest.approx(want[tok][0], abs=1e-4)
+    assert ref[2].finish_reason == "stop" and ref[2].text in ("alpha beta gamma", "delta")
+    plain = _engine(tiny_target_dir, "none", 3).generate(PROMPTS, SamplingParams(max_tokens=40))
+    assert [o.token_ids for o in plain] != [r.token_ids for r in ref], "the grammar changed the output"
+
+
+def test_a_grammar_output_validates_and_masked_logprobs(tiny_target_dir):
+    import jsonschema
+
+    engine = _engine(tiny_target_dir, "none", 1)
+    out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=120, structured_output=GRAMMARS[0], logprobs=0))[0]
+    assert out.finish_reason == "stop", out.text
+    jsonschema.validate(json.loads(out.text), SCHEMA)
+    assert out.token_ids[-1] in engine.eos_ids  # EOS where the grammar ended, and nowhere before
+    assert all(lp[t][0] <= 0 for t, lp in zip(out.token_ids, out.logprobs))
+
+
+def test_a_grammar_ends_before_min_tokens(tiny_target_dir):
+    engine = _engine(tiny_target_dir, "none", 1)
+    choice = GrammarSpec("choice", json.dumps(["delta"]))
+    out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=30, min_tokens=20, structured_output=choice))[0]
+    assert out.text == "delta" and out.finish_reason == "stop"
+
+
+def test_sampled_output_under_a_grammar_stays_in_it(tiny_target_dir):
+    import re
+
+    regex = GRAMMARS[1]
+    for algorithm in ("none", "ngram"):
+        engine = _engine(tiny_target_dir, algorithm, 3)
+        outs = engine.generate(PROMPTS, [SamplingParams(max_tokens=24, temperature=1.0, seed=s, structured_output=regex)
+                                         for s in range(3)])
+        for o in outs:
+            text = o.text
+            assert re.fullmatch(r"(ab|cd)+[0-9]{0,40}", text) or re.fullmatch(r"(ab|cd)*(a|c)?", text), text
+
+
+def test_engine_refuses_a_bad_grammar_before_queueing(tiny_target_dir):
+    engine = _engine(tiny_target_dir, "none", 1)
+    with pytest.raises(ValueError, match="structured_output: the regex does not compile"):
+        engine.add_request(PROMPTS[0], SamplingParams(structured_output=GrammarSpec("regex", "[")))
+    assert not engine.has_work()
