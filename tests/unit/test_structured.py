@@ -14,6 +14,7 @@ import xgrammar as xgr
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.engine import Engine
 from specserve.engine.grammar import GrammarCompiler, choice_ebnf
+from specserve.engine.sampling import forbidden_tokens
 from specserve.grammar import GrammarSpec, from_trtllm, from_vllm
 from specserve.serving.contract import RequestError, RequestLimits
 from specserve.serving.parsing import decode_request_config, encode_request_config, parse_request
@@ -179,7 +180,7 @@ def test_tree_masks_equal_each_paths_own_mask(compiler, smollm2_dir):
     parents = [-1, 0, 0, 1, 2, 1, 3, 6]
     tree = DraftTree.from_parents(tokens, parents)
     batch = TreeBatch.from_trees([tree])
-    allowed = match.allowed(batch.tokens[0], batch.first_child[0], batch.next_sibling[0])
+    allowed = ~forbidden_tokens(match.bitmask(batch.tokens[0], batch.first_child[0], batch.next_sibling[0]), 49152)
     for node in range(len(tokens)):
         path, i = [], node
         while i > 0:

@@ -400,12 +400,13 @@ class Engine:
         host_lens = [r.cache_len for r in reqs]
         cache_lens, slots = to_device([host_lens, [r.slot for r in reqs]], self.device)  # (B,) each
         positions = cache_lens[:, None] + batch.depth  # (B, N)
+        trees = self.verifier.grammar_trees(reqs, batch)  # on a GPU the masks are built while the forward runs
         out, settled = self.runner.step(batch.tokens, positions, slots, cache_lens, batch.mask, batch.is_root_only,
                                         host_lens, [r.slot for r in reqs])
         t2 = clock()
         p.forward += t2 - t1
         masked, mask_seconds = self.verifier.grammar_nodes, self.verifier.grammar_seconds
-        v = self.verifier.accept(reqs, batch, out.logits, self.cache.data, slots, cache_lens)
+        v = self.verifier.accept(reqs, batch, out.logits, self.cache.data, slots, cache_lens, trees)
         p.grammar_nodes += self.verifier.grammar_nodes - masked
         p.grammar += self.verifier.grammar_seconds - mask_seconds
         result, emitted, logprobs = v.result, v.emitted, v.logprobs

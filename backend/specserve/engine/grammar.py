@@ -102,7 +102,6 @@ class GrammarMatch:
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
-        self._bits = torch.arange(32, dtype=torch.int32)
 
     @property
     def terminated(self) -> bool:
@@ -113,16 +112,15 @@ class GrammarMatch:
         """Advance over an emitted token; False (state unchanged) when the grammar forbids it."""
         return self.matcher.accept_token(token)
 
-    def allowed(self, tokens: torch.Tensor, first_child: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
-        """(N, vocab) bool: the tokens the grammar allows after each node of one draft tree (node 0
-        the root), each node as if its path had been emitted. A node the grammar rejects, and every
-        node below it, allows everything: verification never accepts it (its parent's mask forbids
-        its token), so its logits are never read. tokens, first_child, next_sibling: (N,) int64."""
-        n = tokens.shape[0]
-        bitmask = torch.zeros(n, (self.vocab_size + 31) // 32, dtype=torch.int32)
-        self.matcher.traverse_draft_tree(first_child.cpu(), next_sibling.cpu(), tokens.cpu(), bitmask)
-        bitmask[bitmask.eq(0).all(-1)] = -1
-        return ((bitmask[:, :, None] >> self._bits) & 1).bool().view(n, -1)[:, : self.vocab_size]
+    def bitmask(self, tokens: torch.Tensor, first_child: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
+        """(N, ceil(vocab / 32)) int32 on the host, bit t of row i set when the grammar allows token t
+        after node i of one draft tree (node 0 the root), each node as if its path had been emitted
+        (`sampling.forbidden_tokens` reads it). A node the grammar rejects, and every node below it,
+        allows nothing here: verification never accepts it (its parent's mask forbids its token), so
+        its logits are never read. tokens, first_child, next_sibling: (N,) int64 on the host."""
+        bitmask = torch.zeros(tokens.shape[0], (self.vocab_size + 31) // 32, dtype=torch.int32)
+        self.matcher.traverse_draft_tree(first_child, next_sibling, tokens, bitmask)
+        return bitmask
 
     def forced(self, encode: Callable[[str], list[int]], limit: int) -> list[int]:
         """Up to `limit` tokens spelling the text the grammar forces from here (xgrammar's jump-forward

@@ -7,6 +7,7 @@ This module draws no random numbers: verification gets uniforms from `draw_unifo
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specserve.config import SamplingParams
@@ -14,10 +15,10 @@ from specserve.staging import to_device
 
 
 def suppress_eos(logits: torch.Tensor, depth: torch.Tensor, eos_ids: tuple[int, ...], tokens_short: int,
-                 allowed: torch.Tensor | None = None) -> None:
+                 forbidden: torch.Tensor | None = None) -> None:
     """In place: forbid EOS at nodes that would emit an output token before `min_tokens` is reached,
-    except, under a grammar (`allowed` (N, V) bool: the tokens it allows per node), where it allows
-    nothing else: a grammar's end comes before min_tokens.
+    except, under a grammar (`forbidden` (N, V) bool: the tokens it forbids per node), where it
+    allows nothing else: a grammar's end comes before min_tokens.
 
     logits: (N, V); depth: (N,) node depths (node at depth d emits output token number produced + d).
     tokens_short: min_tokens - produced.
@@ -26,7 +27,8 @@ def suppress_eos(logits: torch.Tensor, depth: torch.Tensor, eos_ids: tuple[int, 
         return
     rows = depth < tokens_short  # (N,)
     eos = to_device(list(eos_ids), logits.device)
-    if allowed is not None:
+    if forbidden is not None:
+        allowed = ~forbidden
         rows &= allowed.sum(-1) > allowed[:, eos].sum(-1)  # some token besides EOS is allowed
     logits[:, eos] = logits[:, eos].masked_fill(rows[:, None], float("-inf"))  # no host read of `rows`
 
@@ -97,6 +99,30 @@ def draw_uniforms(n: int, generator: torch.Generator | None) -> torch.Tensor:
     return torch.rand(n, generator=generator, dtype=torch.float32)
 
 
-def apply_grammar(logits: torch.Tensor, allowed: torch.Tensor) -> None:
-    """In place: the tokens a grammar forbids at each node get -inf. logits, allowed: (N, V)."""
-    logits.masked_fill_(~allowed, float("-inf"))
+_FORBIDDEN_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def forbidden_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(N, W) int32 grammar masks, bit t of row i set = token t allowed at node i -> (N, vocab_size)
+    bool, True where forbidden, on the bitmask's device. A row that allows nothing (a node the
+    grammar rejected, whose logits are never read) forbids nothing."""
+    n = bitmask.shape[0]
+    if bitmask.device.type == "cpu":  # in numpy, one thread: a step's few rows cost microseconds
+        words = bitmask.numpy()
+        dead = ~words.any(axis=1)
+        if dead.any():
+            words = words.copy()
+            words[dead] = -1
+        bits = np.unpackbits(np.invert(words.view(np.uint8)), axis=-1, bitorder="little")
+        return torch.from_numpy(bits).view(torch.bool)[:, :vocab_size]
+    lut = _FORBIDDEN_BITS.get(bitmask.device)
+    if lut is None:  # byte value -> its 8 bits, inverted, least significant first
+        lut = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).eq(0).to(bitmask.device)
+        _FORBIDDEN_BITS[bitmask.device] = lut
+    forbidden = lut.index_select(0, bitmask.view(torch.uint8).view(-1).int()).view(n, -1)[:, :vocab_size]
+    return forbidden & ~forbidden.all(-1, keepdim=True)
+
+
+def apply_grammar(logits: torch.Tensor, forbidden: torch.Tensor) -> None:
+    """In place: the tokens a grammar forbids at each node get -inf. logits, forbidden: (N, V)."""
+    logits.masked_fill_(forbidden, float("-inf"))

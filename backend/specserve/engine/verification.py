@@ -2,7 +2,7 @@
 compaction of the accepted nodes' K/V.
 
 `Verifier.accept` takes a verify forward's logits over a batch of trees: each row's logits are
-masked by its grammar at every node (`grammar.GrammarMatch`) and penalised as its request asks
+masked by its grammar at every node (`grammar.GrammarMatch.bitmask`) and penalised as its request asks
 (`sampling`), greedy rows go to `verify_greedy`, sampled
 rows to the lossless `verify_sample`, and the accepted nodes' K/V move to consecutive cache
 positions (`compact_kv`). `Verifier.first_tokens` samples a prompt's first token the same way,
@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -24,6 +24,7 @@ from specserve.engine.sampling import (
     apply_grammar,
     apply_penalties,
     draw_uniforms,
+    forbidden_tokens,
     suppress_eos,
     target_probs,
     token_logprobs,
@@ -59,14 +60,23 @@ class Verifier:
         self.eos_ids = eos_ids
         self.device = device
         self._default_generator = torch.Generator().manual_seed(0)
-        self.grammar_seconds = 0.0  # spent masking tree nodes by their grammars (the profile's share)
+        self.grammar_seconds = 0.0  # the step's wait for, and use of, its grammar masks (the profile's share)
         self.grammar_nodes = 0
 
+    @staticmethod
+    def grammar_trees(reqs: Sequence[Request], batch: TreeBatch) -> GrammarTrees | None:
+        """The step's trees on the host for their grammar masks (None without a grammar): taken
+        before the target's forward starts, so on a GPU the masks are built while it runs."""
+        if all(r.grammar is None for r in reqs):
+            return None
+        return GrammarTrees(*(x.cpu() for x in (batch.tokens, batch.first_child, batch.next_sibling)))
+
     def accept(self, reqs: Sequence[Request], batch: TreeBatch, logits: torch.Tensor, cache: torch.Tensor,
-               slots: torch.Tensor, cache_lens: torch.Tensor) -> Verified:
+               slots: torch.Tensor, cache_lens: torch.Tensor, trees: GrammarTrees | None = None) -> Verified:
         """logits (B, N, V) at the tree nodes -> the step's `Verified`; the accepted nodes' K/V in
-        `cache` (the target's KV data) compacted after each row's cache_lens (slots, cache_lens (B,))."""
-        v = self.verify(reqs, batch, logits)
+        `cache` (the target's KV data) compacted after each row's cache_lens (slots, cache_lens (B,)).
+        trees: the step's `grammar_trees` (None: taken here when a request has a grammar)."""
+        v = self.verify(reqs, batch, logits, trees)
         if not batch.is_root_only:
             K.compact_kv(cache, slots, cache_lens, v.result.accepted_nodes, v.result.accept_length)
         return v
@@ -78,22 +88,28 @@ class Verifier:
         roots = TreeBatch.root_only(to_device([r.token_ids[-1] for r in reqs], self.device))
         return self.verify(reqs, roots, logits)
 
-    def verify(self, reqs: Sequence[Request], batch: TreeBatch, logits: torch.Tensor) -> Verified:
+    def verify(self, reqs: Sequence[Request], batch: TreeBatch, logits: torch.Tensor,
+               trees: GrammarTrees | None = None) -> Verified:
         """logits (B, N, V) at the tree nodes -> what the step verified (`Verified`).
 
         Greedy rows and sampled rows go to their own kernel call; results are merged by row.
         """
         b, n = batch.tokens.shape
+        forbidden_rows: list[torch.Tensor | None] = [None] * b
+        trees = trees if trees is not None else self.grammar_trees(reqs, batch)
+        if trees is not None:
+            start = time.perf_counter()
+            for i, r in enumerate(reqs):
+                if r.grammar is not None:
+                    bitmask = r.grammar.bitmask(trees.tokens[i], trees.first_child[i], trees.next_sibling[i])
+                    forbidden = forbidden_tokens(to_device(bitmask, logits.device), logits.shape[-1])
+                    apply_grammar(logits[i], forbidden)
+                    forbidden_rows[i] = forbidden
+                    self.grammar_nodes += n
+            self.grammar_seconds += time.perf_counter() - start
         for i, r in enumerate(reqs):
-            allowed = None
-            if r.grammar is not None:
-                start = time.perf_counter()
-                allowed = r.grammar.allowed(batch.tokens[i], batch.first_child[i], batch.next_sibling[i])
-                allowed = allowed.to(logits.device)
-                apply_grammar(logits[i], allowed)
-                self.grammar_seconds += time.perf_counter() - start
-                self.grammar_nodes += n
-            suppress_eos(logits[i], batch.depth[i], self.eos_ids, r.params.min_tokens - r.num_output_tokens, allowed)
+            suppress_eos(logits[i], batch.depth[i], self.eos_ids, r.params.min_tokens - r.num_output_tokens,
+                         forbidden_rows[i])
             apply_penalties(logits[i], r.params, r.token_ids, len(r.prompt_ids), batch.tokens[i], batch.mask[i])
         dev = logits.device
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
@@ -144,3 +160,12 @@ class Verifier:
     def _read(rows: torch.Tensor) -> list[list[int]]:
         """The step's one host read of device values (on a GPU it waits for the step's queued work)."""
         return rows.tolist()
+
+
+
+class GrammarTrees(NamedTuple):
+    """A step's trees on the host, for the grammar masks: (B, N) each."""
+
+    tokens: torch.Tensor
+    first_child: torch.Tensor
+    next_sibling: torch.Tensor
