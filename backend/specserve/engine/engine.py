@@ -69,6 +69,9 @@ from specserve.tree import DraftShape, DraftTree, TreeBatch
 if TYPE_CHECKING:
     from specserve.engine.grammar import GrammarCompiler, GrammarMatch
 
+# a step whose every row's grammar forces at least this many tokens drafts only those (the drafter's
+# tree would spend its nodes where the grammar already knows the answer)
+FORCED_TOKENS_FOR_NO_DRAFT = 2
 MAX_PACKED_TOKENS = 32768  # prompt tokens per prefill forward (its staged inputs fit the staging ring)
 WARM_UP_TEXT = (
     "The quick brown fox jumps over the lazy dog. Speculative decoding drafts a few tokens cheaply and "
@@ -350,19 +353,16 @@ class Engine:
         ]
         return TreeBatch.from_trees(trees).to(self.device)
 
-    def _with_forced_tokens(self, reqs: list[Request], batch: TreeBatch) -> TreeBatch:
-        """Each grammar's forced text (`GrammarMatch.forced`) as a path below its request's root,
-        beside the drafter's tree, as far as the context and the tree's size limit leave room:
-        drafts no drafter pays for, checked by verification like any other."""
+    def _with_forced_tokens(self, reqs: list[Request], batch: TreeBatch, forced: list[list[int]]) -> TreeBatch:
+        """Each row's `forced` tokens (`GrammarMatch.forced`: the text its grammar forces next) as a
+        path below its root, beside the drafter's tree, as far as the context and the tree's size
+        limit leave room: drafts no drafter pays for, checked by verification like any other."""
         trees = batch.unbatch()
-        grown = False
-        for i, r in enumerate(reqs):
+        for i, (r, tokens) in enumerate(zip(reqs, forced)):
             room = min(self.config.max_seq_len - r.cache_len, self.draft_plan.max_nodes) - trees[i].num_draft_tokens
-            if r.grammar is not None and room > 0:
-                forced = r.grammar.forced(self._encode, room)
-                if forced:
-                    trees[i], grown = trees[i].with_path(forced), True
-        return TreeBatch.from_trees(trees).to(self.device) if grown else batch
+            if tokens and room > 0:
+                trees[i] = trees[i].with_path(tokens[:room])
+        return TreeBatch.from_trees(trees).to(self.device)
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -379,6 +379,13 @@ class Engine:
         p, clock = self.profile, self._clock
         start = t0 = clock()
         shape = self._shape_for(len(reqs))
+        forced = None
+        if self.config.structured_output_jump_forward and any(r.grammar is not None for r in reqs):
+            forced_start = time.perf_counter()
+            forced = [r.grammar.forced(self._encode, self.draft_plan.max_nodes - 1) if r.grammar else [] for r in reqs]
+            p.grammar += time.perf_counter() - forced_start
+            if shape.drafts and all(len(f) >= FORCED_TOKENS_FOR_NO_DRAFT for f in forced):
+                shape = DraftShape(1, 0, 1)  # every row's grammar drafts this step: no drafter's tree is needed
         # a draft after plain steps (or a request's first, over its whole prompt) catches the drafter
         # up on the tokens it skipped: the cost of switching, not of the shape's steady state
         catching_up = shape.drafts and self.drafter.catches_up and not all(r.drafted_last_step for r in reqs)
@@ -391,10 +398,8 @@ class Engine:
             batch = self._fit_trees(reqs, proposal)
         else:  # plain decoding this step; a drafter catches up on what it missed when it drafts again
             batch = TreeBatch.root_only(to_device([r.token_ids[-1] for r in reqs], self.device))
-        if self.config.structured_output_jump_forward and any(r.grammar is not None for r in reqs):
-            forced_start = time.perf_counter()
-            batch = self._with_forced_tokens(reqs, batch)
-            p.grammar += time.perf_counter() - forced_start
+        if forced is not None and any(forced):
+            batch = self._with_forced_tokens(reqs, batch, forced)
         t1 = clock()
         p.draft += t1 - t0
         host_lens = [r.cache_len for r in reqs]
