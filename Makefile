@@ -16,7 +16,7 @@ VARIANTS ?= none,ngram,eagle,eagle3,mtp
 SERVE_ARGS ?=  # more `specserve serve` flags, e.g. --host 127.0.0.1 --http-port 9000
 PYTEST_ARGS ?=
 
-.PHONY: setup prepare serve test lint bench bench-gpu gpu-check gpu-train prompts corpus loadtest profile soak fuzz clean
+.PHONY: setup prepare serve test lint bench bench-gpu gpu-check gpu-train prompts corpus loadtest profile soak fuzz structured-check clean
 
 setup: $(STAMP)
 
@@ -93,6 +93,9 @@ profile: setup prepare $(GENAI_PERF)  # URL=host:8001 profiles a running server;
 
 soak: setup prepare  # starts its own server; exits 1 on a lost or mixed-up response or gauges not back to 0
 	$(PY) -m specserve_client.soak --variant $(VARIANT) --minutes 10 --concurrency 8 --out results/soak_$(VARIANT)
+
+structured-check: setup prepare  # every structured prompt and schema through every variant's two models; exits 1 on an invalid answer
+	$(PY) -m specserve_client.structured_check --out results/structured_check $(if $(URL),--url $(URL))
 
 fuzz: setup prepare  # 2,000 malformed requests beside greedy streams; URL=host:8001 fuzzes a running server
 	$(PY) -m specserve_client.fuzz --requests 2000 --out results/fuzz $(if $(URL),--url $(URL))

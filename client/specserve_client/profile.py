@@ -43,15 +43,18 @@ MODEL_PREFIX = {"vllm": "llm", "tensorrtllm": "ensemble"}  # genai-perf's reques
 
 
 def genai_perf_command(genai_perf: Path, url: str, model: str, backend: str, tokenizer: str, concurrency: int,
-                       requests: int, input_tokens: int, output_tokens: int, artifacts: Path) -> list[str]:
+                       requests: int, input_tokens: int, output_tokens: int, artifacts: Path,
+                       extra_inputs: dict[str, str] | None = None) -> list[str]:
+    """`extra_inputs`: tensors genai-perf adds to every request (its `--extra-inputs NAME:VALUE`)."""
     # No --warmup-request-count: with it, tritonclient 2.50's perf_analyzer never ends its
     # measurement against a decoupled model.
+    extra = [arg for name, value in (extra_inputs or {}).items() for arg in ("--extra-inputs", f"{name}:{value}")]
     return [
         str(genai_perf), "profile", "-m", model, "--endpoint-type", "kserve", "--backend", backend, "--streaming",
         "-u", url, "--tokenizer", tokenizer, "--concurrency", str(concurrency), "--request-count", str(requests),
         "--synthetic-input-tokens-mean", str(input_tokens), "--synthetic-input-tokens-stddev", "0",
         "--output-tokens-mean", str(output_tokens), "--output-tokens-mean-deterministic",
-        "--random-seed", "0", "--artifact-dir", str(artifacts),
+        "--random-seed", "0", "--artifact-dir", str(artifacts), *extra,
     ]
 
 
@@ -101,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--tokenizer", default="models/SmolLM2-135M-Instruct", help="the served model's directory")
     p.add_argument("--genai-perf", type=Path, default=GENAI_PERF, help="the genai-perf executable")
+    p.add_argument("--structured-schema", type=Path, default=None,
+                   help="a JSON schema file every request's output must follow (sent as TensorRT-LLM's "
+                        "guided_decoding_guide_type / guided_decoding_guide tensors, which both models take)")
     p.add_argument("--out", type=Path, default=Path("results/profile"))
     add_server_arguments(p, "unused (the server's settings apply)")
     args = p.parse_args(argv)
@@ -113,12 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     model = f"{MODEL_PREFIX[args.backend]}_{args.variant}"
     version = subprocess.run([str(args.genai_perf), "--version"], capture_output=True, text=True,
                              env=env).stdout.strip().removeprefix("genai-perf").strip()
+    extra = None
+    if args.structured_schema is not None:
+        schema = json.dumps(json.loads(args.structured_schema.read_text()), separators=(",", ":"))
+        extra = {"guided_decoding_guide_type": "json_schema", "guided_decoding_guide": schema}
     rows = []
     with server_for(args.variant, args.url, args.repository) as url:
         for concurrency in [int(c) for c in args.concurrency.split(",")]:
             artifacts = args.out / f"c{concurrency}"
             cmd = genai_perf_command(args.genai_perf, url, model, args.backend, args.tokenizer, concurrency,
-                                     args.requests, args.input_tokens, args.output_tokens, artifacts)
+                                     args.requests, args.input_tokens, args.output_tokens, artifacts, extra)
             print(" ".join(cmd), flush=True)
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             (args.out / f"genai_perf_c{concurrency}.log").write_text(proc.stdout + proc.stderr)
@@ -130,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"concurrency": concurrency, **figures(exports[-1])})
             print(json.dumps(rows[-1]), flush=True)
     meta = {"model": model, "backend": args.backend, "genai_perf_version": version, "requests": args.requests,
-            "input_tokens": args.input_tokens, "output_tokens": args.output_tokens}
+            "input_tokens": args.input_tokens, "output_tokens": args.output_tokens,
+            "structured_schema": str(args.structured_schema) if args.structured_schema else None}
     write_report(args.out, rows, meta)
     print((args.out / "profile.md").read_text())
     return 0

@@ -20,6 +20,14 @@ def test_the_command_is_a_streaming_kserve_vllm_profile_without_warmup(tmp_path)
     assert "warmup" not in line  # tritonclient 2.50's perf_analyzer never ends a decoupled measurement with it
 
 
+def test_a_structured_profile_sends_the_schema_as_guided_decoding_tensors(tmp_path):
+    schema = '{"type":"object"}'
+    cmd = genai_perf_command(Path("gp"), "localhost:8001", "llm_none", "vllm", "models/m", 1, 16, 128, 64, tmp_path,
+                             {"guided_decoding_guide_type": "json_schema", "guided_decoding_guide": schema})
+    assert cmd[-4:] == ["--extra-inputs", "guided_decoding_guide_type:json_schema",
+                        "--extra-inputs", f"guided_decoding_guide:{schema}"]
+
+
 def test_figures_are_genai_perfs_own(tmp_path):
     data = json.loads(EXPORT.read_text())
     got = figures(EXPORT)

@@ -398,7 +398,9 @@ class Engine:
             batch = self._fit_trees(reqs, proposal)
         else:  # plain decoding this step; a drafter catches up on what it missed when it drafts again
             batch = TreeBatch.root_only(to_device([r.token_ids[-1] for r in reqs], self.device))
+        drafted_sizes = None  # each tree's nodes before the forced text was added: the drafter's own
         if forced is not None and any(forced):
+            drafted_sizes = batch.num_draft_tokens.tolist()
             batch = self._with_forced_tokens(reqs, batch, forced)
         t1 = clock()
         p.draft += t1 - t0
@@ -436,11 +438,15 @@ class Engine:
         self.drafter.on_accept(reqs, out, accepted)
         p.drafter_update += clock() - t4
         if self._mode.observe:
-            lengths = [len(e) for e in emitted]
+            # the chooser weighs a shape by what its drafter's own nodes won: the forced text, added
+            # below them (`DraftTree.with_path`), is won whatever the shape
+            accepted = v.accepted if drafted_sizes is None else [
+                [node for node in nodes if node < size] for nodes, size in zip(v.accepted, drafted_sizes)]
+            lengths = [len(nodes) for nodes in accepted]
             seconds = clock() - start if settled and not catching_up else None
             nested = None
             if shape.drafts and self.drafter.nested_trees and len(self.chooser.menu) > 1:
-                nested = v.accepted
+                nested = accepted
             self.chooser.observe(len(reqs), shape, seconds, lengths, nested, warm_up=self._mode.warm_up)
 
     def _clock(self) -> float:
