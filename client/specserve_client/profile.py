@@ -45,10 +45,11 @@ MODEL_PREFIX = {"vllm": "llm", "tensorrtllm": "ensemble"}  # genai-perf's reques
 def genai_perf_command(genai_perf: Path, url: str, model: str, backend: str, tokenizer: str, concurrency: int,
                        requests: int, input_tokens: int, output_tokens: int, artifacts: Path,
                        extra_inputs: dict[str, str] | None = None) -> list[str]:
-    """`extra_inputs`: tensors genai-perf adds to every request (its `--extra-inputs NAME:VALUE`)."""
+    """`extra_inputs`: tensors genai-perf adds to every request, given as one JSON object (its
+    `--extra-inputs NAME:VALUE` form takes no value with a colon, as a JSON schema has)."""
     # No --warmup-request-count: with it, tritonclient 2.50's perf_analyzer never ends its
     # measurement against a decoupled model.
-    extra = [arg for name, value in (extra_inputs or {}).items() for arg in ("--extra-inputs", f"{name}:{value}")]
+    extra = ["--extra-inputs", json.dumps(extra_inputs)] if extra_inputs else []
     return [
         str(genai_perf), "profile", "-m", model, "--endpoint-type", "kserve", "--backend", backend, "--streaming",
         "-u", url, "--tokenizer", tokenizer, "--concurrency", str(concurrency), "--request-count", str(requests),

@@ -443,7 +443,8 @@ class Engine:
             accepted = v.accepted if drafted_sizes is None else [
                 [node for node in nodes if node < size] for nodes, size in zip(v.accepted, drafted_sizes)]
             lengths = [len(nodes) for nodes in accepted]
-            seconds = clock() - start if settled and not catching_up else None
+            # a step that also verified forced text says nothing of its shape's own cost
+            seconds = clock() - start if settled and not catching_up and drafted_sizes is None else None
             nested = None
             if shape.drafts and self.drafter.nested_trees and len(self.chooser.menu) > 1:
                 nested = accepted
