@@ -58,8 +58,8 @@ bench: setup prepare
 	$(BENCH) --algorithm ngram --dataset bench/grounded.jsonl --json results/bench_ngram_grounded.json
 	$(PY) bench/eagle_sweep.py --out results/eagle_sweep
 
-gpu-check:  # on a CUDA machine with the model prepared (docs/gpu.md); no set-up of its own
-	bench/gpu/check.sh results/gpu-check
+gpu-check:  # on a CUDA machine with the model prepared (docs/gpu.md); no set-up of its own; into $OUT when set
+	bench/gpu/check.sh $${OUT:-results/gpu-check}
 
 gpu-train:  # on a CUDA machine, after gpu-check: data and the three drafters in 7 minutes (docs/training.md)
 	bench/gpu/train.sh results/gpu-train $(wildcard runs/prompts.jsonl runs/corpus.tar)

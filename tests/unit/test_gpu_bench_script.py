@@ -59,3 +59,20 @@ def test_hf_static_baseline_keeps_one_cache_for_prompts_of_every_length(tiny_tar
     row = module.hf_static_generate(str(tiny_target_dir), torch.device("cpu"), [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]], 4)
     assert row["algorithm"] == "hf_generate_static_cache" and row["tokens_per_s"] > 0
     assert row["cache_len"] == 7 + 4
+
+
+def test_make_gpu_check_writes_into_out_when_it_is_set(tmp_path):
+    """The device machine returns only what a command leaves in $OUT: `make gpu-check` must write there."""
+    import os
+    import subprocess
+
+    repo = Path(__file__).parents[2]
+    said = subprocess.run(["make", "-s", "-n", "gpu-check"], cwd=repo, capture_output=True, text=True, check=True,
+                          env={**os.environ, "OUT": str(tmp_path)}).stdout.strip()
+    assert said.startswith("bench/gpu/check.sh ")
+    expanded = subprocess.run(["bash", "-c", f"echo {said.split(' ', 1)[1]}"], capture_output=True, text=True,
+                              env={**os.environ, "OUT": str(tmp_path)}).stdout.strip()
+    assert expanded == str(tmp_path)
+    default = subprocess.run(["bash", "-c", f"echo {said.split(' ', 1)[1]}"], capture_output=True, text=True,
+                             env={k: v for k, v in os.environ.items() if k != "OUT"}).stdout.strip()
+    assert default == "results/gpu-check"
