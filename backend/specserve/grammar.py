@@ -30,6 +30,7 @@ VLLM_CONSTRAINTS = {"json": "json_schema", "json_object": "json_object", "regex"
 VLLM_OPTIONS_AT_DEFAULT = {"disable_fallback": (False, True), "disable_additional_properties": (False,),
                            "whitespace_pattern": (None,), "structural_tag": (None,),
                            "backend": (None, "auto", "xgrammar"), "_backend": (None, "auto", "xgrammar")}
+TRTLLM_NO_GUIDE = frozenset({"", "none"})  # guided_decoding_guide_type values that ask for no constraint
 TRTLLM_GUIDE_TYPES = {"json": "json_object", "json_schema": "json_schema", "regex": "regex",
                       "ebnf_grammar": "ebnf"}
 
@@ -138,7 +139,7 @@ def from_vllm(raw: Any, name: str) -> GrammarSpec:
 
 def from_trtllm(guide_type: str, guide: str | None) -> GrammarSpec | None:
     """TensorRT-LLM's `guided_decoding_guide_type` and `guided_decoding_guide` tensors."""
-    if guide_type in ("", "none"):
+    if guide_type in TRTLLM_NO_GUIDE:
         if guide:
             raise ValueError("guided_decoding_guide: needs guided_decoding_guide_type")
         return None

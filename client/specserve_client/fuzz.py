@@ -107,7 +107,7 @@ DEFAULT_ONLY_KEYS = ("n", "best_of", "min_p", "use_beam_search", "include_stop_s
 PARAMS_BASE: dict[str, Any] = {
     "max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": [], "min_tokens": 0,
     "ignore_eos": False, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-    "logprobs": None, "cache_salt": None,
+    "logprobs": None, "cache_salt": None, "structured_output": None,
 }
 
 MAX_TOKENS = 8  # the most any request that could be valid asks for

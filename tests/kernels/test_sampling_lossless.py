@@ -195,3 +195,30 @@ def test_lossy_variants_fail_the_same_bound(name: str, lossy) -> None:
     probs = node_probs(tree, seed=3)
     distance, bound = joint_tv(tree, probs, lossy(tree, draw(tree, probs, seed=4)))
     assert distance > bound, f"{lossy.__name__}: TV {distance:.4f} vs bound {bound:.4f}"
+
+
+def test_under_a_grammar_the_tokens_follow_the_masked_target() -> None:
+    """Structured outputs: the grammar's masks (as the verifier applies them) forbid a drafted root
+    child's token and tokens below; the emitted pair follows the masked target exactly, and no
+    forbidden token is ever emitted."""
+    from specserve.config import SamplingParams
+    from specserve.engine.sampling import apply_grammar, forbidden_tokens, target_probs
+
+    tree = TREES["branching"]  # root children: tokens 3, 7, 1
+    n = tree.num_draft_tokens
+    logits = torch.randn(n, V, generator=torch.Generator().manual_seed(7))
+    child = tree.parents >= 0
+    logits[tree.parents[child], tree.tokens[child]] += 2.0
+    allowed = torch.ones(n, V, dtype=torch.bool)
+    allowed[0, [7, 5]] = False  # the root forbids the drafted child 7 and token 5
+    allowed[1:, :4] = False  # below the root tokens 0-3 are forbidden: the drafted grandchild 2 among them
+    bitmask = (allowed.int() << torch.arange(V)).sum(-1, keepdim=True).int()  # (N, 1): V < 32 bits
+    apply_grammar(logits, forbidden_tokens(bitmask, V))
+    probs = target_probs(logits, SamplingParams(temperature=1.0))
+    assert float(probs[~allowed].sum()) == 0.0
+    result = verify_sample_reference(*draw(tree, probs, seed=8))
+    distance, bound = joint_tv(tree, probs, result)
+    assert distance <= bound
+    t1, t2 = first_two(tree, result)
+    assert not torch.isin(t1, torch.tensor([5, 7])).any()
+    assert not torch.isin(t2, torch.tensor([0, 1, 2, 3])).any()

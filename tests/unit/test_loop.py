@@ -28,7 +28,10 @@ class FakeEngine:
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
-    def add_request(self, prompt_ids, params, request_id=None) -> str:
+    def grammar_match(self, params) -> None:
+        return None  # no structured outputs here: the loop compiles nothing
+
+    def add_request(self, prompt_ids, params, request_id=None, grammar=None) -> str:
         with self._lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             self.pending.append(rid)
@@ -112,7 +115,7 @@ class SlowEngine(FakeEngine):
         super().__init__()
         self.steps_per_request, self.ages, self.computed = steps_per_request, {}, 0
 
-    def add_request(self, prompt_ids, params, request_id=None) -> str:
+    def add_request(self, prompt_ids, params, request_id=None, grammar=None) -> str:
         rid = super().add_request(prompt_ids, params, request_id)
         self.computed += len(prompt_ids)
         return rid
