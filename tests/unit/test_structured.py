@@ -119,7 +119,7 @@ def test_forged_request_config_grammar_is_checked():
 
 @pytest.fixture(scope="module")
 def compiler(smollm2_dir):
-    return GrammarCompiler(str(smollm2_dir / "tokenizer.json"), 49152, [2], max_bytes=4096, timeout_s=5.0)
+    return GrammarCompiler(str(smollm2_dir), 49152, [2], max_bytes=4096, timeout_s=5.0)
 
 
 def test_compile_errors_are_the_clients(compiler):

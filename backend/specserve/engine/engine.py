@@ -29,7 +29,6 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Tokenizer
@@ -40,6 +39,13 @@ from specserve.drafters import DraftContext, Drafter
 from specserve.drafters.factory import build_drafter
 from specserve.engine.adaptive import ShapeChooser
 from specserve.engine.detokenize import IncrementalDetokenizer
+from specserve.engine.grammar import (
+    FORCED_TOKENS_FOR_NO_DRAFT,
+    GrammarCompiler,
+    GrammarMatch,
+    forced_tokens,
+    with_forced_paths,
+)
 from specserve.engine.outputs import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -66,12 +72,6 @@ from specserve.runtime.target import TargetRunner
 from specserve.staging import to_device
 from specserve.tree import DraftShape, DraftTree, TreeBatch
 
-if TYPE_CHECKING:
-    from specserve.engine.grammar import GrammarCompiler, GrammarMatch
-
-# a step whose every row's grammar forces at least this many tokens drafts only those (the drafter's
-# tree would spend its nodes where the grammar already knows the answer)
-FORCED_TOKENS_FOR_NO_DRAFT = 2
 MAX_PACKED_TOKENS = 32768  # prompt tokens per prefill forward (its staged inputs fit the staging ring)
 WARM_UP_TEXT = (
     "The quick brown fox jumps over the lazy dog. Speculative decoding drafts a few tokens cheaply and "
@@ -129,7 +129,8 @@ class Engine:
         self._mode = StepMode()  # the running step's (`step(mode)`)
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._grammars: GrammarCompiler | None = None  # built with the first structured output
+        self.grammars = GrammarCompiler(config.model_dir, self.model_config.vocab_size, self.eos_ids,
+                                        config.structured_output_max_bytes, config.structured_output_compile_timeout_s)
         self._inbox: deque[Request] = deque()
         self._aborts: set[str] = set()
         self._outputs: list[RequestOutput] = []  # the step's outputs so far: `fail_running` still sends them
@@ -155,19 +156,8 @@ class Engine:
     # ---- called from any thread -------------------------------------------------------------
 
     def grammar_match(self, params: SamplingParams) -> GrammarMatch | None:
-        """A matcher at the start of the request's structured output (None without one); compiles
-        its grammar (`GrammarCompiler`: cached, bounded in size and time), raising ValueError when
-        it is refused. Thread-safe: callers compile off the engine thread."""
-        if params.structured_output is None:
-            return None
-        with self._lock:
-            if self._grammars is None:
-                from specserve.engine.grammar import GrammarCompiler  # xgrammar loads with the first grammar
-
-                self._grammars = GrammarCompiler(
-                    f"{self.config.model_dir}/tokenizer.json", self.model_config.vocab_size, self.eos_ids,
-                    self.config.structured_output_max_bytes, self.config.structured_output_compile_timeout_s)
-        return self._grammars.match(params.structured_output)
+        """A fresh matcher for the request's grammar (None without one), or ValueError. Thread-safe."""
+        return None if params.structured_output is None else self.grammars.match(params.structured_output)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
                     grammar: GrammarMatch | None = None) -> str:
@@ -353,20 +343,6 @@ class Engine:
         ]
         return TreeBatch.from_trees(trees).to(self.device)
 
-    def _with_forced_tokens(self, reqs: list[Request], batch: TreeBatch, forced: list[list[int]]) -> TreeBatch:
-        """Each row's `forced` tokens (`GrammarMatch.forced`: the text its grammar forces next) as a
-        path below its root, beside the drafter's tree, as far as the context and the tree's size
-        limit leave room: drafts no drafter pays for, checked by verification like any other."""
-        trees = batch.unbatch()
-        for i, (r, tokens) in enumerate(zip(reqs, forced)):
-            room = min(self.config.max_seq_len - r.cache_len, self.draft_plan.max_nodes) - trees[i].num_draft_tokens
-            if tokens and room > 0:
-                trees[i] = trees[i].with_path(tokens[:room])
-        return TreeBatch.from_trees(trees).to(self.device)
-
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
     def _shape_for(self, batch_size: int) -> DraftShape:
         if self._mode.shape is not None:
             return self._mode.shape
@@ -382,10 +358,10 @@ class Engine:
         forced = None
         if self.config.structured_output_jump_forward and any(r.grammar is not None for r in reqs):
             forced_start = time.perf_counter()
-            forced = [r.grammar.forced(self._encode, self.draft_plan.max_nodes - 1) if r.grammar else [] for r in reqs]
+            forced = forced_tokens([r.grammar for r in reqs], self.tokenizer, self.draft_plan.max_nodes - 1)
             p.grammar += time.perf_counter() - forced_start
             if shape.drafts and all(len(f) >= FORCED_TOKENS_FOR_NO_DRAFT for f in forced):
-                shape = DraftShape(1, 0, 1)  # every row's grammar drafts this step: no drafter's tree is needed
+                shape = DraftShape(1, 0, 1)  # the grammars draft this step (`FORCED_TOKENS_FOR_NO_DRAFT`)
         # a draft after plain steps (or a request's first, over its whole prompt) catches the drafter
         # up on the tokens it skipped: the cost of switching, not of the shape's steady state
         catching_up = shape.drafts and self.drafter.catches_up and not all(r.drafted_last_step for r in reqs)
@@ -401,7 +377,8 @@ class Engine:
         drafted_sizes = None  # each tree's nodes before the forced text was added: the drafter's own
         if forced is not None and any(forced):
             drafted_sizes = batch.num_draft_tokens.tolist()
-            batch = self._with_forced_tokens(reqs, batch, forced)
+            rooms = [min(self.config.max_seq_len - r.cache_len, self.draft_plan.max_nodes) for r in reqs]
+            batch = with_forced_paths(batch, forced, rooms).to(self.device)
         t1 = clock()
         p.draft += t1 - t0
         host_lens = [r.cache_len for r in reqs]

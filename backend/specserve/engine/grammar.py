@@ -5,8 +5,8 @@ in a worker thread of its own bounded by a timeout and a size (so a client canno
 engine), and caches the results (xgrammar's own cache, bounded in bytes). `GrammarMatch` is one
 request's position in its grammar: it masks the logits of every node of a draft tree (each node as
 if the path to it had been emitted, `traverse_draft_tree`), names the tokens the grammar forces
-next, and advances over the tokens the request emits. Nothing here runs a model or decides
-acceptance: the verifier masks with it, the engine advances it.
+next (`with_forced_paths` drafts them), and advances over the tokens the request emits. Nothing
+here runs a model or decides acceptance: the verifier masks with it, the engine advances it.
 """
 
 from __future__ import annotations
@@ -19,19 +19,24 @@ from collections.abc import Callable, Sequence
 
 import torch
 import xgrammar as xgr
+from tokenizers import Tokenizer
 
 from specserve.grammar import GrammarSpec
+from specserve.tree import TreeBatch
 
 COMPILE_THREADS = 2  # a slow grammar holds one; the next request's compiles on the other
+# a step whose every row's grammar forces at least this many tokens drafts only those (the drafter's
+# tree would spend its nodes where the grammar already knows the answer)
+FORCED_TOKENS_FOR_NO_DRAFT = 2
 
 
 class GrammarCompiler:
-    """Compiles `GrammarSpec`s for one tokenizer (`tokenizer_file`, the model's `vocab_size`,
+    """Compiles `GrammarSpec`s for the tokenizer of the model in `model_dir` (its `vocab_size`,
     `stop_ids` its EOS tokens). `max_bytes` bounds a constraint's text, `timeout_s` a compile."""
 
-    def __init__(self, tokenizer_file: str, vocab_size: int, stop_ids: Sequence[int], max_bytes: int,
+    def __init__(self, model_dir: str, vocab_size: int, stop_ids: Sequence[int], max_bytes: int,
                  timeout_s: float, cache_bytes: int = 64 << 20) -> None:
-        self.tokenizer_file, self.vocab_size, self.stop_ids = tokenizer_file, vocab_size, list(stop_ids)
+        self.tokenizer_file, self.vocab_size, self.stop_ids = f"{model_dir}/tokenizer.json", vocab_size, list(stop_ids)
         self.max_bytes, self.timeout_s, self.cache_bytes = max_bytes, timeout_s, cache_bytes
         self._compiler: xgr.GrammarCompiler | None = None
         self._lock = threading.Lock()
@@ -135,3 +140,24 @@ class GrammarMatch:
         if forced:
             self.matcher.rollback(len(forced))
         return forced
+
+
+def forced_tokens(matches: Sequence[GrammarMatch | None], tokenizer: Tokenizer, limit: int) -> list[list[int]]:
+    """Per request's matcher, up to `limit` tokens its grammar forces next (`GrammarMatch.forced`),
+    tokenized by the served `tokenizer`; none without a matcher."""
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    return [m.forced(encode, limit) if m is not None else [] for m in matches]
+
+
+def with_forced_paths(batch: TreeBatch, forced: Sequence[list[int]], rooms: Sequence[int]) -> TreeBatch:
+    """The batch's trees (on the host) with each row's forced tokens as a path below its root, beside
+    the drafter's tree (`DraftTree.with_path`), within `rooms` nodes a tree: drafts no drafter pays
+    for, checked by verification like any other."""
+    trees = batch.unbatch()
+    for i, (tokens, room) in enumerate(zip(forced, rooms)):
+        room -= trees[i].num_draft_tokens
+        if tokens and room > 0:
+            trees[i] = trees[i].with_path(tokens[:room])
+    return TreeBatch.from_trees(trees)
