@@ -14,7 +14,7 @@ import xgrammar as xgr
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.engine import Engine
 from specserve.engine.grammar import GrammarCompiler, choice_ebnf
-from specserve.engine.sampling import forbidden_tokens
+from specserve.engine.sampling import forbidden_tokens, forbidden_tokens_on_device
 from specserve.grammar import GrammarSpec, from_trtllm, from_vllm
 from specserve.serving.contract import RequestError, RequestLimits
 from specserve.serving.parsing import decode_request_config, encode_request_config, parse_request
@@ -195,6 +195,13 @@ def test_tree_masks_equal_each_paths_own_mask(compiler, smollm2_dir):
     assert match.accept(ids[1]), "the traversal left the matcher where it was"
 
 
+def test_the_device_unpacking_equals_the_host_one():
+    words = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    words[1] = 0  # a rejected node: forbids nothing
+    assert torch.equal(forbidden_tokens_on_device(words, 100), forbidden_tokens(words, 100))
+    assert not forbidden_tokens(words, 100)[1].any() and forbidden_tokens(words, 100)[0].any()
+
+
 def test_forced_tokens_spell_the_jump_forward_string(compiler, smollm2_dir):
     from tokenizers import Tokenizer
 
@@ -278,3 +285,12 @@ def test_engine_refuses_a_bad_grammar_before_queueing(tiny_target_dir):
     with pytest.raises(ValueError, match="structured_output: the regex does not compile"):
         engine.add_request(PROMPTS[0], SamplingParams(structured_output=GrammarSpec("regex", "[")))
     assert not engine.has_work()
+
+
+def test_an_engine_without_structured_outputs_loads_no_xgrammar():
+    """The GPU machine has no xgrammar: the engine imports it only with the first grammar."""
+    import subprocess
+    import sys
+
+    code = "import sys, specserve.engine.engine, specserve.engine.verification; assert 'xgrammar' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -16,13 +16,16 @@ import json
 import re
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 from tokenizers import Tokenizer
 
 from specserve.grammar import GrammarSpec
 from specserve.tree import TreeBatch
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 COMPILE_THREADS = 2  # a slow grammar holds one; the next request's compiles on the other
 # a step whose every row's grammar forces at least this many tokens drafts only those (the drafter's
@@ -45,7 +48,8 @@ class GrammarCompiler:
     def compiler(self) -> xgr.GrammarCompiler:
         """xgrammar's compiler for this tokenizer, built on first use (~0.1 s for a 49k vocabulary)."""
         with self._lock:
-            if self._compiler is None:
+            if self._compiler is None:  # xgrammar loads here: an engine without structured outputs needs none
+                import xgrammar as xgr
                 from transformers import PreTrainedTokenizerFast
 
                 tokenizer = PreTrainedTokenizerFast(tokenizer_file=self.tokenizer_file)
@@ -105,6 +109,8 @@ class GrammarMatch:
     it emits; the root of a draft tree is the last token it accepted."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+        import xgrammar as xgr
+
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
 

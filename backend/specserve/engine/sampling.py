@@ -106,7 +106,6 @@ def forbidden_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """(N, W) int32 grammar masks, bit t of row i set = token t allowed at node i -> (N, vocab_size)
     bool, True where forbidden, on the bitmask's device. A row that allows nothing (a node the
     grammar rejected, whose logits are never read) forbids nothing."""
-    n = bitmask.shape[0]
     if bitmask.device.type == "cpu":  # in numpy, one thread: a step's few rows cost microseconds
         words = bitmask.numpy()
         dead = ~words.any(axis=1)
@@ -115,6 +114,12 @@ def forbidden_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
             words[dead] = -1
         bits = np.unpackbits(np.invert(words.view(np.uint8)), axis=-1, bitorder="little")
         return torch.from_numpy(bits).view(torch.bool)[:, :vocab_size]
+    return forbidden_tokens_on_device(bitmask, vocab_size)
+
+
+def forbidden_tokens_on_device(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`forbidden_tokens` in torch ops on the bitmask's device (a GPU's; on a CPU numpy is quicker)."""
+    n = bitmask.shape[0]
     lut = _FORBIDDEN_BITS.get(bitmask.device)
     if lut is None:  # byte value -> its 8 bits, inverted, least significant first
         lut = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).eq(0).to(bitmask.device)

@@ -2,11 +2,11 @@
 compaction of the accepted nodes' K/V.
 
 `Verifier.accept` takes a verify forward's logits over a batch of trees: each row's logits are
-masked by its grammar at every node (`grammar.GrammarMatch.bitmask`) and penalised as its request asks
-(`sampling`), greedy rows go to `verify_greedy`, sampled
-rows to the lossless `verify_sample`, and the accepted nodes' K/V move to consecutive cache
-positions (`compact_kv`). `Verifier.first_tokens` samples a prompt's first token the same way,
-from its last logits (a root-only tree). Each reads the device once (`Verified`). This module
+masked by its grammar at every node (`grammar.GrammarMatch.bitmask`) and penalised as its request
+asks (`sampling`), greedy rows go to `verify_greedy`, sampled rows to the lossless `verify_sample`,
+and the accepted nodes' K/V move to consecutive cache positions (`compact_kv`).
+`Verifier.first_tokens` samples a prompt's first token the same way, from its last logits (a
+root-only tree). Each reads the device once (`Verified`). This module
 does not draft, run the target or append tokens to requests: the engine does.
 """
 
@@ -60,7 +60,7 @@ class Verifier:
         self.eos_ids = eos_ids
         self.device = device
         self._default_generator = torch.Generator().manual_seed(0)
-        self.grammar_seconds = 0.0  # the step's wait for, and use of, its grammar masks (the profile's share)
+        self.grammar_seconds = 0.0  # spent building and applying grammar masks (the profile's share)
         self.grammar_nodes = 0
 
     @staticmethod
