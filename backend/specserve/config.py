@@ -257,6 +257,13 @@ class SpecConfig:
                                  "length; PROB: best first by path frequency")
     ngram_branch_length: int = knob(18, help="tokens stored after each position (must exceed ngram_max_match_window)")
     ngram_capacity: int = knob(1_000_000, help="n-gram trie nodes per request; the least recent leaves go first")
+    # suffix decoding: Arctic Inference's (vLLM's suffix_decoding_*) where it has the knob
+    suffix_cache_tokens: int = knob(65536, help="tokens of finished requests' prompts and outputs kept to draft "
+                                    "from, all cache salts together; the least recently served go first")
+    suffix_max_depth: int = knob(24, help="longest suffix matched, and deepest draft")
+    suffix_max_spec_factor: float = knob(1.0, help="a draft is at most this many times as deep as its match is long")
+    suffix_min_token_prob: float = knob(0.1, help="a draft token's least share of the matches that continue with it")
+    suffix_min_match: int = knob(2, help="the fewest last tokens that must match before anything is drafted")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "algorithm", canonical(self.algorithm))  # an alias -> the method's name
@@ -268,6 +275,7 @@ class SpecConfig:
         if m.drafts:
             _check_tree_limits(*m.shape(self.num_steps, self.topk, self.num_draft_tokens), self.num_draft_tokens)
         _check_ngram(self)  # whichever method runs: a bad value is an error, not ignored
+        _check_suffix(self)
 
     @property
     def method(self) -> Method:
@@ -317,6 +325,19 @@ def _check_ngram(spec: SpecConfig) -> None:
         )
     if spec.ngram_capacity < 1:
         raise ValueError(f"ngram_capacity: must be >= 1, got {spec.ngram_capacity}")
+
+
+def _check_suffix(spec: SpecConfig) -> None:
+    """Suffix decoding's knobs (checked for every method)."""
+    if spec.suffix_cache_tokens < 2:
+        raise ValueError(f"suffix_cache_tokens: must be >= 2, got {spec.suffix_cache_tokens}")
+    if not 1 <= spec.suffix_min_match <= spec.suffix_max_depth:
+        raise ValueError("suffix_min_match: need 1 <= suffix_min_match <= suffix_max_depth, got "
+                         f"{spec.suffix_min_match} and {spec.suffix_max_depth}")
+    if not spec.suffix_max_spec_factor > 0:
+        raise ValueError(f"suffix_max_spec_factor: must be > 0, got {spec.suffix_max_spec_factor}")
+    if not 0 <= spec.suffix_min_token_prob <= 1:
+        raise ValueError(f"suffix_min_token_prob: must be in [0, 1], got {spec.suffix_min_token_prob}")
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,12 @@ def ngram_chain(steps: int, topk: int, tokens: int) -> Shape:
     return steps or tokens - 1, topk or 1, tokens
 
 
+def suffix_tree(steps: int, topk: int, tokens: int) -> Shape:
+    """Suffix decoding: up to 24 draft tokens (Arctic Inference's tree depth), as deep as they go."""
+    tokens = tokens or 24
+    return steps or tokens - 1, topk or 1, tokens
+
+
 def one_mtp_step(steps: int, topk: int, tokens: int) -> Shape:
     """One MTP step, as DeepSeek-V3 is usually served, with its two likeliest tokens (adaptive
     speculation then chooses per step between none, the top token and both); SGLang's tree
@@ -116,6 +122,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("standalone", "standalone draft model",
            "a small draft model at drafter_path, else the target's first layers",
            f"{DRAFTERS}.standalone:StandaloneDrafter", sglang_tree, draft_model=True),
+    Method("suffix", "suffix decoding", "what followed the same tokens in earlier requests and in its own",
+           f"{DRAFTERS}.suffix:SuffixDrafter", suffix_tree),
 )}
 ALGORITHMS = tuple(METHODS)
 HEAD_METHODS = tuple(m.name for m in METHODS.values() if m.is_head)

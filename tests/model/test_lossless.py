@@ -39,6 +39,22 @@ def test_ngram_greedy_is_lossless(engine_factory, mtbench_prompts, reference, ba
 
 
 @pytest.mark.parametrize("batch_size", [1, 8])
+def test_suffix_greedy_is_lossless_as_its_store_fills(engine_factory, mtbench_prompts, reference, batch_size):
+    """Suffix decoding with adaptive shapes switching every other step: the first pass drafts from
+    each request's own tokens and the requests before it, the second from all of the first's text
+    (long matches, deep trees)."""
+    engine = engine_factory(algorithm="suffix", max_batch_size=batch_size)
+    engine.chooser.explore_every = 2
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    first = engine.generate(mtbench_prompts, params)
+    assert [o.token_ids for o in first] == reference
+    second = engine.generate(mtbench_prompts, params)
+    assert [o.token_ids for o in second] == reference
+    accepted = [sum(o.num_accepted_tokens for o in outs) for outs in (first, second)]
+    assert 0 < accepted[0] < accepted[1]  # the text served before drafts
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
 @pytest.mark.parametrize(
     ("algorithm", "spec"),
     [

@@ -45,7 +45,7 @@ def test_earlier_names_are_aliases_everywhere_a_method_is_named():
 
 def test_bench_names_an_unknown_method(capsys):
     assert main(["bench", "--algorithm", "eagle2,medusa"]) == 2
-    assert "error: algorithm: must be one of none, ngram, eagle, eagle3, mtp, standalone, got 'medusa'" in \
+    assert "error: algorithm: must be one of none, ngram, eagle, eagle3, mtp, standalone, suffix, got 'medusa'" in \
         capsys.readouterr().err
 
 

@@ -73,6 +73,11 @@ class SequenceView(Protocol):
         """Tokens whose K/V are in the target's cache: all of token_ids but the root."""
         ...
 
+    @property
+    def cache_salt(self) -> str | None:
+        """Its cache salt: a drafter that learns from requests keeps each salt's text apart."""
+        ...
+
 
 class Drafter:
     """Base class: the hooks default to doing nothing; `propose` must be written."""
@@ -138,6 +143,10 @@ class Drafter:
 
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request."""
+
+    def forget(self) -> None:
+        """Drop what earlier requests taught it (the suffix drafter's shared store; the others
+        keep nothing across requests but a slot's state for prefix caching)."""
 
 
 class NoDrafter(Drafter):

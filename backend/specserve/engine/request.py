@@ -52,6 +52,10 @@ class Request:
         return len(self.token_ids) - len(self.prompt_ids)
 
     @property
+    def cache_salt(self) -> str | None:
+        return self.params.cache_salt
+
+    @property
     def prefilling(self) -> bool:
         """Part of its prompt is still to be computed (it has no first token yet)."""
         return len(self.token_ids) == len(self.prompt_ids)

@@ -1,0 +1,275 @@
+"""Suffix decoding (Arctic Inference's, arXiv 2411.04975): draft what followed the request's last
+tokens earlier, in the text of the requests served before it and in its own.
+
+Two kinds of `TokenStore` are searched every step:
+
+    shared store, one per drafter: prompt + output of every finished request, one segment each, in a
+        ring of `suffix_cache_tokens` positions; the oldest segments are evicted first
+    own store, one per running request: its prompt and the tokens generated so far
+
+    ring:   ... | a b c d e -1 | a b x y -1 | ...      -1 ends every segment
+    index:  (a, b) -> [p_c, p_x]                       each k-gram -> the positions that follow it
+
+Lookup (`TokenStore.match`): the request's last k tokens (k = suffix_min_match) give candidate
+positions, the most recent `MAX_CANDIDATES`; a candidate's match length is how many tokens before it
+equal the request's last ones (at most suffix_max_depth), and the candidates of the longest match are
+kept, as a suffix tree's deepest matching node would be. Their continuations (up to a segment's end)
+are merged into one tree (`build_tree`), each node counting the candidates that pass through it: a
+node is drafted when count / candidates >= suffix_min_token_prob and its depth is at most
+suffix_max_spec_factor x the match length, the most frequent nodes first, so the tree for fewer
+tokens is always a prefix of the tree for more (`nested_trees`). The store with the longer match
+drafts; on a tie both stores' candidates are merged.
+
+The shared store keeps one index per cache salt (None is a salt too): a request drafts only from the
+text of requests of its own salt, and the ring's memory bound holds across all salts.
+
+This module reads token ids only; it knows nothing of models, KV caches or the engine.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+from specserve.config import SpecConfig
+from specserve.draft_plan import DraftPlan
+from specserve.drafters.base import DraftContext, Drafter, SequenceView
+from specserve.tree import DraftShape, DraftTree
+
+SENTINEL = -1  # ends a segment; never a token id
+MAX_CANDIDATES = 256  # the most recent positions after a k-gram that one lookup weighs
+_TOKEN_BITS = 24  # a k-gram's index key packs its token ids into one int, this many bits each
+
+
+class TokenStore:
+    """Token segments at absolute positions, and for each k-gram the positions that follow it.
+
+    `ring=True`: at most `capacity` positions live (sentinels included); appending past that evicts
+    the oldest closed segments first (the open one's oldest tokens only when it alone is too long).
+    `ring=False`: the buffer grows and nothing is evicted (one request's own tokens).
+    Position p is at buf[p % len(buf)]; live positions are [low, high).
+    """
+
+    def __init__(self, capacity: int, k: int, ring: bool) -> None:
+        if capacity < 2 or k < 1:
+            raise ValueError("token store: capacity must be >= 2 and k >= 1")
+        self.k, self.ring = k, ring
+        self.buf = np.full(capacity, SENTINEL, dtype=np.int32)
+        self.low = self.high = 0
+        self._starts: deque[int] = deque()  # each segment's first position, oldest first
+        self._open = False  # the newest segment is still being appended to
+        self._key = 0  # rolling key of the open segment's last (up to k) tokens
+        self._run = 0  # tokens of the open segment written so far
+        self._mask = (1 << (_TOKEN_BITS * k)) - 1
+        self.index: dict[Hashable, dict[int, list[int]]] = {}  # salt -> k-gram key -> positions, increasing
+        self._entries = self._evicted = 0  # index entries written; evicted positions since the last sweep
+
+    @property
+    def capacity(self) -> int:
+        return len(self.buf)
+
+    @property
+    def num_tokens(self) -> int:
+        """Live positions, segment ends included."""
+        return self.high - self.low
+
+    def append(self, tokens: Sequence[int], salt: Hashable = None) -> None:
+        """Add tokens to the open segment (a new one if none is open)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if not len(tokens):
+            return
+        if tokens.min() < 0 or tokens.max() >= 1 << _TOKEN_BITS:
+            raise ValueError(f"token store: token ids must be in [0, {1 << _TOKEN_BITS})")
+        if not self._open:
+            self._starts.append(self.high)
+            self._open, self._key, self._run = True, 0, 0
+        if self.ring and len(tokens) >= self.capacity:  # only the last ones fit, with nothing before them
+            tokens = tokens[-(self.capacity - 1):]
+            self._key = self._run = 0
+        self._make_room(len(tokens))
+        positions = np.arange(self.high, self.high + len(tokens))
+        self.buf[positions % self.capacity] = tokens
+        keys = self.index.setdefault(salt, {})
+        k, key, run, mask = self.k, self._key, self._run, self._mask
+        for p, t in zip(positions.tolist(), tokens.tolist()):
+            if run >= k:  # k tokens precede p in this segment: p follows their k-gram
+                keys.setdefault(key, []).append(p)
+                self._entries += 1
+            key = ((key << _TOKEN_BITS) | t) & mask
+            run += 1
+        self._key, self._run, self.high = key, run, self.high + len(tokens)
+
+    def close(self) -> None:
+        """End the open segment: a sentinel, so no continuation runs into the next one."""
+        if self._open:
+            self._make_room(1)
+            self.buf[self.high % self.capacity] = SENTINEL
+            self.high += 1
+            self._open = False
+
+    def match(self, context: np.ndarray, max_len: int, salt: Hashable = None) -> tuple[int, np.ndarray]:
+        """(match length, positions): the positions whose preceding tokens equal the longest suffix
+        of `context` found (k <= length <= max_len); (0, empty) when its last k tokens are unseen."""
+        k, none = self.k, np.empty(0, dtype=np.int64)
+        if len(context) < k:
+            return 0, none
+        key = 0
+        for t in context[-k:].tolist():
+            key = (key << _TOKEN_BITS) | t
+        keys = self.index.get(salt)
+        positions = keys.get(key) if keys else None
+        if not positions:
+            return 0, none
+        if positions[0] < self.low:  # evicted positions go lazily
+            del positions[: bisect_left(positions, self.low)]
+            if not positions:
+                del keys[key]
+                return 0, none
+        cands = np.asarray(positions[-MAX_CANDIDATES:], dtype=np.int64)
+        length, cap = k, self.capacity
+        for j in range(k + 1, min(max_len, len(context)) + 1):
+            before = cands - j
+            same = (before >= self.low) & (self.buf[before % cap] == context[-j])
+            if not same.any():
+                break
+            cands, length = cands[same], j
+        return length, cands
+
+    def continuations(self, positions: np.ndarray, depth: int) -> np.ndarray:
+        """(len(positions), depth) int32: the tokens from each position on, SENTINEL from the end of
+        its segment (or of what is written) on."""
+        at = positions[:, None] + np.arange(depth)
+        rows = self.buf[at % self.capacity]
+        rows[at >= self.high] = SENTINEL
+        rows[np.maximum.accumulate(rows == SENTINEL, axis=1)] = SENTINEL
+        return rows
+
+    def _make_room(self, n: int) -> None:
+        if self.high + n - self.low <= self.capacity:
+            return
+        if not self.ring:  # grow: positions equal indices, nothing wraps
+            size = max(2 * self.capacity, self.high + n)
+            self.buf = np.concatenate([self.buf, np.full(size - self.capacity, SENTINEL, dtype=np.int32)])
+            return
+        low = self.high + n - self.capacity
+        while len(self._starts) > 1 and self._starts[0] < low:
+            self._starts.popleft()
+            self.low = self._starts[0]
+        if self.low < low:  # the open segment alone is too long: its oldest tokens go
+            self.low = low
+        self._evicted += n
+        if self._evicted > self.capacity:  # one sweep per capacity of writes: the index stays bounded
+            self._sweep()
+
+    def _sweep(self) -> None:
+        self._evicted, low = 0, self.low
+        for salt in list(self.index):
+            keys = self.index[salt]
+            for key in list(keys):
+                positions = keys[key]
+                if positions[-1] < low:
+                    del keys[key]
+                elif positions[0] < low:
+                    del positions[: bisect_left(positions, low)]
+            if not keys:
+                del self.index[salt]
+        self._entries = sum(len(p) for keys in self.index.values() for p in keys.values())
+
+
+def build_tree(root: int, rows: np.ndarray, match_len: int, num_draft_tokens: int, spec: SpecConfig) -> DraftTree:
+    """The draft tree of `rows` (one continuation per candidate, SENTINEL-padded): the nodes that
+    at least suffix_min_token_prob of the candidates pass through, at most suffix_max_spec_factor x
+    match_len deep, most frequent first (ties: shallower, then the most recent candidate's),
+    num_draft_tokens in all with the root. Rows come oldest candidate first."""
+    depth = min(rows.shape[1], int(spec.suffix_max_spec_factor * match_len))
+    if depth < 1 or num_draft_tokens < 2 or not len(rows):
+        return DraftTree.root_only(root)
+    # distinct continuations, newest first (rows come oldest first), so equal counts rank by recency
+    rows, newest, counts = np.unique(rows[::-1, :depth], axis=0, return_index=True, return_counts=True)
+    order = np.argsort(newest)
+    min_count = spec.suffix_min_token_prob * counts.sum()
+    token, parent, level, count, kids = [root], [-1], [0], [0], [{}]
+    for row, c in zip(rows[order].tolist(), counts[order].tolist()):
+        node = 0
+        for t in row:
+            if t == SENTINEL:
+                break
+            child = kids[node].get(t)
+            if child is None:
+                child = kids[node][t] = len(token)
+                token.append(t)
+                parent.append(node)
+                level.append(level[node] + 1)
+                count.append(0)
+                kids.append({})
+            count[child] += c
+            node = child
+    kept = sorted((n for n in range(1, len(token)) if count[n] >= min_count), key=lambda n: (-count[n], level[n], n))
+    kept = kept[: num_draft_tokens - 1]  # a parent comes before its children: count >= theirs, shallower
+    new = {0: 0, **{n: i + 1 for i, n in enumerate(kept)}}
+    return DraftTree.from_parents([root] + [token[n] for n in kept], [-1] + [new[parent[n]] for n in kept])
+
+
+class SuffixDrafter(Drafter):
+    """The Drafter for algorithm=suffix: a shared store of finished requests' text and each running
+    request's own store. A request's text enters the shared store when it is released."""
+
+    nested_trees = True  # `build_tree` ranks nodes once; fewer tokens take a prefix of the ranking
+
+    @classmethod
+    def build(cls, spec: SpecConfig, ctx: DraftContext) -> Drafter:
+        return cls(ctx.draft_plan)
+
+    def __init__(self, draft_plan: DraftPlan) -> None:
+        self.draft_plan = draft_plan
+        self.spec = spec = draft_plan.spec
+        self.shared = TokenStore(spec.suffix_cache_tokens, spec.suffix_min_match, ring=True)
+        self._own: dict[str, tuple[TokenStore, Hashable]] = {}  # request id -> (its tokens, its cache salt)
+
+    def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree]:
+        shape = shape or self.draft_plan.shape
+        return [self._propose_one(s, shape.num_draft_tokens) for s in seqs]
+
+    def on_accept(self, seqs: Sequence[SequenceView], out: object, accepted: object) -> None:
+        for s in seqs:  # finished requests too: their last tokens go to the shared store with them
+            self._own_store(s)
+
+    def release(self, request_id: str) -> None:
+        own = self._own.pop(request_id, None)
+        if own is not None:
+            store, salt = own
+            self.shared.append(store.buf[: store.high], salt)
+            self.shared.close()
+
+    def forget(self) -> None:
+        """Drop the shared store (what earlier requests taught it)."""
+        self.shared = TokenStore(self.spec.suffix_cache_tokens, self.spec.suffix_min_match, ring=True)
+
+    def _own_store(self, seq: SequenceView) -> TokenStore:
+        own = self._own.get(seq.request_id)
+        tokens = seq.token_ids
+        if own is None or own[0].high > len(tokens):  # new (or a stream that shrank: start over)
+            own = self._own[seq.request_id] = (TokenStore(max(2, 2 * len(tokens)), self.spec.suffix_min_match,
+                                                          ring=False), getattr(seq, "cache_salt", None))
+        store = own[0]
+        store.append(tokens[store.high:])
+        return store
+
+    def _propose_one(self, seq: SequenceView, num_draft_tokens: int) -> DraftTree:
+        spec, own = self.spec, self._own_store(seq)
+        context = own.buf[: own.high]
+        salt = self._own[seq.request_id][1]
+        depth = min(spec.suffix_max_depth, num_draft_tokens - 1)
+        own_len, own_at = own.match(context, spec.suffix_max_depth)
+        shared_len, shared_at = self.shared.match(context, spec.suffix_max_depth, salt)
+        rows = []
+        if own_len and own_len >= shared_len:
+            rows.append(own.continuations(own_at, depth))
+        if shared_len and shared_len >= own_len:
+            rows.append(self.shared.continuations(shared_at, depth))
+        if not rows or depth < 1:
+            return DraftTree.root_only(int(context[-1]))
+        return build_tree(int(context[-1]), np.concatenate(rows), max(own_len, shared_len), num_draft_tokens, spec)

@@ -1,0 +1,154 @@
+"""Suffix decoding's stores and trees (`drafters.suffix`), against brute force where it can be."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specserve.config import SpecConfig
+from specserve.draft_plan import DraftPlan
+from specserve.drafters.suffix import SENTINEL, SuffixDrafter, TokenStore, build_tree
+
+
+@dataclass
+class Seq:
+    request_id: str
+    token_ids: list[int]
+    cache_salt: str | None = None
+    slot: int = 0
+    cache_len: int = field(default=0)
+
+
+def drafter(**knobs: object) -> SuffixDrafter:
+    return SuffixDrafter(DraftPlan.of(SpecConfig(algorithm="suffix", **knobs)))
+
+
+def serve(d: SuffixDrafter, request_id: str, tokens: list[int], salt: str | None = None) -> None:
+    """A request that drafted once, gained its tokens and finished."""
+    seq = Seq(request_id, tokens, salt)
+    d.propose([seq])
+    d.on_accept([seq], None, None)
+    d.release(request_id)
+
+
+def longest_match(segments: list[list[int]], context: list[int], k: int, max_len: int) -> int:
+    """Brute force: the longest suffix of context (k..max_len tokens) followed by a token in a segment."""
+    best = 0
+    for n in range(k, min(max_len, len(context)) + 1):
+        tail = context[-n:]
+        if any(seg[i : i + n] == tail for seg in segments for i in range(len(seg) - n)):
+            best = n
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(segments=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=30), min_size=1, max_size=6),
+       context=st.lists(st.integers(0, 3), min_size=1, max_size=12), k=st.integers(1, 3))
+def test_match_is_the_longest_suffix_seen(segments, context, k):
+    store = TokenStore(4096, k, ring=True)
+    for seg in segments:
+        store.append(seg)
+        store.close()
+    length, at = store.match(np.asarray(context, dtype=np.int32), max_len=8)
+    assert length == longest_match(segments, context, k, 8)
+    flat = store.buf[: store.high].tolist()
+    for p in at.tolist():  # every candidate is preceded by the matched suffix and followed by a token
+        assert flat[p - length : p] == context[-length:] and flat[p] != SENTINEL
+
+
+def test_continuations_stop_at_the_segment_end():
+    store = TokenStore(64, 2, ring=True)
+    store.append([1, 2, 3])
+    store.close()
+    store.append([1, 2, 9, 8, 7])
+    store.close()
+    length, at = store.match(np.asarray([5, 1, 2]), max_len=8)
+    rows = store.continuations(at, 4)
+    assert length == 2
+    assert sorted(rows.tolist()) == [[3, SENTINEL, SENTINEL, SENTINEL], [9, 8, 7, SENTINEL]]
+
+
+def test_ring_evicts_oldest_segments_and_the_index_stays_bounded():
+    store = TokenStore(100, 2, ring=True)
+    for i in range(200):  # 200 segments of 10 tokens (+ the end) through a ring of 100
+        store.append([i % 7, 100 + i, 200 + i % 5, 3, 4, 5, 6, 7, 8, 9])
+        store.close()
+        assert store.num_tokens <= 100
+    _, at = store.match(np.asarray([3, 4]), max_len=8)
+    assert len(at) and at.min() >= store.low  # only live positions come back
+    assert sum(len(p) for keys in store.index.values() for p in keys.values()) <= 2 * 100
+    length, _ = store.match(np.asarray([0, 100]), max_len=8)  # the first segment is long gone
+    assert length == 0
+
+
+def test_a_segment_longer_than_the_ring_keeps_its_end():
+    store = TokenStore(16, 2, ring=True)
+    store.append(list(range(40)))
+    store.close()
+    length, at = store.match(np.asarray([35, 36]), max_len=8)
+    assert length == 2 and store.continuations(at, 3).tolist() == [[37, 38, 39]]
+    assert store.match(np.asarray([3, 4]), max_len=8)[0] == 0
+
+
+def test_tree_ranks_by_frequency_and_is_nested():
+    spec = SpecConfig(algorithm="suffix", suffix_min_token_prob=0.2)
+    rows = np.array([[5, 6, 7], [5, 6, 7], [5, 6, 8], [5, 9, SENTINEL], [4, 1, 2]], dtype=np.int32)
+    tree = build_tree(0, rows, match_len=3, num_draft_tokens=8, spec=spec)
+    # counts 5:4, 6:3, 7:2, then the ones (1 of 5 = 0.2 is kept) shallowest first, the newest row's first
+    assert tree.tokens.tolist() == [0, 5, 6, 7, 4, 1, 9, 2]
+    assert tree.parents.tolist() == [-1, 0, 1, 2, 0, 4, 1, 5]
+    for n in range(1, 8):  # a smaller tree is a prefix of a larger one
+        small = build_tree(0, rows, match_len=3, num_draft_tokens=n, spec=spec)
+        assert small.tokens.tolist() == tree.tokens.tolist()[:n]
+        assert small.parents.tolist() == tree.parents.tolist()[:n]
+
+
+def test_tree_depth_is_bounded_by_the_match_and_rare_tokens_are_dropped():
+    spec = SpecConfig(algorithm="suffix", suffix_min_token_prob=0.5, suffix_max_spec_factor=1.0)
+    rows = np.array([[5, 6, 7, 8], [5, 6, 7, 8], [5, 1, 2, 3]], dtype=np.int32)
+    tree = build_tree(0, rows, match_len=2, num_draft_tokens=16, spec=spec)
+    assert tree.tokens.tolist() == [0, 5, 6]  # 2 deep at a match of 2; 1 (1 in 3) under the 0.5 share
+
+
+def test_a_finished_request_drafts_for_the_next():
+    d = drafter()
+    serve(d, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    tree = d.propose([Seq("b", [40, 41, 2, 3, 4, 5])])[0]
+    assert tree.tokens.tolist() == [5, 6, 7, 8, 9]  # match of 4 ([2 3 4 5]) drafts 4 deep
+
+
+def test_requests_of_another_cache_salt_never_draft_from_it():
+    d = drafter()
+    serve(d, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9], salt="tenant-a")
+    for salt in (None, "tenant-b"):
+        assert d.propose([Seq(f"b-{salt}", [40, 2, 3, 4, 5], salt)])[0].tokens.tolist() == [5]
+    assert d.propose([Seq("c", [40, 2, 3, 4, 5], "tenant-a")])[0].tokens.tolist() == [5, 6, 7, 8, 9]
+
+
+def test_own_tokens_draft_before_anything_is_shared():
+    d = drafter()
+    tree = d.propose([Seq("a", [7, 8, 9, 10, 11, 0, 7, 8, 9])])[0]
+    assert tree.tokens.tolist() == [9, 10, 11, 0]  # [7 8 9] matched 3: 3 deep
+
+
+def test_memory_stays_within_the_knob():
+    d = drafter(suffix_cache_tokens=500)
+    rng = np.random.default_rng(0)
+    for i in range(100):
+        serve(d, str(i), rng.integers(0, 1000, 60).tolist(), salt=str(i % 3))
+        assert d.shared.num_tokens <= 500
+    assert sum(len(p) for keys in d.shared.index.values() for p in keys.values()) <= 2 * 500
+    assert not d._own  # released requests leave nothing behind
+
+
+def test_knobs_are_checked():
+    with pytest.raises(ValueError, match="suffix_min_match"):
+        SpecConfig(algorithm="suffix", suffix_min_match=30, suffix_max_depth=24)
+    with pytest.raises(ValueError, match="suffix_min_token_prob"):
+        SpecConfig(algorithm="suffix", suffix_min_token_prob=1.5)
+    with pytest.raises(ValueError, match="suffix_cache_tokens"):
+        SpecConfig(algorithm="suffix", suffix_cache_tokens=1)
