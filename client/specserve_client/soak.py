@@ -14,7 +14,10 @@ comes with):
   - turn: the next turn of the worker's own conversation (its earlier prompts and answers, then a
     new question; a new conversation after 6 turns), as a chat client sends it: the prompt's
     prefix is what prefix caching reuses.
-The server runs with `prefix_cache_max_tokens` = `--prefix-cache-max-tokens`. When the time is up
+With `--prompts FILE` (a JSONL of {"prompt"} lines, e.g. bench/repetitive.jsonl) the normal and
+ensemble requests take its prompts in turn, as a workload that repeats itself would send them.
+The server runs with `prefix_cache_max_tokens` = `--prefix-cache-max-tokens` (and, with
+`--suffix-cache-tokens`, that `suffix_cache_tokens`: the drafter's gauge must stay within it). When the time is up
 it waits for the engine to drain and checks that the running / waiting gauges and the KV slots in
 use are back to 0. The resident memory of the server's processes (and its anon / file / shmem
 parts) and the cached-tokens gauge are sampled every `--sample-s` seconds; the gauge must never
@@ -52,6 +55,7 @@ KIND_WEIGHTS = {"normal": 0.36, "ensemble": 0.14, "cancel": 0.15, "bad": 0.15, "
 TURNS = 6  # a conversation's turns before the worker starts a new one
 SYSTEM = "You are a helpful assistant. Answer in one or two sentences."
 CACHED_GAUGE = "specserve:prefix_cache_tokens"
+DRAFTER_GAUGE = "specserve:drafter_cache_tokens"
 GAUGES = ("specserve:num_requests_running", "specserve:num_requests_waiting", "specserve:kv_slots_used")
 
 
@@ -162,9 +166,11 @@ def one_request(client: grpcclient.InferenceServerClient, model: str, values: di
 
 
 def worker(url: str, variant: str, deadline: float, seed: int, outcomes: Counter, failures: list, lock: threading.Lock,
-           connection_per_request: bool = False, kinds: tuple[str, ...] = tuple(KIND_WEIGHTS)) -> None:
+           connection_per_request: bool = False, kinds: tuple[str, ...] = tuple(KIND_WEIGHTS),
+           prompts: list[str] | None = None) -> None:
     """One client's requests until `deadline`, each on a stream of its own, over one gRPC
-    connection (as tritonclient users and perf_analyzer do) or a new one per request."""
+    connection (as tritonclient users and perf_analyzer do) or a new one per request. `prompts`:
+    what its normal and ensemble requests ask, in turn from the worker's own offset."""
     rng = random.Random(seed)
     n = 0
     history: list[tuple[str, str | None]] = []  # the worker's conversation so far
@@ -176,8 +182,9 @@ def worker(url: str, variant: str, deadline: float, seed: int, outcomes: Counter
         trtllm_format = kind == "ensemble"
         if kind in ("normal", "ensemble"):
             model, cancel_after = f"{'ensemble' if trtllm_format else 'llm'}_{variant}", None
-            values = request_inputs(f"Tell me one fact about the number {rng.randint(1, 10_000)}.",
-                                    max_tokens=rng.randint(8, 64), temperature=0.0, apply_chat_template=True)
+            prompt = (prompts[(seed * 31 + n) % len(prompts)] if prompts
+                      else f"Tell me one fact about the number {rng.randint(1, 10_000)}.")
+            values = request_inputs(prompt, max_tokens=rng.randint(8, 64), temperature=0.0, apply_chat_template=True)
         elif kind == "turn":
             model, cancel_after = f"llm_{variant}", None
             if len(history) >= TURNS:
@@ -217,7 +224,8 @@ def growth_after(memory: list[dict], start_s: float) -> float:
 
 def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: float, concurrency: int,
          sample_s: float, connection_per_request: bool = False, kinds: tuple[str, ...] = tuple(KIND_WEIGHTS),
-         cache_max_tokens: int | None = None, max_rss_growth_mb: float = 200.0, log: Path | None = None) -> dict:
+         cache_max_tokens: int | None = None, max_rss_growth_mb: float = 200.0, log: Path | None = None,
+         prompts: list[str] | None = None, drafter_max_tokens: int | None = None) -> dict:
     outcomes: Counter = Counter()
     failures: list[str] = []
     aborted_before = metric(metrics_url, "specserve:request_finished_total", finish_reason="abort")
@@ -225,7 +233,7 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
     start = time.monotonic()
     deadline = start + minutes * 60
     threads = [threading.Thread(target=worker, args=(url, variant, deadline, s, outcomes, failures, lock,
-                                                     connection_per_request, kinds), daemon=True)
+                                                     connection_per_request, kinds, prompts), daemon=True)
                for s in range(concurrency)]
     for t in threads:
         t.start()
@@ -233,7 +241,8 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
     switched_s = None
     while any(t.is_alive() for t in threads):
         memory.append({"s": round(time.monotonic() - start), **server_memory(server_pid),
-                       "cached_tokens": metric(metrics_url, CACHED_GAUGE)})
+                       "cached_tokens": metric(metrics_url, CACHED_GAUGE),
+                       "drafter_tokens": metric(metrics_url, DRAFTER_GAUGE)})
         if switched_s is None and log is not None and log.exists() and SWITCHED in log.read_text(errors="replace"):
             switched_s = memory[-1]["s"]
         print(json.dumps({**memory[-1], **outcomes}), flush=True)
@@ -245,11 +254,13 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
     gauges = {g: metric(metrics_url, g) for g in GAUGES}
     aborted = metric(metrics_url, "specserve:request_finished_total", finish_reason="abort") - aborted_before
     memory.append({"s": round(time.monotonic() - start), **server_memory(server_pid),
-                   "cached_tokens": metric(metrics_url, CACHED_GAUGE)})
+                   "cached_tokens": metric(metrics_url, CACHED_GAUGE),
+                   "drafter_tokens": metric(metrics_url, DRAFTER_GAUGE)})
     after_first_minute = [m["rss_mb"] for m in memory if m["s"] >= 60] or [memory[0]["rss_mb"]]
     steady_from = 60 if switched_s is None else max(60, switched_s + 60)
     growth = growth_after(memory, steady_from)
     cached_max = max(m["cached_tokens"] for m in memory)
+    drafter_max = max(m["drafter_tokens"] for m in memory)
     report = {
         "variant": variant, "minutes": minutes, "concurrency": concurrency,
         "connection_per_request": connection_per_request, "kinds": list(kinds),
@@ -261,11 +272,13 @@ def soak(url: str, metrics_url: str, server_pid: int, variant: str, minutes: flo
         "rss_growth_after_1_min_mb": growth_after(memory, 60), "switched_to_compiled_s": switched_s,
         "rss_growth_after_start_up_mb": growth, "start_up_ends_s": steady_from, "max_rss_growth_mb": max_rss_growth_mb,
         "cached_tokens_max": cached_max, "prefix_cache_max_tokens": cache_max_tokens,
+        "drafter_tokens_max": drafter_max, "suffix_cache_tokens": drafter_max_tokens,
         "memory_samples": memory,
     }
     # every cancelled stream must have been aborted by the engine, not run to its 256 tokens
     report["passed"] = (not failures and not any(gauges.values()) and aborted >= outcomes["cancel:cancelled"]
-                        and growth < max_rss_growth_mb and (cache_max_tokens is None or cached_max <= cache_max_tokens))
+                        and growth < max_rss_growth_mb and (cache_max_tokens is None or cached_max <= cache_max_tokens)
+                        and (drafter_max_tokens is None or drafter_max <= drafter_max_tokens))
     return report
 
 
@@ -284,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the served model's prefix_cache_max_tokens; the cached-tokens gauge must stay within it")
     p.add_argument("--max-rss-growth-mb", type=float, default=200.0,
                    help="the most the server's resident memory may grow after start-up (see above)")
+    p.add_argument("--prompts", type=Path, default=None,
+                   help="a JSONL of {\"prompt\"} lines the normal and ensemble requests take in turn")
+    p.add_argument("--suffix-cache-tokens", type=int, default=None,
+                   help="the served model's suffix_cache_tokens; the drafter's gauge must stay within it")
     p.add_argument("--out", type=Path, default=Path("results/soak"))
     args = p.parse_args(argv)
     kinds = tuple(args.kinds.split(","))
@@ -291,10 +308,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--kinds: choose among {', '.join(KIND_WEIGHTS)}, got {args.kinds!r}")
     args.out.mkdir(parents=True, exist_ok=True)
     parameters = {"prefix_cache_max_tokens": str(args.prefix_cache_max_tokens)}
+    if args.suffix_cache_tokens is not None:
+        parameters["suffix_cache_tokens"] = str(args.suffix_cache_tokens)
+    prompts = ([json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
+               if args.prompts else None)
     with local_server(args.variant, parameters=parameters, log=args.out / "tritonserver.log") as server:
         report = soak(server.grpc_url, server.metrics_url, server.pid, args.variant, args.minutes, args.concurrency,
                       args.sample_s, args.connection_per_request, kinds, args.prefix_cache_max_tokens,
-                      args.max_rss_growth_mb, args.out / "tritonserver.log")
+                      args.max_rss_growth_mb, args.out / "tritonserver.log", prompts, args.suffix_cache_tokens)
     (args.out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "memory_samples"}, indent=1))
     return 0 if report["passed"] else 1

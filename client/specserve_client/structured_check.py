@@ -1,6 +1,6 @@
 """Structured outputs through a real server: does every answer follow its JSON schema?
 
-    python -m specserve_client.structured_check --variants none,ngram,eagle,eagle3,mtp,standalone \
+    python -m specserve_client.structured_check --variants none,ngram,eagle,eagle3,mtp,standalone,suffix \
         --dataset bench/structured.jsonl --dataset bench/structured_heldout.jsonl --out results/structured_check
 
 Each line of each data set ({"prompt", "schema"}) goes, greedy, with the chat template, to
@@ -69,7 +69,7 @@ def check(url: str, model: str, dataset: str, max_tokens: int, concurrency: int)
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", default="none,ngram,eagle,eagle3,mtp,standalone", help="comma-separated")
+    p.add_argument("--variants", default="none,ngram,eagle,eagle3,mtp,standalone,suffix", help="comma-separated")
     p.add_argument("--dataset", action="append", help="a structured JSONL (repeatable; default: bench's two)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=4)

@@ -1,5 +1,5 @@
 """Served variants by name: `llm_<variant>` and `ensemble_<variant>`, each variant named after its
-drafting method (`none`, `ngram`, `eagle`, `eagle3`, `mtp`, `standalone`). Earlier names are
+drafting method (`none`, `ngram`, `eagle`, `eagle3`, `mtp`, `standalone`, `suffix`, `hybrid`). Earlier names are
 accepted and mapped, as the server's command line maps them."""
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ QUEUE = 16  # more than the 16 concurrent streams of one test minus the 4 slots
 # model spends its start timing paths (the choice is the unit tests' subject; test_startup serves it)
 ENGINE_PARAMS = {"max_batch_size": str(SLOTS), "max_seq_len": str(MAX_SEQ_LEN), "dtype": DTYPE,
                  "max_queue_size": str(QUEUE), "serve_while_compiling": "false", "compiled_steps": "always"}
-VARIANTS = ("none", "ngram", "eagle", "eagle3", "mtp", "standalone")
+VARIANTS = ("none", "ngram", "eagle", "eagle3", "mtp", "standalone", "suffix", "hybrid")
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import queue
 import re
 import threading
@@ -435,6 +436,39 @@ def test_ngram_variant_is_lossless_and_drafts(server, e2e, tokenizer, reference_
     assert g.token_ids == ref.token_ids and g.text == ref.text
     assert g.stats["total_draft_tokens"] > 0
     assert metric(server, "specserve:spec_decode_num_draft_tokens_total", model="llm_ngram") > 0
+
+
+@pytest.mark.parametrize("variant", ["suffix", "hybrid"])
+def test_variants_that_learn_draft_from_earlier_requests_and_end_only_their_own(server, e2e, tokenizer,
+                                                                             reference_engine, variant):
+    """llm_suffix and llm_hybrid: a request's text drafts for the next one of its cache salt (same
+    greedy tokens as plain decoding, more accepted the second time), not for another salt's; bad
+    input and a cancelled stream end only their own request."""
+    assert variant in e2e.variants
+    prompt = "List the planets of the solar system in order, one per line."
+    ref = reference(reference_engine, [tokenizer.encode(prompt, True)], 48)[0]
+
+    def ask(salt: str) -> object:
+        params = json.dumps({"cache_salt": salt})
+        g = collect(grpc_stream(server.grpc_url, f"llm_{variant}", prompt, max_tokens=48, apply_chat_template=True,
+                                sampling_parameters=params, timeout_s=TIMEOUT_S))
+        assert g.token_ids == ref.token_ids and g.text == ref.text
+        return g
+
+    first, second, other = ask("tenant-a"), ask("tenant-a"), ask("tenant-b")
+    accepted = [g.stats["total_accepted_draft_tokens"] for g in (first, second, other)]
+    assert accepted[1] > accepted[0] and accepted[2] < accepted[1]
+    assert metric(server, "specserve:spec_decode_num_accepted_tokens_total", model=f"llm_{variant}") > 0
+    with pytest.raises(GenerateError, match=r"\btop_p:"):
+        list(grpc_stream_inputs(server.grpc_url, f"llm_{variant}", grpc_inputs({"text_input": "hi", "top_p": 1.5}),
+                                TIMEOUT_S))
+    client, results = _start_long_stream(server.grpc_url, f"llm_{variant}", "Count from 1 to 1000.", 256)
+    try:
+        assert results.get(timeout=TIMEOUT_S)[1] is None
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    assert ask("tenant-a").token_ids == ref.token_ids
 
 
 @pytest.mark.parametrize("variant", ["eagle", "eagle3", "mtp", "standalone"])

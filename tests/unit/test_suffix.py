@@ -97,12 +97,13 @@ def test_a_segment_longer_than_the_ring_keeps_its_end():
 def test_tree_ranks_by_frequency_and_is_nested():
     spec = SpecConfig(algorithm="suffix", suffix_min_token_prob=0.2)
     rows = np.array([[5, 6, 7], [5, 6, 7], [5, 6, 8], [5, 9, SENTINEL], [4, 1, 2]], dtype=np.int32)
-    tree = build_tree(0, rows, match_len=3, num_draft_tokens=8, spec=spec)
+    tree, score = build_tree(0, rows, match_len=3, num_draft_tokens=8, spec=spec)
     # counts 5:4, 6:3, 7:2, then the ones (1 of 5 = 0.2 is kept) shallowest first, the newest row's first
     assert tree.tokens.tolist() == [0, 5, 6, 7, 4, 1, 9, 2]
     assert tree.parents.tolist() == [-1, 0, 1, 2, 0, 4, 1, 5]
+    assert score == pytest.approx((4 + 3 + 2 + 1 + 1 + 1 + 1) / 5)
     for n in range(1, 8):  # a smaller tree is a prefix of a larger one
-        small = build_tree(0, rows, match_len=3, num_draft_tokens=n, spec=spec)
+        small, _ = build_tree(0, rows, match_len=3, num_draft_tokens=n, spec=spec)
         assert small.tokens.tolist() == tree.tokens.tolist()[:n]
         assert small.parents.tolist() == tree.parents.tolist()[:n]
 
@@ -110,7 +111,7 @@ def test_tree_ranks_by_frequency_and_is_nested():
 def test_tree_depth_is_bounded_by_the_match_and_rare_tokens_are_dropped():
     spec = SpecConfig(algorithm="suffix", suffix_min_token_prob=0.5, suffix_max_spec_factor=1.0)
     rows = np.array([[5, 6, 7, 8], [5, 6, 7, 8], [5, 1, 2, 3]], dtype=np.int32)
-    tree = build_tree(0, rows, match_len=2, num_draft_tokens=16, spec=spec)
+    tree, _ = build_tree(0, rows, match_len=2, num_draft_tokens=16, spec=spec)
     assert tree.tokens.tolist() == [0, 5, 6]  # 2 deep at a match of 2; 1 (1 in 3) under the 0.5 share
 
 
@@ -127,6 +128,16 @@ def test_requests_of_another_cache_salt_never_draft_from_it():
     for salt in (None, "tenant-b"):
         assert d.propose([Seq(f"b-{salt}", [40, 2, 3, 4, 5], salt)])[0].tokens.tolist() == [5]
     assert d.propose([Seq("c", [40, 2, 3, 4, 5], "tenant-a")])[0].tokens.tolist() == [5, 6, 7, 8, 9]
+
+
+def test_the_better_scored_store_drafts():
+    d = drafter()
+    serve(d, "a", [1, 2, 3, 4, 5, 6])
+    serve(d, "b", [8, 2, 3, 4])
+    # shared: [1 2 3] matched, 4 5 6 (score 3); own: [2 3] -> 9 0 / 9 1 (score 1 + 0.5 + 0.5)
+    assert d.propose([Seq("c", [2, 3, 9, 0, 2, 3, 9, 1, 2, 3])])[0].tokens.tolist() == [3, 4, 5, 6]
+    # shared: [2 3] -> 4 5 / 4 (score 1 + 0.5); own: [2 3] -> 9 7 twice (score 2)
+    assert d.propose([Seq("d", [2, 3, 9, 7, 0, 2, 3, 9, 7, 6, 2, 3])])[0].tokens.tolist() == [3, 9, 7]
 
 
 def test_own_tokens_draft_before_anything_is_shared():

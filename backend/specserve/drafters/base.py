@@ -144,6 +144,15 @@ class Drafter:
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request."""
 
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens of earlier requests it keeps to draft from (the suffix drafter's store; 0 for the others)."""
+        return 0
+
+    def mix(self) -> dict[str, int]:
+        """Rows each of its drafters drafted so far (a hybrid's; {} for the others)."""
+        return {}
+
     def forget(self) -> None:
         """Drop what earlier requests taught it (the suffix drafter's shared store; the others
         keep nothing across requests but a slot's state for prefix caching)."""

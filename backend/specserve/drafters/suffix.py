@@ -15,10 +15,10 @@ positions, the most recent `MAX_CANDIDATES`; a candidate's match length is how m
 equal the request's last ones (at most suffix_max_depth), and the candidates of the longest match are
 kept, as a suffix tree's deepest matching node would be. Their continuations (up to a segment's end)
 are merged into one tree (`build_tree`), each node counting the candidates that pass through it: a
-node is drafted when count / candidates >= suffix_min_token_prob and its depth is at most
+node is drafted when its share count / candidates >= suffix_min_token_prob and its depth is at most
 suffix_max_spec_factor x the match length, the most frequent nodes first, so the tree for fewer
-tokens is always a prefix of the tree for more (`nested_trees`). The store with the longer match
-drafts; on a tie both stores' candidates are merged.
+tokens is always a prefix of the tree for more (`nested_trees`). Each store builds its tree and the
+one with the larger score (the sum of its nodes' shares: the tokens it expects accepted) drafts.
 
 The shared store keeps one index per cache salt (None is a salt too): a request drafts only from the
 text of requests of its own salt, and the ring's memory bound holds across all salts.
@@ -179,14 +179,18 @@ class TokenStore:
         self._entries = sum(len(p) for keys in self.index.values() for p in keys.values())
 
 
-def build_tree(root: int, rows: np.ndarray, match_len: int, num_draft_tokens: int, spec: SpecConfig) -> DraftTree:
+def build_tree(root: int, rows: np.ndarray, match_len: int, num_draft_tokens: int,
+               spec: SpecConfig) -> tuple[DraftTree, float]:
     """The draft tree of `rows` (one continuation per candidate, SENTINEL-padded): the nodes that
     at least suffix_min_token_prob of the candidates pass through, at most suffix_max_spec_factor x
     match_len deep, most frequent first (ties: shallower, then the most recent candidate's),
-    num_draft_tokens in all with the root. Rows come oldest candidate first."""
+    num_draft_tokens in all with the root. Rows come oldest candidate first.
+
+    Also its score, the tokens it expects accepted: the sum of its nodes' shares (a node's share
+    estimates the chance that the target's text passes through it)."""
     depth = min(rows.shape[1], int(spec.suffix_max_spec_factor * match_len))
     if depth < 1 or num_draft_tokens < 2 or not len(rows):
-        return DraftTree.root_only(root)
+        return DraftTree.root_only(root), 0.0
     # distinct continuations, newest first (rows come oldest first), so equal counts rank by recency
     rows, newest, counts = np.unique(rows[::-1, :depth], axis=0, return_index=True, return_counts=True)
     order = np.argsort(newest)
@@ -210,7 +214,8 @@ def build_tree(root: int, rows: np.ndarray, match_len: int, num_draft_tokens: in
     kept = sorted((n for n in range(1, len(token)) if count[n] >= min_count), key=lambda n: (-count[n], level[n], n))
     kept = kept[: num_draft_tokens - 1]  # a parent comes before its children: count >= theirs, shallower
     new = {0: 0, **{n: i + 1 for i, n in enumerate(kept)}}
-    return DraftTree.from_parents([root] + [token[n] for n in kept], [-1] + [new[parent[n]] for n in kept])
+    tree = DraftTree.from_parents([root] + [token[n] for n in kept], [-1] + [new[parent[n]] for n in kept])
+    return tree, sum(count[n] for n in kept) / int(counts.sum())
 
 
 class SuffixDrafter(Drafter):
@@ -231,7 +236,7 @@ class SuffixDrafter(Drafter):
 
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree]:
         shape = shape or self.draft_plan.shape
-        return [self._propose_one(s, shape.num_draft_tokens) for s in seqs]
+        return [self.propose_scored(s, shape.num_draft_tokens)[0] for s in seqs]
 
     def on_accept(self, seqs: Sequence[SequenceView], out: object, accepted: object) -> None:
         for s in seqs:  # finished requests too: their last tokens go to the shared store with them
@@ -243,6 +248,10 @@ class SuffixDrafter(Drafter):
             store, salt = own
             self.shared.append(store.buf[: store.high], salt)
             self.shared.close()
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.shared.num_tokens
 
     def forget(self) -> None:
         """Drop the shared store (what earlier requests taught it)."""
@@ -258,18 +267,19 @@ class SuffixDrafter(Drafter):
         store.append(tokens[store.high:])
         return store
 
-    def _propose_one(self, seq: SequenceView, num_draft_tokens: int) -> DraftTree:
+    def propose_scored(self, seq: SequenceView, num_draft_tokens: int) -> tuple[DraftTree, float]:
+        """The better scored of the trees of its own store and of the shared store (Arctic's rule),
+        and its score (`build_tree`)."""
         spec, own = self.spec, self._own_store(seq)
-        context = own.buf[: own.high]
-        salt = self._own[seq.request_id][1]
+        context, root = own.buf[: own.high], int(own.buf[own.high - 1])
         depth = min(spec.suffix_max_depth, num_draft_tokens - 1)
-        own_len, own_at = own.match(context, spec.suffix_max_depth)
-        shared_len, shared_at = self.shared.match(context, spec.suffix_max_depth, salt)
-        rows = []
-        if own_len and own_len >= shared_len:
-            rows.append(own.continuations(own_at, depth))
-        if shared_len and shared_len >= own_len:
-            rows.append(self.shared.continuations(shared_at, depth))
-        if not rows or depth < 1:
-            return DraftTree.root_only(int(context[-1]))
-        return build_tree(int(context[-1]), np.concatenate(rows), max(own_len, shared_len), num_draft_tokens, spec)
+        best, best_score = DraftTree.root_only(root), 0.0
+        if depth < 1:
+            return best, best_score
+        for store, salt in ((own, None), (self.shared, self._own[seq.request_id][1])):
+            length, at = store.match(context, spec.suffix_max_depth, salt)
+            if length:
+                tree, score = build_tree(root, store.continuations(at, depth), length, num_draft_tokens, spec)
+                if score > best_score:
+                    best, best_score = tree, score
+        return best, best_score

@@ -203,10 +203,9 @@ class Engine:
     def load(self) -> EngineLoad:
         with self._lock:
             waiting = len(self._inbox) + len(self.waiting)
-        counters = self.prompt_counters
-        return EngineLoad(waiting=waiting, running=len(self.running), kv_slots_used=len(self.running),
-                          prefix_cache_tokens=self.prefix_cache.cached_tokens,
-                          prompt_tokens_reused=counters.reused, prompt_tokens_computed=counters.computed)
+        counters, running = self.prompt_counters, len(self.running)
+        return EngineLoad(waiting, running, running, self.prefix_cache.cached_tokens, counters.reused,
+                          counters.computed, self.drafter.cached_tokens)
 
     # ---- the engine thread ------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ class EngineLoad:
     prefix_cache_tokens: int = 0  # tokens whose K/V free slots keep for reuse
     prompt_tokens_reused: int = 0  # so far: prompt tokens found in the prefix cache
     prompt_tokens_computed: int = 0  # so far: prompt positions the target computed
+    drafter_cache_tokens: int = 0  # tokens of finished requests the drafter keeps to draft from (suffix)
 
 
 @dataclass

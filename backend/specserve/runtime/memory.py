@@ -129,7 +129,7 @@ def draft_kv_bytes_per_token(config: EngineConfig, target: ModelConfig) -> int:
     layers (the target's first `standalone_num_layers` when it has no drafter_path)."""
     spec, dtype = config.spec, config.torch_dtype
     m = spec.method
-    if m.is_head:
+    if m.runs_head:
         return kv_bytes_per_token(target, 1, dtype)
     if m.draft_model:
         if spec.drafter_path:

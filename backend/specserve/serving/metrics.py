@@ -121,6 +121,8 @@ class ServingMetrics:
         self.kv_slots_used = gauge("kv_slots_used", "KV-cache slots in use.")
         self.prefix_cache_tokens = gauge("prefix_cache_tokens",
                                          "Tokens whose K/V the free KV slots keep for reuse (prefix caching).")
+        self.drafter_cache_tokens = gauge("drafter_cache_tokens", "Tokens of finished requests the drafter keeps "
+                                          "to draft from (suffix decoding; at most suffix_cache_tokens).")
         self.prompt_tokens_cached = counter("prompt_tokens_cached_total",
                                             "Prompt tokens whose K/V were reused from the prefix cache, not computed.")
         self.prompt_tokens_computed = counter("prompt_tokens_computed_total",
@@ -159,6 +161,7 @@ class ServingMetrics:
         self.requests_running.set(float(load.running))
         self.kv_slots_used.set(float(load.kv_slots_used))
         self.prefix_cache_tokens.set(float(load.prefix_cache_tokens))
+        self.drafter_cache_tokens.set(float(load.drafter_cache_tokens))
         totals = (load.prompt_tokens_reused, load.prompt_tokens_computed)
         for counter, now, before in zip((self.prompt_tokens_cached, self.prompt_tokens_computed), totals,
                                         self._prompt_totals):

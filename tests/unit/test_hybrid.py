@@ -1,0 +1,91 @@
+"""The hybrid drafter's choice between a head and suffix decoding (`drafters.hybrid`), with a fake head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.config import SpecConfig
+from specserve.draft_plan import DraftPlan
+from specserve.drafters.base import Drafter
+from specserve.drafters.hybrid import HybridDrafter
+from specserve.drafters.suffix import SuffixDrafter
+from specserve.methods import METHODS
+from specserve.tree import DraftTree
+
+
+@dataclass
+class Seq:
+    request_id: str
+    token_ids: list[int]
+    cache_salt: str | None = None
+    slot: int = 0
+    cache_len: int = 0
+
+
+class FakeHead(Drafter):
+    """Proposes the chain root, 99, 98; records who it drafted for and what it was told."""
+
+    def __init__(self) -> None:
+        self.drafted: list[str] = []
+        self.accepted_calls = 0
+
+    def propose(self, seqs, shape=None):
+        self.drafted += [s.request_id for s in seqs]
+        return [DraftTree.from_parents([s.token_ids[-1], 99, 98], [-1, 0, 1]) for s in seqs]
+
+    def on_accept(self, seqs, out, accepted):
+        self.accepted_calls += 1
+
+
+def hybrid() -> tuple[HybridDrafter, FakeHead]:
+    head = FakeHead()
+    return HybridDrafter(head, SuffixDrafter(DraftPlan.of(SpecConfig(algorithm="suffix")))), head
+
+
+def accept(d: HybridDrafter, seqs: list[Seq], lengths: list[int]) -> None:
+    d.on_accept(seqs, None, [torch.arange(n) for n in lengths])
+
+
+def test_the_row_with_a_suffix_match_takes_suffix_the_other_the_head():
+    d, head = hybrid()
+    known = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    d.suffix.on_accept([Seq("old", known)], None, None)
+    d.suffix.release("old")
+    seqs = [Seq("a", [50, 3, 4, 5, 6]), Seq("b", [60, 61, 62])]
+    trees = d.propose(seqs)
+    assert trees[0].tokens.tolist() == [6, 7, 8, 9, 10]  # suffix: [3 4 5 6] matched, 4 deep, score 4 > 1
+    assert trees[1].tokens.tolist() == [62, 99, 98] and head.drafted == ["b"]
+    accept(d, seqs, [5, 1])
+    assert head.accepted_calls == 1  # the head keeps every accepted token's features, whoever drafted
+    assert d.mix() == {"head": 1, "suffix": 1}
+    assert d.suffix_accepted.value == 4 and d.head_accepted.value == 0
+
+
+def test_no_head_forward_when_the_measured_costs_say_suffix_alone_is_faster():
+    d, _ = hybrid()
+    for _ in range(3):
+        d.rest_seconds.add(0.010)
+        d.head_seconds.add(0.010)  # the head doubles the step
+    d.head_accepted.add(1.5)  # its mean, about 1.5
+    # suffix expects 0.5 and 3: alone (1.5 + 4) / 10 ms beats (2.5 + 4) / 20 ms with the head
+    assert d.plan([0.5, 3.0]) == [False, False]
+    # a cheap head: (2.5 + 4) / 11 ms beats 5.5 / 10 ms, and the first row takes it
+    for _ in range(200):
+        d.head_seconds.add(0.001)
+    assert d.plan([0.5, 3.0]) == [True, False]
+
+
+def test_suffix_scores_are_scaled_by_how_they_turned_out():
+    d, _ = hybrid()
+    assert d.suffix_gain() == 1.0
+    d.suffix_accepted.add(1.0)
+    d.suffix_scored.add(4.0)
+    assert d.suffix_gain() == 0.25
+
+
+def test_the_method_row_names_the_drafters_it_combines():
+    m = METHODS["hybrid"]
+    assert m.combines == ("eagle3", "suffix") and m.runs_head and not m.is_head
+    assert dict(m.served)["drafter_path"].endswith("llm_eagle3/drafter")
