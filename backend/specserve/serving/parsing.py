@@ -26,116 +26,24 @@ from specserve.serving.contract import (
     INTERNAL_INPUTS,
     MAX_LOGPROBS,
     MAX_SAMPLING_PARAMETERS_BYTES,
-    MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
-    MAX_UTF8_BYTES_PER_CHAR,
     GenerateRequest,
     ParsedRequest,
     RequestError,
     RequestLimits,
 )
 from specserve.serving.tokenizer import Tokenizer
-
-# ---- scalar readers -------------------------------------------------------------------------
-
-
-def _one(inputs: Mapping[str, np.ndarray], name: str) -> Any | None:
-    """The single element of an optional [1] tensor, or None when absent."""
-    if name not in inputs:
-        return None
-    arr = np.asarray(inputs[name])
-    if arr.size != 1:
-        raise RequestError(f"{name}: expected exactly one value, got shape {list(arr.shape)}")
-    return arr.reshape(-1)[0]
-
-
-def _bool(inputs: Mapping[str, np.ndarray], name: str) -> bool | None:
-    v = _one(inputs, name)
-    if v is None:
-        return None
-    if not isinstance(v, (bool, np.bool_)):
-        raise RequestError(f"{name}: expected BOOL, got {np.asarray(inputs[name]).dtype}")
-    return bool(v)
-
-
-def _int(inputs: Mapping[str, np.ndarray], name: str) -> int | None:
-    v = _one(inputs, name)
-    if v is None:
-        return None
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-        raise RequestError(f"{name}: expected an integer tensor, got {np.asarray(inputs[name]).dtype}")
-    return int(v)
-
-
-def _float(inputs: Mapping[str, np.ndarray], name: str) -> float | None:
-    v = _one(inputs, name)
-    if v is None:
-        return None
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
-        raise RequestError(f"{name}: expected a float tensor, got {np.asarray(inputs[name]).dtype}")
-    return float(str(v)) if isinstance(v, np.float32) else float(v)  # FP32 0.9 -> 0.9, not 0.8999999761
-
-
-def _check_bytes(value: Any, name: str, max_bytes: int, why: str = "") -> None:
-    """Refuse a BYTES element longer than `max_bytes`, before anything decodes it."""
-    if isinstance(value, (bytes, np.bytes_, str)) and len(value) > max_bytes:
-        raise RequestError(f"{name}: {len(value)} bytes, more than the {max_bytes} allowed{why}")
-
-
-def _text(value: Any, name: str) -> str:
-    if isinstance(value, (bytes, np.bytes_)):
-        try:
-            return bytes(value).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise RequestError(f"{name}: not valid UTF-8 ({e.reason})") from None
-    if isinstance(value, str):
-        return value
-    raise RequestError(f"{name}: expected BYTES (a string), got {type(value).__name__}")
-
-
-def _strings(inputs: Mapping[str, np.ndarray], name: str) -> list[str]:
-    """A BYTES [-1] tensor as a list of non-empty strings (empty entries are padding).
-
-    At most MAX_STOP_STRINGS entries (padding included), each of at most MAX_STOP_CHARS *
-    MAX_UTF8_BYTES_PER_CHAR bytes: both are checked before any entry is decoded."""
-    if name not in inputs:
-        return []
-    values = np.asarray(inputs[name]).reshape(-1)
-    if values.size > MAX_STOP_STRINGS:
-        raise RequestError(f"{name}: at most {MAX_STOP_STRINGS} entries, got {values.size}")
-    for v in values:
-        _check_bytes(v, name, MAX_STOP_CHARS * MAX_UTF8_BYTES_PER_CHAR)
-    return [s for s in (_text(v, name) for v in values) if s]
-
-
-def _stop_strings(strings: list[str], name: str) -> tuple[str, ...]:
-    """Stop strings within the bounds: at most MAX_STOP_STRINGS, each at most MAX_STOP_CHARS characters."""
-    if len(strings) > MAX_STOP_STRINGS:
-        raise RequestError(f"{name}: at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
-    for s in strings:
-        if len(s) > MAX_STOP_CHARS:
-            raise RequestError(f"{name}: a stop string is at most {MAX_STOP_CHARS} characters, got {len(s)}")
-    return tuple(strings)
-
-
-def _json_text(raw: Any, name: str, max_bytes: int) -> str:
-    """A JSON input's text: its size checked before it is decoded."""
-    _check_bytes(raw, name, max_bytes)
-    return _text(raw, name)
-
-
-def _loads(text: str, name: str) -> Any:
-    """json.loads, every failure a RequestError naming `name` (nesting deeper than the interpreter's
-    recursion limit included)."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise RequestError(f"{name}: not valid JSON ({e.msg} at position {e.pos})") from None
-    except RecursionError:
-        raise RequestError(f"{name}: nested too deeply") from None
-    except ValueError as e:  # e.g. an integer of more digits than Python converts
-        raise RequestError(f"{name}: not valid JSON ({e})") from None
-
+from specserve.serving.values import (
+    check_bytes,
+    json_loads,
+    json_text,
+    stop_strings,
+    tensor_bool,
+    tensor_float,
+    tensor_int,
+    tensor_strings,
+    tensor_value,
+    utf8_text,
+)
 
 # ---- sampling_parameters (vLLM style JSON; genai-perf sends numbers as strings) --------------
 
@@ -189,7 +97,7 @@ def _json_stop(key: str, v: Any) -> tuple[str, ...]:
     if isinstance(v, str):
         v = [v]
     if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        return _stop_strings([s for s in v if s], f"sampling_parameters.{key}")
+        return stop_strings([s for s in v if s], f"sampling_parameters.{key}")
     raise RequestError(f"sampling_parameters.{key}: expected a string or a list of strings, got {shown(v)}")
 
 
@@ -241,10 +149,10 @@ _JSON_DEFAULT_ONLY: dict[str, Any] = {
 def parse_sampling_parameters(raw: Any) -> dict[str, Any]:
     """vLLM's `sampling_parameters` JSON (at most MAX_SAMPLING_PARAMETERS_BYTES) -> SamplingParams
     keyword arguments (validated later)."""
-    text = _json_text(raw, "sampling_parameters", MAX_SAMPLING_PARAMETERS_BYTES)
+    text = json_text(raw, "sampling_parameters", MAX_SAMPLING_PARAMETERS_BYTES)
     if not text.strip():
         return {}
-    obj = _loads(text, "sampling_parameters")
+    obj = json_loads(text, "sampling_parameters")
     if not isinstance(obj, dict):
         raise RequestError(f"sampling_parameters: expected a JSON object, got {type(obj).__name__}")
     try:
@@ -286,31 +194,32 @@ def _tensor_overrides(inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
     """TRT-LLM-style scalar tensors -> SamplingParams keyword arguments."""
     kw: dict[str, Any] = {}
     for name in ("max_tokens", "top_k"):
-        if (v := _int(inputs, name)) is not None:
+        if (v := tensor_int(inputs, name)) is not None:
             kw[name] = v
-    min_tokens, min_length = _int(inputs, "min_tokens"), _int(inputs, "min_length")
+    min_tokens, min_length = tensor_int(inputs, "min_tokens"), tensor_int(inputs, "min_length")
     if min_tokens is not None and min_length is not None and min_tokens != min_length:
         raise RequestError(f"min_length: {min_length} conflicts with min_tokens {min_tokens}")
     if (v := min_tokens if min_tokens is not None else min_length) is not None:
         kw["min_tokens"] = v
     for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
-        if (v := _float(inputs, name)) is not None:
+        if (v := tensor_float(inputs, name)) is not None:
             kw[name] = v
-    seed, random_seed = _int(inputs, "seed"), _int(inputs, "random_seed")
+    seed, random_seed = tensor_int(inputs, "seed"), tensor_int(inputs, "random_seed")
     if seed is not None and random_seed is not None and seed != random_seed:
         raise RequestError(f"random_seed: {random_seed} conflicts with seed {seed}")
     if (v := seed if seed is not None else random_seed) is not None:
         kw["seed"] = v
-    if (v := _bool(inputs, "ignore_eos")) is not None:
+    if (v := tensor_bool(inputs, "ignore_eos")) is not None:
         kw["ignore_eos"] = v
-    if stop := _strings(inputs, "stop_words"):
-        kw["stop"] = _stop_strings(stop, "stop_words")
-    guide_type, guide = _one(inputs, "guided_decoding_guide_type"), _one(inputs, "guided_decoding_guide")
+    if stop := tensor_strings(inputs, "stop_words"):
+        kw["stop"] = stop_strings(stop, "stop_words")
+    guide_type = tensor_value(inputs, "guided_decoding_guide_type")
+    guide = tensor_value(inputs, "guided_decoding_guide")
     if guide_type is not None or guide is not None:
-        _check_bytes(guide_type, "guided_decoding_guide_type", 64)
-        _check_bytes(guide, "guided_decoding_guide", MAX_SAMPLING_PARAMETERS_BYTES)
-        kind = _text(guide_type, "guided_decoding_guide_type") if guide_type is not None else ""
-        text = _text(guide, "guided_decoding_guide") if guide is not None else None
+        check_bytes(guide_type, "guided_decoding_guide_type", 64)
+        check_bytes(guide, "guided_decoding_guide", MAX_SAMPLING_PARAMETERS_BYTES)
+        kind = utf8_text(guide_type, "guided_decoding_guide_type") if guide_type is not None else ""
+        text = utf8_text(guide, "guided_decoding_guide") if guide is not None else None
         if spec := _grammar(from_trtllm, kind, text):
             kw["structured_output"] = spec
     return kw
@@ -325,14 +234,14 @@ def _grammar(form: Callable[..., GrammarSpec | None], *args: Any) -> GrammarSpec
 
 
 def _check_unsupported(inputs: Mapping[str, np.ndarray]) -> None:
-    if _strings(inputs, "bad_words"):
+    if tensor_strings(inputs, "bad_words"):
         raise RequestError("bad_words: not supported")
-    if (beam := _int(inputs, "beam_width")) is not None and beam != 1:
+    if (beam := tensor_int(inputs, "beam_width")) is not None and beam != 1:
         raise RequestError(f"beam_width: only 1 is supported, got {beam}")
     for name in ("end_id", "pad_id"):
-        _int(inputs, name)  # type-checked, otherwise ignored
+        tensor_int(inputs, name)  # type-checked, otherwise ignored
     for name in ("return_num_input_tokens", "return_num_output_tokens", "return_finish_reason", "return_perf_metrics"):
-        _bool(inputs, name)
+        tensor_bool(inputs, name)
 
 
 def _check_max_tokens(max_tokens: Any, limits: RequestLimits) -> None:
@@ -362,35 +271,35 @@ def parse_request(inputs: Mapping[str, np.ndarray], limits: RequestLimits) -> Pa
     unknown = sorted(set(inputs) - set(CONTRACT_INPUTS))
     if unknown:
         raise RequestError(f"{unknown[0]}: unknown input")
-    raw_text = _one(inputs, "text_input")
+    raw_text = tensor_value(inputs, "text_input")
     if raw_text is None:
         raise RequestError("text_input: missing")
-    _check_bytes(raw_text, "text_input", limits.max_prompt_bytes,
+    check_bytes(raw_text, "text_input", limits.max_prompt_bytes,
                  f" (a prompt that fits the context of {limits.max_seq_len} tokens is shorter)")
-    text = _text(raw_text, "text_input")
+    text = utf8_text(raw_text, "text_input")
     if not text:
         raise RequestError("text_input: is empty")
     _check_unsupported(inputs)
 
     kwargs: dict[str, Any] = {}
     if "sampling_parameters" in inputs:
-        kwargs.update(parse_sampling_parameters(_one(inputs, "sampling_parameters")))
+        kwargs.update(parse_sampling_parameters(tensor_value(inputs, "sampling_parameters")))
     overrides = _tensor_overrides(inputs)
     if "structured_output" in kwargs and "structured_output" in overrides:
         raise RequestError("guided_decoding_guide_type: conflicts with sampling_parameters.structured_outputs")
     kwargs.update(overrides)
     # vLLM's backend returns logprobs only with return_logprobs; cumulative_logprob needs them computed
-    if _bool(inputs, "return_logprobs") or _bool(inputs, "return_cumulative_logprob"):
+    if tensor_bool(inputs, "return_logprobs") or tensor_bool(inputs, "return_cumulative_logprob"):
         kwargs.setdefault("logprobs", 0)
     elif "logprobs" in kwargs and "return_logprobs" in inputs:
         del kwargs["logprobs"]  # asked for in sampling_parameters, but return_logprobs=false
     params = build_sampling_params(kwargs, limits)
 
-    stream = bool(_bool(inputs, "stream"))
-    exclude = _bool(inputs, "exclude_input_in_output")  # absent = do not echo (as vLLM's backend)
+    stream = bool(tensor_bool(inputs, "stream"))
+    exclude = tensor_bool(inputs, "exclude_input_in_output")  # absent = do not echo (as vLLM's backend)
     if stream and exclude is False:
         raise RequestError("exclude_input_in_output: must be true when streaming (stream=true)")
-    chat = _bool(inputs, "apply_chat_template")
+    chat = tensor_bool(inputs, "apply_chat_template")
     return ParsedRequest(
         text=text,
         apply_chat_template=limits.apply_chat_template if chat is None else chat,
@@ -430,7 +339,7 @@ def decode_request_config(raw: Any, limits: RequestLimits) -> GenerateRequest:
 
     At most `limits.max_request_config_bytes`, exactly the keys `encode_request_config` writes,
     the same bounds as the contract path (stop strings, max_tokens)."""
-    payload = _loads(_json_text(raw, "request_config", limits.max_request_config_bytes), "request_config")
+    payload = json_loads(json_text(raw, "request_config", limits.max_request_config_bytes), "request_config")
     try:
         return _request_from_config(payload, limits)
     except RecursionError:  # a value too deeply nested to show in a message
@@ -468,7 +377,7 @@ def _params_from_config(params: Any, limits: RequestLimits) -> SamplingParams:
         stop = kw["stop"]
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise RequestError(f"request_config.params.stop: expected a list of strings, got {shown(stop)}")
-        kw["stop"] = _stop_strings(stop, "request_config.params.stop")
+        kw["stop"] = stop_strings(stop, "request_config.params.stop")
     sampling = _sampling_params(kw)
     _check_max_tokens(sampling.max_tokens, limits)
     return sampling
@@ -500,7 +409,7 @@ def parse_decoupled_inputs(
                 "or the text_input contract, not a mix"
             )
         prompt_ids = parse_prompt_ids(inputs, limits)
-        request = decode_request_config(_one(inputs, "request_config"), limits)
+        request = decode_request_config(tensor_value(inputs, "request_config"), limits)
     else:
         parsed = parse_request(inputs, limits)
         prompt_ids = tokenizer.encode(parsed.text, parsed.apply_chat_template)
