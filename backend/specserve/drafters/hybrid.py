@@ -58,8 +58,10 @@ class HybridDrafter(Drafter):
         self.head_accepted.seed(1.0, 1)
         self.suffix_accepted = RunningAverage(HORIZON)  # accepted drafts per row suffix drafted ...
         self.suffix_scored = RunningAverage(HORIZON)  # ... and what their scores expected
-        self.head_seconds = RunningAverage(HORIZON, robust=True)  # the head's draft, per step it ran
-        self.rest_seconds = RunningAverage(HORIZON, robust=True)  # the step after the draft, to on_accept
+        # plain means, not medians: a head that skipped steps catches up on them when it next drafts, and
+        # that rarer, longer draft is part of what it costs
+        self.head_seconds = RunningAverage(HORIZON)  # the head's draft (catch-up included), per step it ran
+        self.rest_seconds = RunningAverage(HORIZON)  # the step after the draft, to on_accept
         self._by_head: dict[str, bool] = {}  # request id -> whether its last tree was the head's
         self._scores: dict[str, float] = {}
         self._proposed_at: float | None = None
