@@ -129,14 +129,16 @@ class TokenStore:
                 del keys[key]
                 return 0, none
         cands = np.asarray(positions[-MAX_CANDIDATES:], dtype=np.int64)
-        length, cap = k, self.capacity
-        for j in range(k + 1, min(max_len, len(context)) + 1):
-            before = cands - j
-            same = (before >= self.low) & (self.buf[before % cap] == context[-j])
-            if not same.any():
-                break
-            cands, length = cands[same], j
-        return length, cands
+        n = min(max_len, len(context))
+        if n <= k:
+            return k, cands
+        # every candidate's tokens before it against the context's last ones, all at once: the
+        # match length is the run of equal tokens (the first k equal by the key)
+        before = cands[:, None] - np.arange(k + 1, n + 1)  # (candidates, n - k)
+        same = (self.buf[before % self.capacity] == context[-k - 1 :: -1][: n - k]) & (before >= self.low)
+        runs = k + np.cumprod(same, axis=1).sum(axis=1)
+        length = int(runs.max())
+        return length, cands[runs == length]
 
     def continuations(self, positions: np.ndarray, depth: int) -> np.ndarray:
         """(len(positions), depth) int32: the tokens from each position on, SENTINEL from the end of
@@ -192,11 +194,14 @@ def build_tree(root: int, rows: np.ndarray, match_len: int, num_draft_tokens: in
     if depth < 1 or num_draft_tokens < 2 or not len(rows):
         return DraftTree.root_only(root), 0.0
     # distinct continuations, newest first (rows come oldest first), so equal counts rank by recency
-    rows, newest, counts = np.unique(rows[::-1, :depth], axis=0, return_index=True, return_counts=True)
-    order = np.argsort(newest)
-    min_count = spec.suffix_min_token_prob * counts.sum()
+    distinct: dict[tuple[int, ...], int] = {}
+    for row in reversed(rows[:, :depth].tolist()):
+        key = tuple(row)
+        distinct[key] = distinct.get(key, 0) + 1
+    total = len(rows)
+    min_count = spec.suffix_min_token_prob * total
     token, parent, level, count, kids = [root], [-1], [0], [0], [{}]
-    for row, c in zip(rows[order].tolist(), counts[order].tolist()):
+    for row, c in distinct.items():
         node = 0
         for t in row:
             if t == SENTINEL:
@@ -215,7 +220,7 @@ def build_tree(root: int, rows: np.ndarray, match_len: int, num_draft_tokens: in
     kept = kept[: num_draft_tokens - 1]  # a parent comes before its children: count >= theirs, shallower
     new = {0: 0, **{n: i + 1 for i, n in enumerate(kept)}}
     tree = DraftTree.from_parents([root] + [token[n] for n in kept], [-1] + [new[parent[n]] for n in kept])
-    return tree, sum(count[n] for n in kept) / int(counts.sum())
+    return tree, sum(count[n] for n in kept) / total
 
 
 class SuffixDrafter(Drafter):
