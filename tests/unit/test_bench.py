@@ -6,7 +6,7 @@ import json
 from collections import Counter
 from types import SimpleNamespace
 
-from specserve.bench import format_profile, run_bench, shape_mix
+from specserve.bench import EngineRun, format_profile, output_repetition, run_bench, shape_mix
 from specserve.config import EngineConfig, SpecConfig
 from specserve.tree import DraftShape
 
@@ -36,6 +36,8 @@ def test_report_has_the_contract_fields_and_the_profile(tmp_path, tiny_target_di
     assert row["shape_mix"] == {"3/1/4": row["profile_ms"]["steps"]}  # steps per draft shape
     assert row["path_mix"] == {} and report["baseline_path_mix"] == {}  # no compiled program: no path chosen
     assert row["start_flagged"] is False and report["baseline_start_flagged"] is False
+    assert report["last_half_first_prompt"] == 2 and row["speedup_last_half"] > 0  # chunks of 2: the last one
+    assert 0 <= report["baseline_output_repetition"] <= 1
     table = format_profile(report)
     assert table.splitlines()[1].startswith("none") and table.splitlines()[2].startswith("ngram")
     assert "busy start" not in table
@@ -53,3 +55,14 @@ def test_the_shape_mix_counts_plain_steps_the_chooser_was_not_asked_about():
     engine = SimpleNamespace(chooser=SimpleNamespace(chosen=Counter({DraftShape(4, 3, 1): 5, DraftShape(1, 0, 1): 1})),
                              profile=SimpleNamespace(steps=9))
     assert shape_mix(engine) == {"0/1/1": 4, "3/1/4": 5}
+
+
+def test_output_repetition_counts_n_grams_an_earlier_output_had():
+    assert output_repetition([[1, 2, 3, 4], [9, 2, 3, 4, 5], [7, 7]], n=3) == 1 / 5  # (2 3 4) of 2 + 3 + 0
+    assert output_repetition([[1, 2, 3], [1, 2, 3]], n=4) == 0
+
+
+def test_tokens_per_s_from_a_prompt_on_counts_only_those_chunks():
+    run = EngineRun(engine=None, max_new_tokens=8)
+    run.chunks = [(0, 100, 10.0), (2, 30, 1.0), (4, 30, 2.0)]
+    assert run.tokens_per_s_from(2) == 60 / 3.0 and run.tokens_per_s_from(0) == 160 / 13.0
