@@ -5,12 +5,10 @@ between its speculator and suffix decoding).
 Every drafting step, suffix decoding proposes first (no model: a lookup) and scores each tree with
 the tokens it expects accepted, scaled by how its scores have turned out so far (accepted / scored,
 over the rows it drafted). The head is expected to win its own measured mean of accepted tokens per
-row, with a tree of the step's full size. Two plans are weighed, in tokens per second of the step:
+row. Two plans are weighed, in tokens per second of the step:
 
-    suffix alone:  sum(1 + s_i) / T(n_suffix)                  T(n): the step's forward and verify
-    with the head: sum(1 + max(s_i, h)) / (T(n_head) + H)      for trees of n nodes (a linear fit of
-                                                               measured steps); H: the head's draft
-                                                               (measured), h: its mean
+    suffix alone:  sum(1 + s_i) / T                   T: the step's forward and verify (measured)
+    with the head: sum(1 + max(s_i, h)) / (T + H)     H: the head's draft (measured), h: its mean
 
 and with the head, each row takes whichever tree expects more. A step where suffix decoding wins
 for every row runs no head forward at all; the head catches up on the skipped tokens when it next
@@ -31,7 +29,7 @@ import torch
 from specserve.config import SpecConfig
 from specserve.drafters.base import DraftContext, Drafter, SequenceView
 from specserve.drafters.suffix import SuffixDrafter
-from specserve.estimates import LinearFit, RunningAverage
+from specserve.estimates import RunningAverage
 from specserve.models.llama import ForwardOutput
 from specserve.runtime.prefill import PackedPrompts
 from specserve.tree import DraftShape, DraftTree
@@ -63,11 +61,10 @@ class HybridDrafter(Drafter):
         # plain means, not medians: a head that skipped steps catches up on them when it next drafts, and
         # that rarer, longer draft is part of what it costs
         self.head_seconds = RunningAverage(HORIZON)  # the head's draft (catch-up included), per step it ran
-        self.rest_seconds = LinearFit(HORIZON)  # the step after the draft, to on_accept, by its largest tree
+        self.rest_seconds = RunningAverage(HORIZON)  # the step after the draft, to on_accept
         self._by_head: dict[str, bool] = {}  # request id -> whether its last tree was the head's
         self._scores: dict[str, float] = {}
         self._proposed_at: float | None = None
-        self._step_nodes = 0  # the largest tree of the step proposed last
         self.head_rows = self.suffix_rows = 0  # rows each drafted so far (the bench reports the mix)
 
     # the profile's draft-model figures are the head's
@@ -92,30 +89,22 @@ class HybridDrafter(Drafter):
             return 1.0
         return self.suffix_accepted.value / self.suffix_scored.value
 
-    def step_seconds(self, nodes: int) -> float:
-        """The step's forward and verify for trees of at most `nodes` nodes (the fit of measured steps)."""
-        fit = self.rest_seconds
-        return fit.intercept + (fit.slope or 0.0) * nodes
-
-    def plan(self, scores: Sequence[float], sizes: Sequence[int], head_size: int) -> list[bool]:
-        """Per row, whether the head drafts it (all False: no head forward this step). scores: the
-        suffix trees' expected accepted tokens; sizes: their nodes; head_size: a head tree's nodes."""
+    def plan(self, scores: Sequence[float]) -> list[bool]:
+        """Per row, whether the head drafts it (all False: no head forward this step)."""
         h = self.head_accepted.value
         use_head = [bool(h > s) for s in scores]
-        if not any(use_head) or self.rest_seconds.slope is None or not self.head_seconds.samples:
+        if not any(use_head) or not self.rest_seconds.samples or not self.head_seconds.samples:
             return use_head  # costs not measured yet: the better expectation per row
-        kept = [n for n, u in zip(sizes, use_head) if not u]
-        alone = sum(1 + s for s in scores) / self.step_seconds(max(sizes))
-        with_head = (sum(1 + max(s, h) for s in scores)
-                     / (self.step_seconds(max([head_size, *kept])) + self.head_seconds.value))
+        rest, head = self.rest_seconds.value, self.head_seconds.value
+        alone = sum(1 + s for s in scores) / rest
+        with_head = sum(1 + max(s, h) for s in scores) / (rest + head)
         return use_head if with_head > alone else [False] * len(scores)
 
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree]:
         shape = shape or self.suffix.draft_plan.shape
         scored = [self.suffix.propose_scored(s, shape.num_draft_tokens) for s in seqs]
         gain = self.suffix_gain()
-        use_head = self.plan([score * gain for _, score in scored], [t.num_draft_tokens for t, _ in scored],
-                             shape.num_draft_tokens)
+        use_head = self.plan([score * gain for _, score in scored])
         trees = [tree for tree, _ in scored]
         rows = [i for i, u in enumerate(use_head) if u]
         if rows:
@@ -129,13 +118,12 @@ class HybridDrafter(Drafter):
             self._by_head[s.request_id], self._scores[s.request_id] = u, score
         self.head_rows += len(rows)
         self.suffix_rows += len(seqs) - len(rows)
-        self._step_nodes = max(t.num_draft_tokens for t in trees)
         self._proposed_at = time.perf_counter()
         return trees
 
     def on_accept(self, seqs: Sequence[SequenceView], out: ForwardOutput, accepted: Sequence[torch.Tensor]) -> None:
         if self._proposed_at is not None:
-            self.rest_seconds.add(self._step_nodes, time.perf_counter() - self._proposed_at)
+            self.rest_seconds.add(time.perf_counter() - self._proposed_at)
             self._proposed_at = None
         for s, nodes in zip(seqs, accepted):
             by_head = self._by_head.pop(s.request_id, None)  # None: no tree this step
