@@ -65,7 +65,7 @@ class TokenStore:
         self._run = 0  # tokens of the open segment written so far
         self._mask = (1 << (_TOKEN_BITS * k)) - 1
         self.index: dict[Hashable, dict[int, list[int]]] = {}  # salt -> k-gram key -> positions, increasing
-        self._entries = self._evicted = 0  # index entries written; evicted positions since the last sweep
+        self._evicted = 0  # positions evicted since the last sweep
 
     @property
     def capacity(self) -> int:
@@ -97,7 +97,6 @@ class TokenStore:
         for p, t in zip(positions.tolist(), tokens.tolist()):
             if run >= k:  # k tokens precede p in this segment: p follows their k-gram
                 keys.setdefault(key, []).append(p)
-                self._entries += 1
             key = ((key << _TOKEN_BITS) | t) & mask
             run += 1
         self._key, self._run, self.high = key, run, self.high + len(tokens)
@@ -178,7 +177,6 @@ class TokenStore:
                     del positions[: bisect_left(positions, low)]
             if not keys:
                 del self.index[salt]
-        self._entries = sum(len(p) for keys in self.index.values() for p in keys.values())
 
 
 def build_tree(root: int, rows: np.ndarray, match_len: int, num_draft_tokens: int,
@@ -267,7 +265,7 @@ class SuffixDrafter(Drafter):
         tokens = seq.token_ids
         if own is None or own[0].high > len(tokens):  # new (or a stream that shrank: start over)
             own = self._own[seq.request_id] = (TokenStore(max(2, 2 * len(tokens)), self.spec.suffix_min_match,
-                                                          ring=False), getattr(seq, "cache_salt", None))
+                                                          ring=False), seq.cache_salt)
         store = own[0]
         store.append(tokens[store.high:])
         return store

@@ -10,9 +10,8 @@ Each `step()`:
      tree attention -> verify (greedy or lossless sampling) -> compact accepted KV -> drafter.on_accept;
   4. appends tokens, checks stop conditions, and returns one `RequestOutput` delta per request.
 
-`algorithm=none` is the degenerate tree (root only), so plain decoding is the same code path.
-Each step's tree shape comes from `adaptive.ShapeChooser` over the menu of the engine's
-`DraftPlan` (the configured shape alone when the user pins it), its costs measured first by
+`algorithm=none` is the degenerate tree (root only), so plain decoding is the same code path. Each step's
+tree shape comes from `adaptive.ShapeChooser` over the `DraftPlan`'s menu, costs measured first by
 `Engine.warm_up`: a step that would not pay for its draft decodes plainly. `verification.Verifier` decides
 what a step accepts; `profile.StepProfile` accumulates where step time goes. The engine knows
 nothing about Triton; `loop.py` runs it on a thread, `triton_model.py` serves it.
@@ -204,8 +203,10 @@ class Engine:
         with self._lock:
             waiting = len(self._inbox) + len(self.waiting)
         counters, running = self.prompt_counters, len(self.running)
-        return EngineLoad(waiting, running, running, self.prefix_cache.cached_tokens, counters.reused,
-                          counters.computed, self.drafter.cached_tokens)
+        return EngineLoad(waiting=waiting, running=running, kv_slots_used=running,
+                          prefix_cache_tokens=self.prefix_cache.cached_tokens,
+                          prompt_tokens_reused=counters.reused, prompt_tokens_computed=counters.computed,
+                          drafter_cache_tokens=self.drafter.cached_tokens)
 
     # ---- the engine thread ------------------------------------------------------------------
 
