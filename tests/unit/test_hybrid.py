@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from specserve.config import SpecConfig
 from specserve.draft_plan import DraftPlan
 from specserve.drafters.base import Drafter
-from specserve.drafters.hybrid import HybridDrafter
+from specserve.drafters.hybrid import GAIN_PRIOR_ROWS, HORIZON, HybridDrafter
 from specserve.drafters.suffix import SuffixDrafter
 from specserve.methods import METHODS
 from specserve.tree import DraftTree
@@ -80,9 +81,24 @@ def test_no_head_forward_when_the_measured_costs_say_suffix_alone_is_faster():
 def test_suffix_scores_are_scaled_by_how_they_turned_out():
     d, _ = hybrid()
     assert d.suffix_gain() == 1.0
-    d.suffix_accepted.add(1.0)
-    d.suffix_scored.add(4.0)
-    assert d.suffix_gain() == 0.25
+    for _ in range(HORIZON):
+        d.suffix_accepted.add(1.0)
+        d.suffix_scored.add(4.0)
+    assert d.suffix_gain() == pytest.approx((HORIZON + GAIN_PRIOR_ROWS) / (4 * HORIZON + GAIN_PRIOR_ROWS))
+
+
+def test_one_unlucky_suffix_tree_does_not_keep_suffix_from_drafting_again():
+    """Its first tree accepting nothing once scaled every later score to 0: suffix never drafted
+    again, even on text it had served word for word."""
+    d, _ = hybrid()
+    d.head_accepted.add(0.6)
+    d.suffix_accepted.add(0.0)
+    d.suffix_scored.add(1.5)
+    assert 0.8 < d.suffix_gain() < 1.0
+    for _ in range(HORIZON):  # a long run of failed short matches
+        d.suffix_accepted.add(0.0)
+        d.suffix_scored.add(1.0)
+    assert d.plan([0.5 * d.suffix_gain(), 20.0 * d.suffix_gain()]) == [True, False]  # a long match drafts
 
 
 def test_the_method_row_names_the_drafters_it_combines():

@@ -35,6 +35,10 @@ from specserve.runtime.prefill import PackedPrompts
 from specserve.tree import DraftShape, DraftTree
 
 HORIZON = 64  # samples before the estimates become moving averages
+# suffix decoding's calibration counts this many rows that turned out as scored beside the real ones:
+# an unlucky first tree (0 accepted) must not scale every later score to 0, which would keep suffix
+# from ever drafting again, and a long match still drafts after many short ones failed
+GAIN_PRIOR_ROWS = 8
 
 
 class HybridDrafter(Drafter):
@@ -84,10 +88,11 @@ class HybridDrafter(Drafter):
         return {"head": self.head_rows, "suffix": self.suffix_rows}
 
     def suffix_gain(self) -> float:
-        """Accepted tokens per unit of suffix score so far (1 until it has drafted)."""
-        if not self.suffix_scored.samples or self.suffix_scored.value <= 0:
-            return 1.0
-        return self.suffix_accepted.value / self.suffix_scored.value
+        """Accepted tokens per unit of suffix score over its recent rows, with `GAIN_PRIOR_ROWS`
+        rows that turned out as scored (1 until it has drafted; never 0)."""
+        n = min(self.suffix_scored.samples, HORIZON)
+        accepted, scored = n * self.suffix_accepted.value, n * self.suffix_scored.value
+        return (accepted + GAIN_PRIOR_ROWS) / (max(scored, 0.0) + GAIN_PRIOR_ROWS)
 
     def plan(self, scores: Sequence[float]) -> list[bool]:
         """Per row, whether the head drafts it (all False: no head forward this step)."""
