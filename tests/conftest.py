@@ -32,3 +32,11 @@ def smollm2_dir() -> Path:
     from specserve.prepare import prepare
 
     return prepare()  # a no-op once `make prepare` has run
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_dir) -> Path:
+    """The GGUF file the served model is prepared from (its Q4_1 and Q8_0 blocks)."""
+    from specserve.prepare import gguf_path
+
+    return gguf_path()

