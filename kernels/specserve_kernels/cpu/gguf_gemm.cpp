@@ -8,11 +8,10 @@
 //   Q4_0 / Q4_1: d[16] and m[16] as float16, then 16 pairs of k steps, each 16 bytes: byte c holds
 //                column c's code at the even k step in its low nibble and at the odd one in its high.
 //   Q8_0:        d[16] as float16, then 32 k steps of 16 signed bytes, byte c column c's code.
-// A pass multiplies a panel by up to 6 rows, 8 columns at a time (6 accumulator registers: the
-// dequantized codes, scales and rows' broadcasts fit beside them in AVX2's 16); more rows take further
-// passes over the panel, which is then in L1 / L2. Each output element is one sequential FMA chain over k of
-// exactly dequantized weights, so a row's result does not depend on how many rows are multiplied with it
-// (a tree verification computes its rows bit for bit as decodes).
+// A pass multiplies a panel by up to 4 rows; more rows take further passes over the panel, which is then
+// in L1 / L2. Each output element is two FMA chains of exactly dequantized weights, over the even and the
+// odd k steps, added at the end: the same operations whatever the rows, so a row's result does not depend
+// on how many rows are multiplied with it (a tree verification computes its rows bit for bit as decodes).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -24,7 +23,7 @@ namespace {
 
 constexpr int64_t kPanel = 16;
 constexpr int64_t kBlock = 32;
-constexpr int64_t kMaxRowsPerPass = 6;
+constexpr int64_t kMaxRowsPerPass = 4;
 constexpr int64_t kQ4Bytes = 64 + 256;  // d[16], m[16] float16; 32 x 16 nibbles
 constexpr int64_t kQ8Bytes = 32 + 512;  // d[16] float16; 32 x 16 bytes
 constexpr int64_t kPrefetchBlocks = 4;  // blocks requested ahead of use
@@ -37,68 +36,92 @@ inline void prefetch_record(const uint8_t* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
 }
 
-// One k step for every row of the pass: broadcast x[m, k], one FMA into that row's accumulator (named
-// variables, not an array: GCC keeps an array on the stack and stores it back on every step).
-#define SPECSERVE_ROW_FMA(m, k)                                     \
-  if constexpr (MR > m) acc##m = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * K + (k)), w, acc##m);
-#define SPECSERVE_ROWS_FMA(k)                                                             \
-  SPECSERVE_ROW_FMA(0, k) SPECSERVE_ROW_FMA(1, k) SPECSERVE_ROW_FMA(2, k) SPECSERVE_ROW_FMA(3, k) \
-  SPECSERVE_ROW_FMA(4, k) SPECSERVE_ROW_FMA(5, k)
-#define SPECSERVE_ROW_STORE(m) \
-  if constexpr (MR > m) _mm256_storeu_ps(out + m * ldo, acc##m);
+// Accumulators: row m, column group g (8 columns), even (e) or odd (o) k steps; named variables, not an
+// array (GCC keeps an array on the stack and stores it back on every step). Only those a tile uses exist
+// after compilation.
+#define SPECSERVE_ACCS(p) __m256 p##00 = z, p##01 = z, p##10 = z, p##11 = z, p##20 = z, p##21 = z, p##30 = z, p##31 = z;
+// k step `k` of column group g for every row of the tile: broadcast x[m, k], one FMA into acc p, row m, group g
+#define SPECSERVE_ROW_FMA(p, m, g, k, w) \
+  if constexpr (MR > m) p##m##g = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * K + (k)), w, p##m##g);
+#define SPECSERVE_ROWS_FMA(p, g, k, w)                                                     \
+  SPECSERVE_ROW_FMA(p, 0, g, k, w) SPECSERVE_ROW_FMA(p, 1, g, k, w) SPECSERVE_ROW_FMA(p, 2, g, k, w) \
+  SPECSERVE_ROW_FMA(p, 3, g, k, w)
+#define SPECSERVE_ROW_STORE(m, g) \
+  if constexpr (MR > m && G > g) _mm256_storeu_ps(out + m * ldo + 8 * g, _mm256_add_ps(e##m##g, o##m##g));
 #define SPECSERVE_ROWS_STORE                                                                  \
-  SPECSERVE_ROW_STORE(0) SPECSERVE_ROW_STORE(1) SPECSERVE_ROW_STORE(2) SPECSERVE_ROW_STORE(3) \
-  SPECSERVE_ROW_STORE(4) SPECSERVE_ROW_STORE(5)
+  SPECSERVE_ROW_STORE(0, 0) SPECSERVE_ROW_STORE(1, 0) SPECSERVE_ROW_STORE(2, 0) SPECSERVE_ROW_STORE(3, 0) \
+  SPECSERVE_ROW_STORE(0, 1) SPECSERVE_ROW_STORE(1, 1) SPECSERVE_ROW_STORE(2, 1) SPECSERVE_ROW_STORE(3, 1)
 
-// x (MR, K) times 8 columns (half H of a Q4 panel, its `blocks` records) -> out (MR, 8), leading
-// dimension ldo. The first half streams the panel from memory; the second reads it again from L1 / L2.
-template <int MR, int H>
+// x (MR, K) times G groups of 8 columns of a Q4 panel, from group H0 on -> out (MR, 8 G), leading dimension
+// ldo. Each output is two FMA chains, over the even and the odd k steps, added at the end: whatever MR and
+// G, the same operations in the same order (rows are independent), and a decode (MR 1, G 2) keeps four
+// chains in flight, enough to hide the FMA's latency.
+template <int MR, int G, int H0>
 void q4_tile(const float* x, int64_t K, const uint8_t* panel, float* out, int64_t ldo) {
-  static_assert(MR >= 1 && MR <= kMaxRowsPerPass);
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0, acc5 = acc0;
+  static_assert(MR >= 1 && MR <= kMaxRowsPerPass && G >= 1 && G + H0 <= 2);
+  const __m256 z = _mm256_setzero_ps();
+  SPECSERVE_ACCS(e) SPECSERVE_ACCS(o)
   const __m256i nibble = _mm256_set1_epi32(0xF);
   const int64_t blocks = K / kBlock;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* rec = panel + b * kQ4Bytes;
-    if constexpr (H == 0) prefetch_record(rec + kPrefetchBlocks * kQ4Bytes, kQ4Bytes);
-    const __m256 d = half8(rec + 16 * H), m = half8(rec + 32 + 16 * H);
-    const uint8_t* q = rec + 64 + 8 * H;
+    if constexpr (H0 == 0) prefetch_record(rec + kPrefetchBlocks * kQ4Bytes, kQ4Bytes);
+    const __m256 d0 = half8(rec + 16 * H0), m0 = half8(rec + 32 + 16 * H0);
+    const __m256 d1 = G > 1 ? half8(rec + 16) : z, m1 = G > 1 ? half8(rec + 48) : z;
+    const uint8_t* q = rec + 64 + 8 * H0;
     for (int64_t t = 0; t < kBlock / 2; ++t) {
-      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 * t)));
       const int64_t k = b * kBlock + 2 * t;
-      {
-        const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, nibble)), d, m);
-        SPECSERVE_ROWS_FMA(k)
-      }
-      {
-        const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d, m);
-        SPECSERVE_ROWS_FMA(k + 1)
+      const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 * t)));
+      const __m256 w0e = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, nibble)), d0, m0);
+      SPECSERVE_ROWS_FMA(e, 0, k, w0e)
+      const __m256 w0o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), d0, m0);
+      SPECSERVE_ROWS_FMA(o, 0, k + 1, w0o)
+      if constexpr (G > 1) {
+        const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 * t + 8)));
+        const __m256 w1e = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, nibble)), d1, m1);
+        SPECSERVE_ROWS_FMA(e, 1, k, w1e)
+        const __m256 w1o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), d1, m1);
+        SPECSERVE_ROWS_FMA(o, 1, k + 1, w1o)
       }
     }
   }
   SPECSERVE_ROWS_STORE
 }
 
-// x (MR, K) times 8 columns (half H of a Q8_0 panel) -> out (MR, 8).
-template <int MR, int H>
+// x (MR, K) times G groups of 8 columns of a Q8_0 panel, from group H0 on -> out (MR, 8 G); chains as q4_tile's.
+template <int MR, int G, int H0>
 void q8_tile(const float* x, int64_t K, const uint8_t* panel, float* out, int64_t ldo) {
-  static_assert(MR >= 1 && MR <= kMaxRowsPerPass);
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0, acc5 = acc0;
+  static_assert(MR >= 1 && MR <= kMaxRowsPerPass && G >= 1 && G + H0 <= 2);
+  const __m256 z = _mm256_setzero_ps();
+  SPECSERVE_ACCS(e) SPECSERVE_ACCS(o)
   const int64_t blocks = K / kBlock;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* rec = panel + b * kQ8Bytes;
-    if constexpr (H == 0) prefetch_record(rec + kPrefetchBlocks * kQ8Bytes, kQ8Bytes);
-    const __m256 d = half8(rec + 16 * H);
-    const uint8_t* q = rec + 32 + 8 * H;
-    for (int64_t t = 0; t < kBlock; ++t) {
-      const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 * t)));
-      const __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(v), d);
-      SPECSERVE_ROWS_FMA(b * kBlock + t)
+    if constexpr (H0 == 0) prefetch_record(rec + kPrefetchBlocks * kQ8Bytes, kQ8Bytes);
+    const __m256 d0 = half8(rec + 16 * H0), d1 = G > 1 ? half8(rec + 16) : z;
+    const uint8_t* q = rec + 32 + 8 * H0;
+    for (int64_t t = 0; t < kBlock; t += 2) {
+      const int64_t k = b * kBlock + t;
+      const __m128i* qe = reinterpret_cast<const __m128i*>(q + 16 * t);
+      const __m128i* qo = reinterpret_cast<const __m128i*>(q + 16 * t + 16);
+      const __m256 w0e = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(qe))), d0);
+      SPECSERVE_ROWS_FMA(e, 0, k, w0e)
+      const __m256 w0o = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(qo))), d0);
+      SPECSERVE_ROWS_FMA(o, 0, k + 1, w0o)
+      if constexpr (G > 1) {
+        const __m128i* qe1 = reinterpret_cast<const __m128i*>(q + 16 * t + 8);
+        const __m128i* qo1 = reinterpret_cast<const __m128i*>(q + 16 * t + 24);
+        const __m256 w1e = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(qe1))), d1);
+        SPECSERVE_ROWS_FMA(e, 1, k, w1e)
+        const __m256 w1o = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(qo1))), d1);
+        SPECSERVE_ROWS_FMA(o, 1, k + 1, w1o)
+      }
     }
   }
   SPECSERVE_ROWS_STORE
 }
 
+#undef SPECSERVE_ACCS
 #undef SPECSERVE_ROW_FMA
 #undef SPECSERVE_ROWS_FMA
 #undef SPECSERVE_ROW_STORE
@@ -106,24 +129,28 @@ void q8_tile(const float* x, int64_t K, const uint8_t* panel, float* out, int64_
 
 using TileFn = void (*)(const float*, int64_t, const uint8_t*, float*, int64_t);
 
-// a panel's two halves, one after the other
-template <int MR>
-void q4_entry(const float* x, int64_t K, const uint8_t* p, float* o, int64_t ldo) {
-  q4_tile<MR, 0>(x, K, p, o, ldo);
-  q4_tile<MR, 1>(x, K, p, o + 8, ldo);
+// Up to 2 rows: the whole panel at once (4 or 8 accumulators); 3-4 rows: one half after the other (6 or 8
+// each), the second half reading the panel again from L1.
+template <template <int, int, int> class T, int MR>
+void entry(const float* x, int64_t K, const uint8_t* p, float* o, int64_t ldo) {
+  if constexpr (MR <= 2) {
+    T<MR, 2, 0>::run(x, K, p, o, ldo);
+  } else {
+    T<MR, 1, 0>::run(x, K, p, o, ldo);
+    T<MR, 1, 1>::run(x, K, p, o + 8, ldo);
+  }
 }
-template <int MR>
-void q8_entry(const float* x, int64_t K, const uint8_t* p, float* o, int64_t ldo) {
-  q8_tile<MR, 0>(x, K, p, o, ldo);
-  q8_tile<MR, 1>(x, K, p, o + 8, ldo);
-}
+template <int MR, int G, int H0>
+struct Q4 { static void run(const float* x, int64_t K, const uint8_t* p, float* o, int64_t l) { q4_tile<MR, G, H0>(x, K, p, o, l); } };
+template <int MR, int G, int H0>
+struct Q8 { static void run(const float* x, int64_t K, const uint8_t* p, float* o, int64_t l) { q8_tile<MR, G, H0>(x, K, p, o, l); } };
 
-constexpr TileFn kQ4Tiles[] = {q4_entry<1>, q4_entry<2>, q4_entry<3>, q4_entry<4>, q4_entry<5>, q4_entry<6>};
-constexpr TileFn kQ8Tiles[] = {q8_entry<1>, q8_entry<2>, q8_entry<3>, q8_entry<4>, q8_entry<5>, q8_entry<6>};
+constexpr TileFn kQ4Tiles[] = {entry<Q4, 1>, entry<Q4, 2>, entry<Q4, 3>, entry<Q4, 4>};
+constexpr TileFn kQ8Tiles[] = {entry<Q8, 1>, entry<Q8, 2>, entry<Q8, 3>, entry<Q8, 4>};
 
 void multiply(const TileFn* tiles, int64_t record_bytes, const float* xp, int64_t M, int64_t K, const uint8_t* wp,
               int64_t panels, float* op, int64_t ldo) {
-  // rows split evenly over the passes (8 rows: 4 + 4, not 6 + 2): every pass keeps enough FMA chains busy
+  // rows split evenly over the passes (6 rows: 3 + 3, not 4 + 2): every pass keeps enough FMA chains busy
   const int64_t passes = (M + kMaxRowsPerPass - 1) / kMaxRowsPerPass, per_pass = (M + passes - 1) / passes;
   const int64_t panel_bytes = (K / kBlock) * record_bytes;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
