@@ -16,7 +16,7 @@ VARIANTS ?= none,ngram,eagle,eagle3,mtp,suffix
 SERVE_ARGS ?=  # more `specserve serve` flags, e.g. --host 127.0.0.1 --http-port 9000
 PYTEST_ARGS ?=
 
-.PHONY: setup prepare serve test lint bench bench-gpu gpu-check gpu-train prompts corpus loadtest profile soak fuzz structured-check clean
+.PHONY: setup prepare serve test lint bench bench-gpu gpu-check gpu-train prompts corpus loadtest profile compare-cpu soak fuzz structured-check clean
 
 setup: $(STAMP)
 
@@ -86,6 +86,16 @@ $(GENAI_PERF):
 	python3 -m venv $(GENAI_PERF_VENV)
 	$(GENAI_PERF_VENV)/bin/pip install -q genai-perf==0.0.16
 
+# llama.cpp (llama-cpp-python, built from source by pip: several minutes) in its own venv, for compare-cpu
+LLAMA_CPP_VENV := .venv-llama-cpp
+LLAMA_CPP := $(LLAMA_CPP_VENV)/bin/python
+$(LLAMA_CPP):
+	python3 -m venv $(LLAMA_CPP_VENV)
+	$(LLAMA_CPP_VENV)/bin/pip install -q llama-cpp-python==0.3.36
+
+compare-cpu: setup prepare $(LLAMA_CPP)  # specserve none (GGUF blocks, bf16) and llama.cpp, same GGUF and prompts
+	$(PY) bench/compare_cpu.py --llama-python $(LLAMA_CPP) --json results/compare_cpu.json
+
 VARIANT ?= none
 BACKEND ?= vllm
 profile: setup prepare $(GENAI_PERF)  # URL=host:8001 profiles a running server; BACKEND=tensorrtllm the ensemble
@@ -104,4 +114,4 @@ fuzz: setup prepare  # 2,000 malformed requests beside greedy streams; URL=host:
 	$(PY) -m specserve_client.fuzz --requests 2000 --out results/fuzz $(if $(URL),--url $(URL))
 
 clean:
-	rm -rf $(VENV) $(GENAI_PERF_VENV) models results .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(GENAI_PERF_VENV) $(LLAMA_CPP_VENV) models results .pytest_cache .ruff_cache

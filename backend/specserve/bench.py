@@ -27,6 +27,7 @@ from specserve.models.cpu_linear import PackedLinear
 from specserve.models.llama import RMSNorm
 from specserve.prompts import load_questions, load_schemas, render_chat
 from specserve.tree import DraftShape
+from specserve_kernels.gguf_gemm import GGUFLinear
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +56,13 @@ def read_bandwidth_gbs(nbytes: int = 256 * 2**20, repeats: int = 10) -> float:
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: every linear (plain or packed, the lm_head
+    """Bytes of weights one decode step reads: every linear (plain, packed or GGUF blocks, the lm_head
     included) and every norm; the embedding gives one row per token and is left out."""
     total = 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
+    for module in model.modules():  # a tied lm_head and embedding are one GGUF module, met once
+        if isinstance(module, GGUFLinear):
+            total += module.weight_nbytes
+        elif isinstance(module, torch.nn.Linear):
             total += module.weight.nbytes + (0 if module.bias is None else module.bias.nbytes)
         elif isinstance(module, PackedLinear):
             total += module.weight_nbytes + (0 if module.bias is None else module.bias.nbytes)

@@ -170,7 +170,8 @@ class GGUFLinear(nn.Module):
         super().__init__()
         n, blocks = _check(raw, qtype)
         self.out_features, self.in_features, self.qtype = n, blocks * BLOCK, qtype
-        self.register_buffer("packed", pack(raw, qtype), persistent=False)
+        # persistent: a compiled program's key digests the state dict, so these bytes name the program
+        self.register_buffer("packed", pack(raw, qtype))
         self.weight_nbytes = self.packed.nbytes  # what one forward reads
         self._weight: torch.Tensor | None = None
 

@@ -56,7 +56,7 @@ def read_gguf(path: str | Path) -> dict[str, tuple[torch.Tensor, int]]:
 
     tensors = {}
     for t in GGUFReader(str(path)).tensors:
-        data = torch.from_numpy(np.ascontiguousarray(t.data))
+        data = torch.from_numpy(np.array(t.data))  # a copy: the reader maps the file read-only
         tensors[t.name] = (data, int(t.tensor_type))
     return tensors
 

@@ -46,7 +46,7 @@ from specserve.models.cpu_linear import padded_rows
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import Attend, Attention, ForwardOutput, LlamaModel
 from specserve.runtime.unlocked import unlocked
-from specserve_kernels import few_row_gemm
+from specserve_kernels import few_row_gemm, gguf_gemm
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ STEP_CONFIGS = {**PREFILL_CONFIGS, "max_autotune": True, "max_autotune_gemm_back
 # the modules whose code a program is traced from (under the specserve package): an edit to any of
 # them is another program, never a stale one loaded from the compile cache
 TRACED_SOURCES = ("runtime/compiled.py", "models/llama.py", "models/cpu_linear.py", "models/eagle_head.py",
-                  "models/mtp_head.py")
+                  "models/mtp_head.py", "models/gguf.py")
 STALE_AFTER_DAYS = 14  # a compile-cache package unused this long is deleted when another is compiled
 CORRUPT_SUFFIX = ".corrupt"  # a package that did not load, moved out of its key (`set_aside`)
 Runner = Callable[..., list[torch.Tensor]]
@@ -88,6 +88,7 @@ def program_key(tensors: Iterable[tuple[str, torch.Tensor]], *parts: object) -> 
         h.update(name.encode())
         h.update(t.detach().contiguous().view(torch.uint8).numpy())
     h.update(repr((parts, torch.__version__, sorted(cpu_flags()), traced_sources())).encode())
+    h.update(gguf_gemm.SOURCE.read_bytes() + Path(gguf_gemm.__file__).read_bytes())  # what GGUF layers call
     return h.hexdigest()[:24]
 
 
