@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve.grammar import GrammarSpec
-from specserve.hardware import auto_dtype
+from specserve.hardware import auto_dtype, gguf_kernel_runs
 from specserve.knobs import Knob, check_choices, config_knobs, knob, knob_of, shown
 from specserve.methods import ALGORITHMS, METHODS, Method, canonical
 
@@ -33,7 +33,7 @@ if typing.TYPE_CHECKING:
 GRAPH_MODES = ("auto", "off", "static")
 STEP_MATMULS = ("auto", "inductor")
 COMPILED_STEPS = ("auto", "always")
-LOAD_FORMATS = ("safetensors", "gguf")
+LOAD_FORMATS = ("auto", "safetensors", "gguf")
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 DTYPES = ("bfloat16", "float32", "float16")  # torch dtypes by name (torch is imported where one is used)
@@ -341,6 +341,17 @@ def _check_suffix(spec: SpecConfig) -> None:
         raise ValueError(f"suffix_min_token_prob: must be in [0, 1], got {spec.suffix_min_token_prob}")
 
 
+def auto_load_format(model_dir: str, device: str, dtype: str) -> str:
+    """`load_format=auto`: gguf where the GGUF-block kernel runs, the model directory (empty: the
+    embedded SmolLM2) has model.gguf and the activations may be float32; else safetensors."""
+    from specserve.prepare import default_model_dir
+
+    gguf = Path(model_dir or default_model_dir()) / "model.gguf"
+    if device == "cpu" and dtype in ("auto", "float32") and gguf.is_file() and gguf_kernel_runs():
+        return "gguf"
+    return "safetensors"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What the engine is built from: each field's `Knob` says what it does. device and dtype
@@ -354,10 +365,12 @@ class EngineConfig:
     dtype: str = knob("auto", choices=(*DTYPES, "auto"),
                       help="auto = bfloat16 on CUDA and on CPUs with AVX512-BF16 / AMX, else float32")
     device: str = knob("auto", help="cpu, cuda, cuda:N (auto = cuda when available)")
-    load_format: str = knob("safetensors", choices=LOAD_FORMATS,
-                            help="the target's weights: safetensors = the checkpoint at `dtype`; gguf = on a CPU, the "
-                                 "model directory's model.gguf computed from its own 4- and 8-bit blocks (Q4_0, Q4_1, "
-                                 "Q8_0 layers; float32 activations; vLLM's name)")
+    load_format: str = knob("auto", choices=LOAD_FORMATS,
+                            help="the target's weights: gguf = on a CPU, the model directory's model.gguf computed "
+                                 "from its own 4- and 8-bit blocks (Q4_0, Q4_1, Q8_0 layers; float32 activations); "
+                                 "safetensors = the checkpoint at `dtype`; auto = gguf on an x86-64 CPU with AVX2, FMA "
+                                 "and F16C where the directory has model.gguf and dtype is auto or float32, else "
+                                 "safetensors (vLLM's name)")
     spec: SpecConfig = field(default_factory=SpecConfig)
     num_threads: int | None = knob(None, help="torch intra-op threads (empty = torch's default)")
     attention_backend: str = knob("auto", choices=ATTENTION_BACKENDS,
@@ -426,6 +439,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", resolve_device(self.device))  # frozen: resolved once, here
+        if self.load_format == "auto":
+            object.__setattr__(self, "load_format", auto_load_format(self.model_dir, self.device, self.dtype))
         if self.load_format == "gguf":
             if self.device != "cpu":
                 raise ValueError(f"load_format: gguf runs on a CPU, not on {self.device}")

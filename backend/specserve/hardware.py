@@ -35,6 +35,19 @@ def cpu_model() -> str:
     return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
 
 
+GGUF_KERNEL_FLAGS = frozenset({"avx2", "fma", "f16c"})  # specserve_kernels.gguf_gemm's
+
+
+def gguf_kernel_runs() -> bool:
+    """Whether the GGUF-block matmul can be built and run here: an x86-64 CPU with AVX2, FMA and F16C,
+    and g++ (its build may still fail; the engine then falls back to the checkpoint)."""
+    import platform
+    import shutil
+
+    return (platform.machine() in ("x86_64", "AMD64") and GGUF_KERNEL_FLAGS <= cpu_flags()
+            and shutil.which("g++") is not None)
+
+
 def native_bf16() -> bool:
     """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})

@@ -79,9 +79,15 @@ def test_speculation_on_the_blocks_is_lossless(engine_factory, mtbench_prompts, 
     assert sum(o.num_accepted_tokens for o in outs) > 0
 
 
-def test_the_format_is_refused_where_it_cannot_run(smollm2_dir):
+def test_auto_serves_the_blocks_where_they_run_and_the_checkpoint_elsewhere(smollm2_dir, tmp_path):
     from specserve.config import EngineConfig
 
+    auto = EngineConfig(model_dir=str(smollm2_dir), device="cpu")
+    assert (auto.load_format, auto.dtype) == ("gguf", "float32")
+    asked_bf16 = EngineConfig(model_dir=str(smollm2_dir), device="cpu", dtype="bfloat16")
+    assert asked_bf16.load_format == "safetensors"
+    (tmp_path / "config.json").write_text("{}")  # a directory without model.gguf
+    assert EngineConfig(model_dir=str(tmp_path), device="cpu").load_format == "safetensors"
     with pytest.raises(ValueError, match="float32"):
         EngineConfig(model_dir=str(smollm2_dir), device="cpu", dtype="bfloat16", load_format="gguf")
     assert EngineConfig(model_dir=str(smollm2_dir), device="cpu", load_format="gguf").dtype == "float32"

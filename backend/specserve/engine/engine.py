@@ -64,6 +64,7 @@ from specserve.engine.verification import Verifier
 from specserve.host_memory import keep_freed_memory
 from specserve.models.gguf import load_llama_gguf
 from specserve.models.kv_cache import KVCache
+from specserve.models.llama import LlamaModel
 from specserve.models.weights import load_llama
 from specserve.runtime.memory import DeviceMemory, check_kv_cache_fits, compiled_weight_copies
 from specserve.runtime.plan import RuntimePlan
@@ -101,10 +102,7 @@ class Engine:
         self.device = torch.device(config.device)
         if self.device.type == "cpu":  # step buffers reused from the heap, not mapped anew each step
             keep_freed_memory()
-        if config.load_format == "gguf":
-            self.model = load_llama_gguf(config.model_dir)
-        else:
-            self.model = load_llama(config.model_dir, config.torch_dtype, config.device)
+        self.model = self._load_target(config)
         self.model_config = self.model.cfg
         self.plan = RuntimePlan.from_config(config)
         num_slots = config.max_batch_size + self.plan.spare_slots  # static buckets' padding rows write in the spare
@@ -147,6 +145,17 @@ class Engine:
         self.runner.seed_paths(list(self.draft_plan.tree_sizes), self.cache.num_free, config.max_seq_len)
         if len(menu) > 1:
             self.warm_up()
+
+    @staticmethod
+    def _load_target(config: EngineConfig) -> LlamaModel:
+        """The target as `load_format` says: the GGUF's blocks, or the checkpoint at `dtype` (also
+        where the GGUF kernel could not be built: float32 then, with a warning)."""
+        if config.load_format == "gguf":
+            try:
+                return load_llama_gguf(config.model_dir)
+            except RuntimeError as e:
+                log.warning("%s; serving the safetensors checkpoint in float32 instead", e)
+        return load_llama(config.model_dir, config.torch_dtype, config.device)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
