@@ -28,6 +28,23 @@ def gguf_none(gguf_engine, mtbench_prompts) -> list[list[int]]:
     return [o.token_ids for o in gguf_engine.generate(mtbench_prompts[:PROMPTS], SamplingParams(max_tokens=MAX_TOKENS))]
 
 
+def test_the_file_reader_gives_every_tensor_as_gguf_py_does(smollm2_gguf):
+    """Our reader skips the metadata that gguf-py parses value by value; the tensors are the same bytes."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from specserve.models.gguf import read_gguf
+
+    ours = read_gguf(smollm2_gguf)
+    theirs = {t.name: t for t in GGUFReader(str(smollm2_gguf)).tensors}
+    assert set(ours) == set(theirs)
+    for name, t in theirs.items():
+        raw, qtype = ours[name]
+        assert qtype == int(t.tensor_type), name
+        want = torch.from_numpy(np.array(t.data)).reshape(-1).view(torch.uint8)
+        assert torch.equal(raw.reshape(-1).view(torch.uint8), want), name
+
+
 def test_the_blocks_hold_the_weights_the_prepared_checkpoint_rounds(smollm2_dir):
     """Every layer's blocks, dequantized, rounded to bf16, are the prepared bf16 checkpoint's weights:
     the names, the fused rows and llama.cpp's q / k row order are mapped as transformers maps them."""

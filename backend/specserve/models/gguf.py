@@ -14,9 +14,10 @@ architectures than Llama's, or run on CUDA; `supported` says whether this machin
 
 from __future__ import annotations
 
+import math
+import struct
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -50,14 +51,69 @@ class GGUFEmbedding(nn.Module):
         return self.table.rows(tokens.reshape(-1)).reshape(*tokens.shape, self.table.in_features)
 
 
-def read_gguf(path: str | Path) -> dict[str, tuple[torch.Tensor, int]]:
-    """Every tensor of a GGUF file: name -> (raw blocks (rows, bytes) uint8, or float32 values; its ggml type)."""
-    from gguf import GGUFReader
+# GGUF metadata value types -> their size in bytes (8: string, 9: array; sized as they are read)
+_VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_F32, _F16 = 0, 1
 
+
+def read_gguf(path: str | Path) -> dict[str, tuple[torch.Tensor, int]]:
+    """Every tensor of a GGUF file: name -> (raw blocks (rows, bytes) uint8, or float32 / float16 values;
+    its ggml type). Only the tensors are read: the metadata (a tokenizer's vocabulary among it) is
+    skipped, which gguf-py's reader would parse value by value (seconds for SmolLM2's)."""
+    data = Path(path).read_bytes()
+    if data[:4] != b"GGUF":
+        raise ValueError(f"GGUF: {path} is not a GGUF file")
+    pos = 8  # magic, version
+    n_tensors, n_kv = struct.unpack_from("<QQ", data, pos)
+    pos += 16
+    alignment = 32
+
+    def string(at: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", data, at)
+        return data[at + 8 : at + 8 + n].decode("utf-8", "replace"), at + 8 + n
+
+    def skip(vtype: int, at: int) -> int:
+        if vtype == 8:
+            return at + 8 + struct.unpack_from("<Q", data, at)[0]
+        if vtype == 9:
+            etype, count = struct.unpack_from("<IQ", data, at)
+            at += 12
+            if etype in _VALUE_BYTES:
+                return at + count * _VALUE_BYTES[etype]
+            for _ in range(count):
+                at = skip(etype, at)
+            return at
+        return at + _VALUE_BYTES[vtype]
+
+    for _ in range(n_kv):
+        key, pos = string(pos)
+        (vtype,) = struct.unpack_from("<I", data, pos)
+        if key == "general.alignment":
+            (alignment,) = struct.unpack_from("<I", data, pos + 4)
+        pos = skip(vtype, pos + 4)
+    infos = []
+    for _ in range(n_tensors):
+        name, pos = string(pos)
+        (n_dims,) = struct.unpack_from("<I", data, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", data, pos + 4)
+        qtype, offset = struct.unpack_from("<IQ", data, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        infos.append((name, dims, qtype, offset))
+    start = -(-pos // alignment) * alignment
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     tensors = {}
-    for t in GGUFReader(str(path)).tensors:
-        data = torch.from_numpy(np.array(t.data))  # a copy: the reader maps the file read-only
-        tensors[t.name] = (data, int(t.tensor_type))
+    for name, dims, qtype, offset in infos:
+        rows = math.prod(dims[1:])
+        if qtype in (_F32, _F16):
+            dtype = torch.float32 if qtype == _F32 else torch.float16
+            size = dtype.itemsize * dims[0] * rows
+            raw = buffer[start + offset : start + offset + size].view(dtype).clone()
+        elif qtype in gguf_gemm.FILE_BLOCK_BYTES:
+            row_bytes = dims[0] // gguf_gemm.BLOCK * gguf_gemm.FILE_BLOCK_BYTES[qtype]
+            raw = buffer[start + offset : start + offset + rows * row_bytes].view(rows, row_bytes)
+        else:
+            continue  # a type this loader does not serve; `linear` names the missing layer
+        tensors[name] = (raw, qtype)
     return tensors
 
 
