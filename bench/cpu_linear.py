@@ -14,9 +14,13 @@ and GFLOP/s; `--storage bfloat16` stores them in bf16 (float32 arithmetic), as t
 a bf16 checkpoint. `--library` loads a kernel library built from another source instead of building this
 checkout's (to compare two versions, run each in its own process, alternately).
 
+`--gguf`: SmolLM2's own GGUF blocks through the GGUF kernel (`gguf_gemm`), against the floor of their
+bytes and beside the same weights in bf16 prepacked.
+
     .venv/bin/python bench/cpu_linear.py [--tokens 1 4 16]
     .venv/bin/python bench/cpu_linear.py --few-rows [--tokens 1 4 8 32]
     .venv/bin/python bench/cpu_linear.py --kernel [--storage bfloat16] [--tokens 1 2 4 6 8 12 16] [--library PATH.so]
+    .venv/bin/python bench/cpu_linear.py --gguf [--tokens 1 2 4 8 12 16]
 """
 
 from __future__ import annotations
@@ -98,6 +102,34 @@ def kernel(args: argparse.Namespace) -> None:
               f"{2 * t * params / seconds / 1e9:6.1f} GFLOP/s")
 
 
+@torch.inference_mode()
+def gguf(args: argparse.Namespace) -> None:
+    """SmolLM2's own GGUF blocks (fused qkv and gate/up, the Q8_0 lm_head) through the GGUF kernel, beside
+    the same weights dequantized to bf16 and prepacked for oneDNN (what the bf16 checkpoint's engine runs)."""
+    from specserve.models.gguf import load_llama_gguf
+    from specserve.prepare import prepare
+    from specserve_kernels.gguf_gemm import GGUFLinear
+
+    model = load_llama_gguf(prepare())
+    blocks = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    nbytes = sum(m.weight_nbytes for m in blocks)
+    packed = [PackedLinear(m.dequantized().bfloat16()) for m in blocks] if can_pack(torch.device("cpu"),
+                                                                                   torch.bfloat16) else []
+    read = read_bandwidth_gbs()
+    floor = nbytes / (read * 1e9)
+    print(f"{len(blocks)} matrices, {nbytes / 1e6:.1f} MB of blocks; read bandwidth {read:.1f} GB/s, "
+          f"floor {floor * 1e3:.2f} ms")
+    for t in args.tokens:
+        x = {n: torch.randn(t, n) for n in (args.hidden, args.intermediate)}
+        seconds = best_seconds(lambda x=x: [m(x[m.in_features]) for m in blocks], repeats=15)
+        line = f"rows {t:2d}: blocks {seconds * 1e3:6.2f} ms ({floor / seconds:4.0%} of the floor)"
+        if packed:
+            xb = {n: v.bfloat16() for n, v in x.items()}
+            bf16 = best_seconds(lambda xb=xb: [p(xb[p.in_features]) for p in packed], repeats=15)
+            line += f"   bf16 prepacked {bf16 * 1e3:6.2f} ms   {bf16 / seconds:.2f}x"
+        print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=576)
@@ -112,7 +144,11 @@ def main() -> None:
     parser.add_argument("--library", default="", help="with --kernel: a built kernel library to load instead")
     parser.add_argument("--storage", default="float32", choices=["float32", "bfloat16"],
                         help="with --kernel: how the weights are stored (the arithmetic is float32 either way)")
+    parser.add_argument("--gguf", action="store_true",
+                        help="SmolLM2's GGUF blocks through the GGUF kernel, beside bf16 prepacked")
     args = parser.parse_args()
+    if args.gguf:
+        return gguf(args)
     if args.few_rows:
         return few_rows(args)
     if args.kernel:

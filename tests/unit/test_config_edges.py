@@ -46,8 +46,20 @@ def _other(k: Knob) -> Any:
     return "/other"
 
 
+def _with(base: EngineConfig, k: Knob, value: Any) -> EngineConfig:
+    """The dataclass with one field changed, its `auto` fields resolved again: dtype follows the device
+    and load_format, load_format the model directory, device and dtype."""
+    if k.field in SpecConfig.__dataclass_fields__:
+        return dataclasses.replace(base, spec=dataclasses.replace(base.spec, **{k.field: value}))
+    unresolved = {f.name: getattr(base, f.name) for f in dataclasses.fields(EngineConfig)}
+    unresolved.update({name: "auto" for name in ("device", "dtype", "load_format")})
+    return EngineConfig(**{**unresolved, k.field: value})
+
+
 def _assert_only(config: EngineConfig, base: EngineConfig, changed: Knob | None, value: Any = None) -> None:
-    """Every knob's field equals base's, but `changed`, which holds `value`."""
+    """Every knob's field equals the dataclass's with `changed` alone set to `value` (which it holds)."""
+    if changed is not None:
+        base = _with(base, changed, value)
     for k in knobs():
         if k is changed:
             assert _field(config, k) == value, k.edge
@@ -141,7 +153,7 @@ def test_each_committed_llm_config_is_generated_and_sets_only_its_variant(varian
     set_here = {k.field for k in PARAMS if k.edge in params}
     for k in knobs():
         if k.field not in set_here and k.field != "model_dir":
-            assert _field(config, k) == _field(EngineConfig(model_dir="m"), k), f"{variant.name}: {k.edge}"
+            assert _field(config, k) == _field(EngineConfig(model_dir=config.model_dir), k), f"{variant.name}: {k.edge}"
     assert config.spec.algorithm == variant.algorithm
 
 
