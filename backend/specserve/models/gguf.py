@@ -9,7 +9,7 @@ weights are plain float32 `nn.Linear`s: the float32 reference the 4-bit path is 
 transformers' GGUF loader computes, before `prepare` rounds it to bf16).
 
 This module does not quantize anything, read other GGUF types (K-quants, float16 matrices) or
-architectures than Llama's, or run on CUDA; `supported` says whether this machine can.
+architectures than Llama's, or run on CUDA; `gguf_gemm.supported` says whether this machine can.
 """
 
 from __future__ import annotations
@@ -24,14 +24,8 @@ from torch import nn
 from specserve.config import ModelConfig
 from specserve.models.llama import LlamaModel
 from specserve.models.weights import empty_modules
+from specserve.prepare import GGUF_NAME
 from specserve_kernels import gguf_gemm
-
-GGUF_NAME = "model.gguf"  # in a prepared model directory
-
-
-def supported() -> bool:
-    """Whether the GGUF kernel can be built and run here (x86-64 with AVX2, FMA, F16C; g++, ninja)."""
-    return gguf_gemm.supported()
 
 
 class GGUFEmbedding(nn.Module):

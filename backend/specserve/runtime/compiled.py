@@ -73,9 +73,10 @@ def can_compile(device: torch.device) -> bool:
 
 @functools.cache
 def traced_sources() -> bytes:
-    """The source of every module whose code the programs are traced from (`TRACED_SOURCES`)."""
+    """The source of every module whose code the programs are traced from (`TRACED_SOURCES`, the GGUF kernel)."""
     package = Path(__file__).resolve().parents[1]
-    return b"".join((package / name).read_bytes() for name in TRACED_SOURCES)
+    kernel = [gguf_gemm.SOURCE, Path(gguf_gemm.__file__)]  # what a GGUF layer's op runs
+    return b"".join(path.read_bytes() for path in [*(package / name for name in TRACED_SOURCES), *kernel])
 
 
 def program_key(tensors: Iterable[tuple[str, torch.Tensor]], *parts: object) -> str:
@@ -88,7 +89,6 @@ def program_key(tensors: Iterable[tuple[str, torch.Tensor]], *parts: object) -> 
         h.update(name.encode())
         h.update(t.detach().contiguous().view(torch.uint8).numpy())
     h.update(repr((parts, torch.__version__, sorted(cpu_flags()), traced_sources())).encode())
-    h.update(gguf_gemm.SOURCE.read_bytes() + Path(gguf_gemm.__file__).read_bytes())  # what GGUF layers call
     return h.hexdigest()[:24]
 
 
