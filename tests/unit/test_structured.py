@@ -11,9 +11,10 @@ import pytest
 import torch
 import xgrammar as xgr
 
+import specserve_kernels as K
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.engine import Engine
-from specserve.engine.grammar import GrammarCompiler, choice_ebnf
+from specserve.engine.grammar import GrammarCompiler, choice_ebnf, without_forbidden
 from specserve.engine.sampling import forbidden_tokens, forbidden_tokens_on_device
 from specserve.grammar import GrammarSpec, from_trtllm, from_vllm
 from specserve.serving.contract import RequestError, RequestLimits
@@ -195,6 +196,61 @@ def test_tree_masks_equal_each_paths_own_mask(compiler, smollm2_dir):
     assert match.accept(ids[1]), "the traversal left the matcher where it was"
 
 
+def _json_tree(compiler, smollm2_dir):
+    """The tree above: root '{"' -> 'name' -> '":' -> ' "' -> 'Al', with a forbidden token below the
+    root and below 'name' (and one node under the first)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    ids = tok.encode('{"name": "Al', add_special_tokens=False).ids
+    bad = tok.encode("x", add_special_tokens=False).ids[0]
+    match = compiler.match(GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    assert match.accept(ids[0])
+    tokens = [ids[0], ids[1], bad, ids[2], ids[2], bad, ids[3], ids[4]]
+    parents = [-1, 0, 0, 1, 2, 1, 3, 6]
+    return match, ids, bad, tokens, parents
+
+
+def test_forbidden_drafts_are_pruned_before_verification(compiler, smollm2_dir):
+    match, ids, bad, tokens, parents = _json_tree(compiler, smollm2_dir)
+    assert match.allowed_nodes(tokens, parents) == [0, 1, 3, 6, 7]
+    plain = DraftTree.chain(5, [6, 7])  # a row without a grammar keeps its tree
+    batch, kept = without_forbidden(TreeBatch.from_trees([DraftTree.from_parents(tokens, parents), plain]),
+                                    [match, None])
+    assert kept == [[0, 1, 3, 6, 7], [0, 1, 2]]
+    assert batch.num_draft_tokens.tolist() == [5, 3]
+    assert batch.tokens[0].tolist() == [ids[0], ids[1], ids[2], ids[3], ids[4]]
+    assert batch.parents[0].tolist() == [-1, 0, 1, 2, 3] and batch.tokens[1, :3].tolist() == [5, 6, 7]
+    allowed_only = TreeBatch.from_trees([DraftTree.chain(ids[0], ids[1:4])])
+    assert without_forbidden(allowed_only, [match])[1] is None  # nothing forbidden: the batch as it was
+    assert match.accept(ids[1]), "pruning left the matcher where it was"
+
+
+@pytest.mark.parametrize("forbidden_argmax_at", [None, 1, 3])
+def test_greedy_targets_mask_only_where_the_path_needs_it(compiler, smollm2_dir, forbidden_argmax_at):
+    """The lazily masked targets accept what the fully masked ones do, and fill a mask only where the
+    unmasked argmax on the accepted path is one the grammar forbids."""
+    match, ids, bad, tokens, parents = _json_tree(compiler, smollm2_dir)
+    tree = TreeBatch.from_trees([DraftTree.from_parents(tokens, parents)])
+    logits = torch.randn(len(tokens), 49152, generator=torch.Generator().manual_seed(0))
+    for node, nxt in ((0, ids[1]), (1, ids[2]), (3, ids[3]), (6, ids[4])):  # the target agrees along the path
+        logits[node, nxt] = 20.0
+    logits[7, 2] = 20.0  # the bonus token's node prefers EOS, which the unfinished object forbids
+    if forbidden_argmax_at is not None:  # its unmasked argmax is forbidden; the allowed runner-up stands
+        logits[forbidden_argmax_at, bad] = 30.0
+    masked = logits.clone()
+    bitmask = match.bitmask(tree.tokens[0], tree.first_child[0], tree.next_sibling[0])
+    masked.masked_fill_(forbidden_tokens(bitmask, 49152), float("-inf"))
+    want = K.verify_greedy(tree.tokens, tree.first_child, tree.next_sibling, masked.argmax(-1)[None])
+    targets = logits.argmax(-1)
+    filled = match.greedy_targets(tokens, tree.first_child[0].tolist(), tree.next_sibling[0].tolist(), logits, targets)
+    got = K.verify_greedy(tree.tokens, tree.first_child, tree.next_sibling, targets[None])
+    assert got.accepted_nodes.tolist() == want.accepted_nodes.tolist() == [[0, 1, 3, 6, 7, -1, -1, -1]]
+    assert got.bonus_tokens.tolist() == want.bonus_tokens.tolist()
+    assert filled == (0 if forbidden_argmax_at is None else 1) + 1  # and node 7's
+    assert match.accept(ids[1]), "the walk left the matcher where it was"
+
+
 def test_the_device_unpacking_equals_the_host_one():
     words = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
     words[1] = 0  # a rejected node: forbids nothing
@@ -247,6 +303,19 @@ def test_speculation_under_a_grammar_equals_plain_decoding_under_it(tiny_target_
     assert ref[2].finish_reason == "stop" and ref[2].text in ("alpha beta gamma", "delta")
     plain = _engine(tiny_target_dir, "none", 3).generate(PROMPTS, SamplingParams(max_tokens=40))
     assert [o.token_ids for o in plain] != [r.token_ids for r in ref], "the grammar changed the output"
+
+
+@pytest.mark.parametrize("algorithm", ["none", "ngram", "standalone"])
+def test_masks_on_the_accepted_path_and_pruned_drafts_equal_full_masks(tiny_target_dir, algorithm):
+    """Greedy rows without logprobs are masked only where their accepted path needs it, and drafts
+    the grammar forbids are pruned before the forward; the reference masks every node (logprobs)."""
+    full = [SamplingParams(max_tokens=40, structured_output=g, logprobs=0) for g in GRAMMARS]
+    ref = _engine(tiny_target_dir, "none", 3, jump_forward=False).generate(PROMPTS, full)
+    engine = _engine(tiny_target_dir, algorithm, 3)
+    outs = engine.generate(PROMPTS, [SamplingParams(max_tokens=40, structured_output=g) for g in GRAMMARS])
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    if algorithm != "none":
+        assert engine.profile.grammar_pruned > 0, "the drafter proposed nothing the grammars forbid"
 
 
 def test_a_grammar_output_validates_and_masked_logprobs(tiny_target_dir):

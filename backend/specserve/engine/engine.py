@@ -44,6 +44,7 @@ from specserve.engine.grammar import (
     GrammarMatch,
     forced_tokens,
     with_forced_paths,
+    without_forbidden,
 )
 from specserve.engine.outputs import (
     FINISH_ABORT,
@@ -387,11 +388,7 @@ class Engine:
             batch = self._fit_trees(reqs, proposal)
         else:  # plain decoding this step; a drafter catches up on what it missed when it drafts again
             batch = TreeBatch.root_only(to_device([r.token_ids[-1] for r in reqs], self.device))
-        drafted_sizes = None  # each tree's nodes before the forced text was added: the drafter's own
-        if forced is not None and any(forced):
-            drafted_sizes = batch.num_draft_tokens.tolist()
-            rooms = [min(self.config.max_seq_len - r.cache_len, self.draft_plan.max_nodes) for r in reqs]
-            batch = with_forced_paths(batch, forced, rooms).to(self.device)
+        batch, kept, drafted_sizes = self._under_grammars(reqs, batch, forced)
         t1 = clock()
         p.draft += t1 - t0
         host_lens = [r.cache_len for r in reqs]
@@ -432,13 +429,40 @@ class Engine:
             # below them (`DraftTree.with_path`), is won whatever the shape
             accepted = v.accepted if drafted_sizes is None else [
                 [node for node in nodes if node < size] for nodes, size in zip(v.accepted, drafted_sizes)]
+            if kept is not None:  # the drafter's own numbering, as a nested tree's prefix counts it
+                accepted = [[own[node] for node in nodes] for nodes, own in zip(accepted, kept)]
             lengths = [len(nodes) for nodes in accepted]
-            # a step that also verified forced text says nothing of its shape's own cost
-            seconds = clock() - start if settled and not catching_up and drafted_sizes is None else None
+            # a step that also verified forced text, or fewer nodes than the drafter's (pruned by the
+            # grammar), says nothing of its shape's own cost
+            clean = settled and not catching_up and drafted_sizes is None and kept is None
+            seconds = clock() - start if clean else None
             nested = None
             if shape.drafts and self.drafter.nested_trees and len(self.chooser.menu) > 1:
                 nested = accepted
             self.chooser.observe(len(reqs), shape, seconds, lengths, nested, warm_up=self._mode.warm_up)
+
+    def _under_grammars(self, reqs: list[Request], batch: TreeBatch, forced: list[list[int]] | None
+                        ) -> tuple[TreeBatch, list[list[int]] | None, list[int] | None]:
+        """The step's trees as the requests' grammars leave them: the drafted nodes a grammar forbids
+        pruned (`without_forbidden`), then the forced text added (`with_forced_paths`). Also, per
+        row, the drafter's nodes kept (None: nothing pruned) and its tree's size before the forced
+        text (None: none added), which the shape chooser's accounting needs."""
+        kept = drafted_sizes = None
+        if all(r.grammar is None for r in reqs):
+            return batch, kept, drafted_sizes
+        start = time.perf_counter()
+        if not batch.is_root_only:
+            drafted = int(batch.num_draft_tokens.sum())
+            batch, kept = without_forbidden(batch, [r.grammar for r in reqs])
+            if kept is not None:
+                self.profile.grammar_pruned += drafted - sum(map(len, kept))
+                batch = batch.to(self.device)
+        if forced is not None and any(forced):
+            drafted_sizes = batch.num_draft_tokens.tolist()
+            rooms = [min(self.config.max_seq_len - r.cache_len, self.draft_plan.max_nodes) for r in reqs]
+            batch = with_forced_paths(batch, forced, rooms).to(self.device)
+        self.profile.grammar += time.perf_counter() - start
+        return batch, kept, drafted_sizes
 
     def _clock(self) -> float:
         """Host time for the profile's phases (`profile.step_clock`)."""

@@ -22,7 +22,7 @@ import torch
 from tokenizers import Tokenizer
 
 from specserve.grammar import GrammarSpec
-from specserve.tree import TreeBatch
+from specserve.tree import DraftTree, TreeBatch
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -133,6 +133,62 @@ class GrammarMatch:
         self.matcher.traverse_draft_tree(first_child, next_sibling, tokens, bitmask)
         return bitmask
 
+    def allowed_nodes(self, tokens: Sequence[int], parents: Sequence[int]) -> list[int]:
+        """The nodes of one draft tree (node 0 the root, the last token accepted; parents before
+        children) whose path the grammar allows, in order: those worth verifying. The matcher is
+        left as it was."""
+        children: list[list[int]] = [[] for _ in tokens]
+        for node in range(1, len(tokens)):
+            children[parents[node]].append(node)
+        allowed = [0]
+
+        def visit(node: int) -> None:
+            for child in children[node]:
+                if self.matcher.accept_token(tokens[child]):
+                    allowed.append(child)
+                    visit(child)
+                    self.matcher.rollback(1)
+
+        visit(0)
+        return sorted(allowed)
+
+    def greedy_targets(self, tokens: Sequence[int], first_child: Sequence[int], next_sibling: Sequence[int],
+                       logits: torch.Tensor, targets: torch.Tensor) -> int:
+        """Greedy verification's masked argmax along the path it will accept, masking only where
+        needed: the unmasked argmax (`targets[node]`) stands wherever the grammar allows it (the
+        mask removes tokens, so an allowed maximum is the masked one too); elsewhere the node's
+        mask is filled and its logits (V,) masked in place and argmaxed again. Walks from the root
+        through the child whose token is the node's target, as `verify_greedy` will; nodes off that
+        path keep unmasked targets, which nothing reads. logits (N, V), targets (N,) on the host;
+        returns the number of masks filled. The matcher is left as it was."""
+        node, walked, filled = 0, 0, 0
+        while True:
+            target = int(targets[node])
+            if not self.matcher.accept_token(target):
+                self._mask(logits[node])
+                filled += 1
+                target = int(logits[node].argmax())
+                targets[node] = target
+                if not self.matcher.accept_token(target):  # the grammar allows nothing here: never expected
+                    break
+            walked += 1
+            child = first_child[node]
+            while child >= 0 and tokens[child] != target:
+                child = next_sibling[child]
+            if child < 0:
+                break
+            node = child
+        self.matcher.rollback(walked)
+        return filled
+
+    def _mask(self, logits: torch.Tensor) -> None:
+        """In place: -inf at the tokens the grammar forbids next. logits (V,) on the host."""
+        import xgrammar as xgr
+
+        bitmask = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)
+        self.matcher.fill_next_token_bitmask(bitmask)
+        xgr.apply_token_bitmask_inplace(logits[None], bitmask, vocab_size=logits.shape[-1])
+
     def forced(self, encode: Callable[[str], list[int]], limit: int) -> list[int]:
         """Up to `limit` tokens spelling the text the grammar forces from here (xgrammar's jump-forward
         string, tokenized by `encode`), as far as the grammar accepts them; the matcher is left as it
@@ -167,3 +223,23 @@ def with_forced_paths(batch: TreeBatch, forced: Sequence[list[int]], rooms: Sequ
         if tokens and room > 0:
             trees[i] = trees[i].with_path(tokens[:room])
     return TreeBatch.from_trees(trees)
+
+
+def without_forbidden(batch: TreeBatch, matches: Sequence[GrammarMatch | None]
+                      ) -> tuple[TreeBatch, list[list[int]] | None]:
+    """The batch's trees (on the host) without the nodes their grammar forbids, nor those below
+    them (`GrammarMatch.allowed_nodes`): verification would never accept them, so no forward
+    computes them. Also, per row, the kept nodes' indices in the given tree (new node j was
+    node kept[j]); a row without a matcher keeps its tree. (batch, None) when nothing is forbidden."""
+    trees = batch.unbatch()
+    kept: list[list[int]] = []
+    pruned = False
+    for i, (tree, match) in enumerate(zip(trees, matches)):
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        nodes = match.allowed_nodes(tokens, parents) if match is not None else list(range(len(tokens)))
+        if len(nodes) < len(tokens):
+            pruned = True
+            new = {old: j for j, old in enumerate(nodes)}
+            trees[i] = DraftTree.from_parents([tokens[j] for j in nodes], [new.get(parents[j], -1) for j in nodes])
+        kept.append(nodes)
+    return (TreeBatch.from_trees(trees), kept) if pruned else (batch, None)

@@ -26,13 +26,15 @@ class StepProfile:
     host waited for the device (the step's host read, and the profile's own syncs on CUDA), so
     host_work = total - device_wait is the host's share of a step (on a CPU, all of it).
     grammar: the part of the draft and verify phases spent on structured outputs (the forced
-    text drafted, every tree node's mask), over grammar_nodes masked tree nodes.
+    text drafted, drafts the grammar forbids pruned, the masks), over grammar_nodes verified tree
+    nodes under a grammar; grammar_pruned: the drafted nodes it pruned before the forward.
     """
 
     steps: int = 0
     drafting_steps: int = 0
     draft_forwards: int = 0
     grammar_nodes: int = 0
+    grammar_pruned: int = 0
     draft: float = 0.0
     draft_model: float = 0.0
     forward: float = 0.0
@@ -45,7 +47,7 @@ class StepProfile:
     def per_step_ms(self) -> dict[str, float]:
         """Milliseconds per step of each phase, bookkeeping = total - the timed phases; the draft
         phase also per drafting step and per draft forward."""
-        counts = ("steps", "drafting_steps", "draft_forwards", "grammar_nodes")
+        counts = ("steps", "drafting_steps", "draft_forwards", "grammar_nodes", "grammar_pruned")
         n = max(self.steps, 1)
         out = {k: round(v * 1e3 / n, 3) for k, v in asdict(self).items() if k not in counts}
         out["bookkeeping"] = round(

@@ -2,7 +2,8 @@
 compaction of the accepted nodes' K/V.
 
 `Verifier.accept` takes a verify forward's logits over a batch of trees: each row's logits are
-masked by its grammar at every node (`grammar.GrammarMatch.bitmask`) and penalised as its request
+masked by its grammar at every node (`grammar.GrammarMatch.bitmask`; a greedy row on a CPU only
+where the path it accepts needs it, `GrammarMatch.greedy_targets`) and penalised as its request
 asks (`sampling`), greedy rows go to `verify_greedy`, sampled rows to the lossless `verify_sample`,
 and the accepted nodes' K/V move to consecutive cache positions (`compact_kv`).
 `Verifier.first_tokens` samples a prompt's first token the same way, from its last logits (a
@@ -96,11 +97,15 @@ class Verifier:
         """
         b, n = batch.tokens.shape
         forbidden_rows: list[torch.Tensor | None] = [None] * b
+        lazy: list[int] = []  # greedy rows whose grammar is checked along the accepted path only
         trees = trees if trees is not None else self.grammar_trees(reqs, batch)
         if trees is not None:
             start = time.perf_counter()
             for i, r in enumerate(reqs):
-                if r.grammar is not None:
+                if r.grammar is not None and self._masks_lazily(r, logits.device):
+                    lazy.append(i)
+                    self.grammar_nodes += n
+                elif r.grammar is not None:
                     bitmask = r.grammar.bitmask(trees.tokens[i], trees.first_child[i], trees.next_sibling[i])
                     forbidden = forbidden_tokens(to_device(bitmask, logits.device), logits.shape[-1])
                     apply_grammar(logits[i], forbidden)
@@ -115,15 +120,22 @@ class Verifier:
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         links = (batch.tokens, batch.first_child, batch.next_sibling)
+        targets = logits.argmax(-1) if greedy else None
+        if lazy:
+            start = time.perf_counter()
+            for i in lazy:
+                reqs[i].grammar.greedy_targets(trees.tokens[i].tolist(), trees.first_child[i].tolist(),
+                                               trees.next_sibling[i].tolist(), logits[i], targets[i])
+            self.grammar_seconds += time.perf_counter() - start
         if not sampled:  # all greedy (the common case): one kernel over the whole batch, no row gathers
-            result = K.verify_greedy(*links, logits.argmax(-1))
+            result = K.verify_greedy(*links, targets)
             return self._emitted(reqs, batch, logits, result)
         accepted = torch.full((b, n), -1, dtype=torch.int64, device=dev)
         accept_length = torch.zeros(b, dtype=torch.int64, device=dev)
         bonus = torch.zeros(b, dtype=torch.int64, device=dev)
         if greedy:
             g = to_device(greedy, dev)
-            res = K.verify_greedy(*(x[g] for x in links), logits[g].argmax(-1))
+            res = K.verify_greedy(*(x[g] for x in links), targets[g])
             accepted[g], accept_length[g], bonus[g] = res.accepted_nodes, res.accept_length, res.bonus_tokens
         if sampled:
             s = to_device(sampled, dev)
@@ -134,6 +146,16 @@ class Verifier:
             accepted[s], accept_length[s], bonus[s] = res.accepted_nodes, res.accept_length, res.bonus_tokens
         result = K.VerifyResult(accepted_nodes=accepted, accept_length=accept_length, bonus_tokens=bonus)
         return self._emitted(reqs, batch, logits, result)
+
+    @staticmethod
+    def _masks_lazily(req: Request, device: torch.device) -> bool:
+        """Whether a row's grammar may be applied along its accepted path only
+        (`GrammarMatch.greedy_targets`): greedy, no logprobs (they are read from the masked
+        distribution at every emitted token), no EOS held back by min_tokens (where the grammar may
+        allow only EOS), on a CPU (on a GPU the host walk would wait for the forward; the masks are
+        built while it runs instead)."""
+        return (device.type == "cpu" and req.params.greedy and req.params.logprobs is None
+                and req.params.min_tokens <= req.num_output_tokens)
 
     def _emitted(self, reqs: Sequence[Request], batch: TreeBatch, logits: torch.Tensor,
                  result: K.VerifyResult) -> Verified:
