@@ -20,14 +20,12 @@ nothing about Triton; `loop.py` runs it on a thread, `triton_model.py` serves it
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
@@ -43,8 +41,7 @@ from specserve.engine.grammar import (
     GrammarCompiler,
     GrammarMatch,
     forced_tokens,
-    with_forced_paths,
-    without_forbidden,
+    shape_trees,
 )
 from specserve.engine.outputs import (
     FINISH_ABORT,
@@ -63,10 +60,8 @@ from specserve.engine.profile import StepProfile, step_clock
 from specserve.engine.request import Request
 from specserve.engine.verification import Verifier
 from specserve.host_memory import keep_freed_memory
-from specserve.models.gguf import load_llama_gguf
 from specserve.models.kv_cache import KVCache
-from specserve.models.llama import LlamaModel
-from specserve.models.weights import load_llama
+from specserve.models.loading import eos_ids, load_target
 from specserve.runtime.memory import DeviceMemory, check_kv_cache_fits, compiled_weight_copies
 from specserve.runtime.plan import RuntimePlan
 from specserve.runtime.prefill import PromptChunk, split_packs
@@ -103,7 +98,7 @@ class Engine:
         self.device = torch.device(config.device)
         if self.device.type == "cpu":  # step buffers reused from the heap, not mapped anew each step
             keep_freed_memory()
-        self.model = self._load_target(config)
+        self.model = load_target(config)
         self.model_config = self.model.cfg
         self.plan = RuntimePlan.from_config(config)
         num_slots = config.max_batch_size + self.plan.spare_slots  # static buckets' padding rows write in the spare
@@ -114,7 +109,7 @@ class Engine:
                              config.device)
         self.model.init_rope(self.cache.max_len)
         self.tokenizer = Tokenizer.from_file(f"{config.model_dir}/tokenizer.json")
-        self.eos_ids = self._eos_ids()
+        self.eos_ids = eos_ids(config.model_dir, self.model_config)
         self.verifier = Verifier(self.eos_ids, self.device)
         self.drafter: Drafter = build_drafter(self.spec, DraftContext(
             target=self.model, model_dir=config.model_dir, num_slots=config.max_batch_size + self.plan.spare_slots,
@@ -146,25 +141,6 @@ class Engine:
         self.runner.seed_paths(list(self.draft_plan.tree_sizes), self.cache.num_free, config.max_seq_len)
         if len(menu) > 1:
             self.warm_up()
-
-    @staticmethod
-    def _load_target(config: EngineConfig) -> LlamaModel:
-        """The target as `load_format` says: the GGUF's blocks, or the checkpoint at `dtype` (also
-        where the GGUF kernel could not be built: float32 then, with a warning)."""
-        if config.load_format == "gguf":
-            try:
-                return load_llama_gguf(config.model_dir)
-            except RuntimeError as e:
-                log.warning("%s; serving the safetensors checkpoint in float32 instead", e)
-        return load_llama(config.model_dir, config.torch_dtype, config.device)
-
-    def _eos_ids(self) -> tuple[int, ...]:
-        ids = set(self.model_config.eos_token_ids)
-        gen = Path(self.config.model_dir) / "generation_config.json"
-        if gen.is_file():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        return tuple(sorted(ids))
 
     # ---- called from any thread -------------------------------------------------------------
 
@@ -388,7 +364,14 @@ class Engine:
             batch = self._fit_trees(reqs, proposal)
         else:  # plain decoding this step; a drafter catches up on what it missed when it drafts again
             batch = TreeBatch.root_only(to_device([r.token_ids[-1] for r in reqs], self.device))
-        batch, kept, drafted_sizes = self._under_grammars(reqs, batch, forced)
+        shaped = None
+        if any(r.grammar is not None for r in reqs):
+            grammar_start = time.perf_counter()
+            rooms = [min(self.config.max_seq_len - r.cache_len, self.draft_plan.max_nodes) for r in reqs]
+            shaped = shape_trees(batch, [r.grammar for r in reqs], forced, rooms)
+            batch = shaped.batch.to(self.device) if shaped.changed else batch
+            p.grammar += time.perf_counter() - grammar_start
+            p.grammar_pruned += shaped.pruned
         t1 = clock()
         p.draft += t1 - t0
         host_lens = [r.cache_len for r in reqs]
@@ -425,44 +408,17 @@ class Engine:
         self.drafter.on_accept(reqs, out, accepted)
         p.drafter_update += clock() - t4
         if self._mode.observe:
-            # the chooser weighs a shape by what its drafter's own nodes won: the forced text, added
-            # below them (`DraftTree.with_path`), is won whatever the shape
-            accepted = v.accepted if drafted_sizes is None else [
-                [node for node in nodes if node < size] for nodes, size in zip(v.accepted, drafted_sizes)]
-            if kept is not None:  # the drafter's own numbering, as a nested tree's prefix counts it
-                accepted = [[own[node] for node in nodes] for nodes, own in zip(accepted, kept)]
+            # the chooser weighs a shape by what its drafter's own nodes won
+            accepted = v.accepted if shaped is None else shaped.drafters_own(v.accepted)
             lengths = [len(nodes) for nodes in accepted]
-            # a step that also verified forced text, or fewer nodes than the drafter's (pruned by the
+            # a step that also verified forced text, or fewer nodes than the drafter's (pruned by a
             # grammar), says nothing of its shape's own cost
-            clean = settled and not catching_up and drafted_sizes is None and kept is None
+            clean = settled and not catching_up and (shaped is None or not shaped.changed)
             seconds = clock() - start if clean else None
             nested = None
             if shape.drafts and self.drafter.nested_trees and len(self.chooser.menu) > 1:
                 nested = accepted
             self.chooser.observe(len(reqs), shape, seconds, lengths, nested, warm_up=self._mode.warm_up)
-
-    def _under_grammars(self, reqs: list[Request], batch: TreeBatch, forced: list[list[int]] | None
-                        ) -> tuple[TreeBatch, list[list[int]] | None, list[int] | None]:
-        """The step's trees as the requests' grammars leave them: the drafted nodes a grammar forbids
-        pruned (`without_forbidden`), then the forced text added (`with_forced_paths`). Also, per
-        row, the drafter's nodes kept (None: nothing pruned) and its tree's size before the forced
-        text (None: none added), which the shape chooser's accounting needs."""
-        kept = drafted_sizes = None
-        if all(r.grammar is None for r in reqs):
-            return batch, kept, drafted_sizes
-        start = time.perf_counter()
-        if not batch.is_root_only:
-            drafted = int(batch.num_draft_tokens.sum())
-            batch, kept = without_forbidden(batch, [r.grammar for r in reqs])
-            if kept is not None:
-                self.profile.grammar_pruned += drafted - sum(map(len, kept))
-                batch = batch.to(self.device)
-        if forced is not None and any(forced):
-            drafted_sizes = batch.num_draft_tokens.tolist()
-            rooms = [min(self.config.max_seq_len - r.cache_len, self.draft_plan.max_nodes) for r in reqs]
-            batch = with_forced_paths(batch, forced, rooms).to(self.device)
-        self.profile.grammar += time.perf_counter() - start
-        return batch, kept, drafted_sizes
 
     def _clock(self) -> float:
         """Host time for the profile's phases (`profile.step_clock`)."""

@@ -16,6 +16,7 @@ import json
 import re
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -243,3 +244,44 @@ def without_forbidden(batch: TreeBatch, matches: Sequence[GrammarMatch | None]
             trees[i] = DraftTree.from_parents([tokens[j] for j in nodes], [new.get(parents[j], -1) for j in nodes])
         kept.append(nodes)
     return (TreeBatch.from_trees(trees), kept) if pruned else (batch, None)
+
+
+@dataclass(frozen=True)
+class ShapedTrees:
+    """A step's trees as its requests' grammars leave them (`shape_trees`): `batch`, where a tree
+    changed on the host; per row, the drafter's nodes `kept` (None: nothing pruned) and its tree's
+    size before the forced text (`drafted_sizes`; None: none added); `pruned` nodes in all."""
+
+    batch: TreeBatch
+    kept: list[list[int]] | None = None
+    drafted_sizes: list[int] | None = None
+    pruned: int = 0
+
+    @property
+    def changed(self) -> bool:
+        return self.kept is not None or self.drafted_sizes is not None
+
+    def drafters_own(self, accepted: Sequence[list[int]]) -> list[list[int]]:
+        """Per row, the accepted nodes the drafter's own tree held, numbered as it numbered them
+        (a nested tree's prefix counts them so): the forced text, added below them, is won whatever
+        the shape, and pruned nodes are not counted."""
+        if self.drafted_sizes is not None:
+            accepted = [[node for node in nodes if node < size] for nodes, size in zip(accepted, self.drafted_sizes)]
+        if self.kept is not None:
+            accepted = [[own[node] for node in nodes] for nodes, own in zip(accepted, self.kept)]
+        return list(accepted)
+
+
+def shape_trees(batch: TreeBatch, matches: Sequence[GrammarMatch | None], forced: Sequence[list[int]] | None,
+                rooms: Sequence[int]) -> ShapedTrees:
+    """The drafted nodes a grammar forbids pruned (`without_forbidden`), then the forced text added
+    within `rooms` nodes a tree (`with_forced_paths`)."""
+    kept, pruned, drafted_sizes = None, 0, None
+    if not batch.is_root_only and any(m is not None for m in matches):
+        drafted = int(batch.num_draft_tokens.sum())
+        batch, kept = without_forbidden(batch, matches)
+        pruned = drafted - sum(map(len, kept)) if kept is not None else 0
+    if forced is not None and any(forced):
+        drafted_sizes = batch.num_draft_tokens.tolist()
+        batch = with_forced_paths(batch, forced, rooms)
+    return ShapedTrees(batch, kept, drafted_sizes, pruned)
