@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve.grammar import GrammarSpec
-from specserve.hardware import auto_dtype, gguf_kernel_runs
+from specserve.hardware import auto_dtype, auto_load_format
 from specserve.knobs import Knob, check_choices, config_knobs, knob, knob_of, shown
 from specserve.methods import ALGORITHMS, METHODS, Method, canonical
 
@@ -339,17 +339,6 @@ def _check_suffix(spec: SpecConfig) -> None:
         raise ValueError(f"suffix_max_spec_factor: must be > 0, got {spec.suffix_max_spec_factor}")
     if not 0 <= spec.suffix_min_token_prob <= 1:
         raise ValueError(f"suffix_min_token_prob: must be in [0, 1], got {spec.suffix_min_token_prob}")
-
-
-def auto_load_format(model_dir: str, device: str, dtype: str) -> str:
-    """`load_format=auto`: gguf where the GGUF-block kernel runs, the model directory (empty: the
-    embedded SmolLM2) has model.gguf and the activations may be float32; else safetensors."""
-    from specserve.prepare import GGUF_NAME, default_model_dir
-
-    gguf = Path(model_dir or default_model_dir()) / GGUF_NAME
-    if device == "cpu" and dtype in ("auto", "float32") and gguf.is_file() and gguf_kernel_runs():
-        return "gguf"
-    return "safetensors"
 
 
 @dataclass(frozen=True)

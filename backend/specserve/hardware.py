@@ -2,7 +2,8 @@
 
 The engine and `specserve bench` record it beside every figure: bf16 arithmetic is native only
 with AVX512-BF16 or AMX; elsewhere it is emulated and float32 may be faster. `auto_dtype` makes
-that choice for `dtype="auto"`. This module measures nothing and changes nothing.
+that choice for `dtype="auto"`; `auto_load_format` picks the GGUF's blocks or the checkpoint for
+`load_format="auto"`. This module measures nothing and changes nothing.
 """
 
 from __future__ import annotations
@@ -46,6 +47,17 @@ def gguf_kernel_runs() -> bool:
 
     return (platform.machine() in ("x86_64", "AMD64") and GGUF_KERNEL_FLAGS <= cpu_flags()
             and shutil.which("g++") is not None)
+
+
+def auto_load_format(model_dir: str, device: str, dtype: str) -> str:
+    """`load_format=auto`: gguf where the GGUF-block kernel runs, the model directory (empty: the
+    embedded SmolLM2) has model.gguf and the activations may be float32; else safetensors."""
+    from specserve.prepare import GGUF_NAME, default_model_dir
+
+    gguf = Path(model_dir or default_model_dir()) / GGUF_NAME
+    if device == "cpu" and dtype in ("auto", "float32") and gguf.is_file() and gguf_kernel_runs():
+        return "gguf"
+    return "safetensors"
 
 
 def native_bf16() -> bool:

@@ -1,6 +1,6 @@
 """Which target the engine serves: `load_target` reads the GGUF's own blocks or the safetensors
 checkpoint, as `load_format` says; `eos_ids` are the tokens that end its output. This module
-decides nothing about formats (`config.auto_load_format` does) and runs no model.
+decides nothing about formats (`hardware.auto_load_format` does) and runs no model.
 """
 
 from __future__ import annotations
