@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from specserve.staging import to_device
@@ -75,11 +76,13 @@ class DraftTree:
             else:
                 next_sibling[last_child[p]] = i
             last_child[p] = i
-        mask = torch.zeros(n, n, dtype=torch.bool)
+        mask = np.zeros((n, n), dtype=np.bool_)  # built in numpy: a drafter builds trees every step
         rows = [i for i, anc in enumerate(ancestors) for _ in anc]
         cols = [j for anc in ancestors for j in anc]
         mask[rows, cols] = True
-        links = torch.tensor([list(tokens), list(parents), depth, first_child, next_sibling], dtype=torch.int64)
+        links = torch.from_numpy(np.array([list(tokens), list(parents), depth, first_child, next_sibling],
+                                          dtype=np.int64))
+        mask = torch.from_numpy(mask)
         return cls(
             tokens=links[0], parents=links[1], depth=links[2], mask=mask, first_child=links[3], next_sibling=links[4]
         )

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from specserve.config import SpecConfig
 from specserve.draft_plan import DraftPlan
-from specserve.drafters.suffix import SENTINEL, SuffixDrafter, TokenStore, build_tree
+from specserve.drafters.suffix import SENTINEL, SuffixDrafter, TokenStore, draft_nodes
 
 
 @dataclass
@@ -97,22 +97,56 @@ def test_a_segment_longer_than_the_ring_keeps_its_end():
 def test_tree_ranks_by_frequency_and_is_nested():
     spec = SpecConfig(algorithm="suffix", suffix_min_token_prob=0.2)
     rows = np.array([[5, 6, 7], [5, 6, 7], [5, 6, 8], [5, 9, SENTINEL], [4, 1, 2]], dtype=np.int32)
-    tree, score = build_tree(0, rows, match_len=3, num_draft_tokens=8, spec=spec)
+    tokens, parents, score = draft_nodes(0, rows, match_len=3, num_draft_tokens=8, spec=spec)
     # counts 5:4, 6:3, 7:2, then the ones (1 of 5 = 0.2 is kept) shallowest first, the newest row's first
-    assert tree.tokens.tolist() == [0, 5, 6, 7, 4, 1, 9, 2]
-    assert tree.parents.tolist() == [-1, 0, 1, 2, 0, 4, 1, 5]
+    assert tokens == [0, 5, 6, 7, 4, 1, 9, 2]
+    assert parents == [-1, 0, 1, 2, 0, 4, 1, 5]
     assert score == pytest.approx((4 + 3 + 2 + 1 + 1 + 1 + 1) / 5)
     for n in range(1, 8):  # a smaller tree is a prefix of a larger one
-        small, _ = build_tree(0, rows, match_len=3, num_draft_tokens=n, spec=spec)
-        assert small.tokens.tolist() == tree.tokens.tolist()[:n]
-        assert small.parents.tolist() == tree.parents.tolist()[:n]
+        small_tokens, small_parents, _ = draft_nodes(0, rows, match_len=3, num_draft_tokens=n, spec=spec)
+        assert small_tokens == tokens[:n] and small_parents == parents[:n]
+
+
+def _full_trie_reference(root, rows, match_len, num_draft_tokens, spec):
+    """Every continuation's whole path in one trie, then the nodes ranked: what `draft_nodes` builds
+    level by level, skipping branches below the share."""
+    depth = min(rows.shape[1], int(spec.suffix_max_spec_factor * match_len))
+    token, parent, level, count, kids = [root], [-1], [0], [0], [{}]
+    for row in reversed(rows[:, :depth].tolist()):
+        node = 0
+        for t in row:
+            if t == SENTINEL:
+                break
+            if t not in kids[node]:
+                kids[node][t] = len(token)
+                token.append(t), parent.append(node), level.append(level[node] + 1), count.append(0), kids.append({})
+            node = kids[node][t]
+            count[node] += 1
+    kept = sorted((n for n in range(1, len(token)) if count[n] >= spec.suffix_min_token_prob * len(rows)),
+                  key=lambda n: (-count[n], level[n], n))[: num_draft_tokens - 1]
+    new = {0: 0, **{n: i + 1 for i, n in enumerate(kept)}}
+    return [root] + [token[n] for n in kept], [-1] + [new[parent[n]] for n in kept], sum(count[n] for n in kept)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_tree_equals_the_full_trie_reference(seed):
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(1, 4, size=(int(rng.integers(1, 30)), int(rng.integers(1, 8))), dtype=np.int32)
+    rows[rng.random(rows.shape) < 0.1] = SENTINEL
+    rows[np.maximum.accumulate(rows == SENTINEL, axis=1)] = SENTINEL
+    spec = SpecConfig(algorithm="suffix", suffix_min_token_prob=float(rng.choice([0.0, 0.1, 0.3])))
+    ndt = int(rng.integers(2, 20))
+    tokens, parents, score = draft_nodes(0, rows, 6, ndt, spec)
+    want_tokens, want_parents, want_count = _full_trie_reference(0, rows, 6, ndt, spec)
+    assert (tokens, parents) == (want_tokens, want_parents)
+    assert score == pytest.approx(want_count / len(rows))
 
 
 def test_tree_depth_is_bounded_by_the_match_and_rare_tokens_are_dropped():
     spec = SpecConfig(algorithm="suffix", suffix_min_token_prob=0.5, suffix_max_spec_factor=1.0)
     rows = np.array([[5, 6, 7, 8], [5, 6, 7, 8], [5, 1, 2, 3]], dtype=np.int32)
-    tree, _ = build_tree(0, rows, match_len=2, num_draft_tokens=16, spec=spec)
-    assert tree.tokens.tolist() == [0, 5, 6]  # 2 deep at a match of 2; 1 (1 in 3) under the 0.5 share
+    tokens, _, _ = draft_nodes(0, rows, match_len=2, num_draft_tokens=16, spec=spec)
+    assert tokens == [0, 5, 6]  # 2 deep at a match of 2; 1 (1 in 3) under the 0.5 share
 
 
 def test_a_finished_request_drafts_for_the_next():

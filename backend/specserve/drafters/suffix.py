@@ -14,7 +14,7 @@ Lookup (`TokenStore.match`): the request's last k tokens (k = suffix_min_match) 
 positions, the most recent `MAX_CANDIDATES`; a candidate's match length is how many tokens before it
 equal the request's last ones (at most suffix_max_depth), and the candidates of the longest match are
 kept, as a suffix tree's deepest matching node would be. Their continuations (up to a segment's end)
-are merged into one tree (`build_tree`), each node counting the candidates that pass through it: a
+are merged into one tree (`draft_nodes`), each node counting the candidates that pass through it: a
 node is drafted when its share count / candidates >= suffix_min_token_prob and its depth is at most
 suffix_max_spec_factor x the match length, the most frequent nodes first, so the tree for fewer
 tokens is always a prefix of the tree for more (`nested_trees`). Each store builds its tree and the
@@ -179,53 +179,59 @@ class TokenStore:
                 del self.index[salt]
 
 
-def build_tree(root: int, rows: np.ndarray, match_len: int, num_draft_tokens: int,
-               spec: SpecConfig) -> tuple[DraftTree, float]:
-    """The draft tree of `rows` (one continuation per candidate, SENTINEL-padded): the nodes that
-    at least suffix_min_token_prob of the candidates pass through, at most suffix_max_spec_factor x
-    match_len deep, most frequent first (ties: shallower, then the most recent candidate's),
-    num_draft_tokens in all with the root. Rows come oldest candidate first.
+def draft_nodes(root: int, rows: np.ndarray, match_len: int, num_draft_tokens: int,
+                spec: SpecConfig) -> tuple[list[int], list[int], float]:
+    """The draft tree of `rows` (one continuation per candidate, SENTINEL-padded) as its tokens and
+    parents (`DraftTree.from_parents`'s inputs): the nodes that at least suffix_min_token_prob of the
+    candidates pass through, at most suffix_max_spec_factor x match_len deep, most frequent first
+    (ties: shallower, then the most recent candidate's), num_draft_tokens in all with the root.
+    Rows come oldest candidate first.
 
     Also its score, the tokens it expects accepted: the sum of its nodes' shares (a node's share
-    estimates the chance that the target's text passes through it)."""
+    estimates the chance that the target's text passes through it).
+
+    Built level by level over the distinct continuations: a node below the share is not expanded
+    (its children have no more candidates than it), so rare branches cost nothing."""
     depth = min(rows.shape[1], int(spec.suffix_max_spec_factor * match_len))
     if depth < 1 or num_draft_tokens < 2 or not len(rows):
-        return DraftTree.root_only(root), 0.0
+        return [root], [-1], 0.0
     # distinct continuations, newest first (rows come oldest first), so equal counts rank by recency
     distinct: dict[tuple[int, ...], int] = {}
     for row in reversed(rows[:, :depth].tolist()):
         key = tuple(row)
         distinct[key] = distinct.get(key, 0) + 1
+    paths, weights = list(distinct), list(distinct.values())
     total = len(rows)
     min_count = spec.suffix_min_token_prob * total
-    token, parent, level, count, kids = [root], [-1], [0], [0], [{}]
-    for row, c in distinct.items():
-        node = 0
-        for t in row:
-            if t == SENTINEL:
-                break
-            child = kids[node].get(t)
-            if child is None:
-                child = kids[node][t] = len(token)
-                token.append(t)
-                parent.append(node)
-                level.append(level[node] + 1)
-                count.append(0)
-                kids.append({})
-            count[child] += c
-            node = child
-    kept = sorted((n for n in range(1, len(token)) if count[n] >= min_count), key=lambda n: (-count[n], level[n], n))
+    # per node: token, parent, level, count, first (the newest continuation through it)
+    nodes: list[tuple[int, int, int, int, int]] = []
+    frontier: list[tuple[int, list[int]]] = [(-1, list(range(len(paths))))]  # (node, its continuations)
+    for level in range(depth):
+        grown: list[tuple[int, list[int]]] = []
+        for node, members in frontier:
+            by_token: dict[int, list[int]] = {}
+            for m in members:
+                t = paths[m][level]
+                if t != SENTINEL:
+                    by_token.setdefault(t, []).append(m)
+            for t, group in by_token.items():
+                count = sum(weights[m] for m in group)
+                if count >= min_count:
+                    nodes.append((t, node, level, count, group[0]))
+                    grown.append((len(nodes) - 1, group))
+        frontier = grown
+    kept = sorted(range(len(nodes)), key=lambda n: (-nodes[n][3], nodes[n][2], nodes[n][4]))
     kept = kept[: num_draft_tokens - 1]  # a parent comes before its children: count >= theirs, shallower
-    new = {0: 0, **{n: i + 1 for i, n in enumerate(kept)}}
-    tree = DraftTree.from_parents([root] + [token[n] for n in kept], [-1] + [new[parent[n]] for n in kept])
-    return tree, sum(count[n] for n in kept) / total
+    new = {-1: 0, **{n: i + 1 for i, n in enumerate(kept)}}
+    return ([root] + [nodes[n][0] for n in kept], [-1] + [new[nodes[n][1]] for n in kept],
+            sum(nodes[n][3] for n in kept) / total)
 
 
 class SuffixDrafter(Drafter):
     """The Drafter for algorithm=suffix: a shared store of finished requests' text and each running
     request's own store. A request's text enters the shared store when it is released."""
 
-    nested_trees = True  # `build_tree` ranks nodes once; fewer tokens take a prefix of the ranking
+    nested_trees = True  # `draft_nodes` ranks nodes once; fewer tokens take a prefix of the ranking
 
     @classmethod
     def build(cls, spec: SpecConfig, ctx: DraftContext) -> Drafter:
@@ -272,17 +278,16 @@ class SuffixDrafter(Drafter):
 
     def propose_scored(self, seq: SequenceView, num_draft_tokens: int) -> tuple[DraftTree, float]:
         """The better scored of the trees of its own store and of the shared store (Arctic's rule),
-        and its score (`build_tree`)."""
+        and its score (`draft_nodes`)."""
         spec, own = self.spec, self._own_store(seq)
         context, root = own.buf[: own.high], int(own.buf[own.high - 1])
         depth = min(spec.suffix_max_depth, num_draft_tokens - 1)
-        best, best_score = DraftTree.root_only(root), 0.0
-        if depth < 1:
-            return best, best_score
-        for store, salt in ((own, None), (self.shared, self._own[seq.request_id][1])):
-            length, at = store.match(context, spec.suffix_max_depth, salt)
-            if length:
-                tree, score = build_tree(root, store.continuations(at, depth), length, num_draft_tokens, spec)
-                if score > best_score:
-                    best, best_score = tree, score
-        return best, best_score
+        best, best_score = ([root], [-1]), 0.0
+        if depth >= 1:
+            for store, salt in ((own, None), (self.shared, self._own[seq.request_id][1])):
+                length, at = store.match(context, spec.suffix_max_depth, salt)
+                if length:
+                    *tree, score = draft_nodes(root, store.continuations(at, depth), length, num_draft_tokens, spec)
+                    if score > best_score:
+                        best, best_score = tree, score
+        return DraftTree.from_parents(*best), best_score
