@@ -283,7 +283,7 @@ def _engine(tiny_target_dir, compile_dir, cpu_compile, algorithm="none", **spec)
                                compiled_steps="always", spec=SpecConfig(algorithm=algorithm, **spec)))
 
 
-@pytest.mark.parametrize("algorithm", ["none", "ngram", "eagle", "eagle3"])
+@pytest.mark.parametrize("algorithm", ["none", "ngram", "eagle", "eagle3", "standalone"])
 def test_compiled_engines_are_lossless(tmp_path, tiny_target_dir, compile_dir, algorithm):
     """Greedy tokens of an engine on the compiled forward equal the eager `none` engine's, at batch
     4 and one request at a time; the drafting engines pin a tree so drafts are verified."""
@@ -295,6 +295,8 @@ def test_compiled_engines_are_lossless(tmp_path, tiny_target_dir, compile_dir, a
                     num_draft_tokens=6)
     elif algorithm == "ngram":
         spec = dict(num_draft_tokens=6)
+    elif algorithm == "standalone":
+        spec = dict(standalone_num_layers=3, num_steps=3, topk=2, num_draft_tokens=6)
     eng = _engine(tiny_target_dir, compile_dir, True, algorithm, **spec)
     assert eng.runner.compiled is not None
     assert getattr(getattr(eng.drafter, "runner", None), "compiled", None) is not None or algorithm in ("none", "ngram")
@@ -357,6 +359,43 @@ def test_compiled_head_matches_eager(tmp_path, tiny_target_dir, compile_dir, alg
     # the catch-up after the prefix is a few rows: a few-row program takes it (EAGLE-3's at the fused features' width)
     assert ran == {"head": 1, "few rows": 2}
     assert sorted(compiled.runner.few_rows.runners) == sorted({cfg.feature_size, cfg.hidden_size})
+
+
+def test_compiled_draft_model_matches_eager(tiny_target_dir, compile_dir):
+    """A standalone draft model's compiled forwards give the eager logits and K/V: a catch-up over
+    fresh prompts, one after a prefix (logits at the last column only), a beam step whose nodes sit
+    at scattered cache entries, and a prompt chunk's K/V alone (`write_kv`)."""
+    from specserve.models.llama import KeyMask
+
+    spec = dict(drafter_path=str(tiny_target_dir), num_steps=3, topk=2, num_draft_tokens=6)
+    compiled = _engine(tiny_target_dir, compile_dir, True, "standalone", **spec).drafter.runner
+    eager = _engine(tiny_target_dir, compile_dir, False, "standalone", **spec).drafter.runner
+    assert compiled.compiled is not None and eager.compiled is None
+    g = torch.Generator().manual_seed(11)
+    b, t, first = 2, 20, 13
+    tokens = torch.randint(3, VOCAB, (b, t), generator=g)
+    positions = torch.arange(t).expand(b, t)
+    last = torch.full((b, 1), t - first - 1)
+    base = torch.tensor([t, t])
+    visible = torch.eye(2, dtype=torch.bool).expand(b, 2, 2)
+    beam_pos = torch.tensor([[t + 1, t + 2], [t + 1, t + 2]])  # after a scratch entry nobody sees
+    beam_mask = KeyMask(base, torch.cat([torch.zeros(b, 2, 1, dtype=torch.bool), visible], -1))
+    steps = [(tokens[:, :first], positions[:, :first], positions[:, :first], None, first, None),
+             (tokens[:, first:], positions[:, first:], positions[:, first:], KeyMask(torch.tensor([first, first])),
+              t, last),
+             (torch.randint(3, VOCAB, (b, 2), generator=g), base[:, None].expand(b, 2), beam_pos, beam_mask, t + 3,
+              None)]
+    with torch.inference_mode():
+        for tok, pos, wpos, mask, key_len, index in steps:
+            got = compiled.forward(tok, pos, wpos, [0, 1], mask, key_len, logit_index=index)
+            want = eager.forward(tok, pos, wpos, [0, 1], mask, key_len, logit_index=index)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(compiled.cache.data, eager.cache.data, rtol=1e-4, atol=1e-4)
+        chunk, chunk_pos = torch.randint(3, VOCAB, (1, 9), generator=g), torch.arange(t + 3, t + 12)[None]
+        for runner in (compiled, eager):
+            runner.write_kv(chunk, chunk_pos, [1], KeyMask(torch.tensor([t + 3])), t + 12)
+        torch.testing.assert_close(compiled.cache.data, eager.cache.data, rtol=1e-4, atol=1e-4)
 
 
 class _Seq:

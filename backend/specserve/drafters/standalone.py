@@ -8,7 +8,8 @@ in that cache (the accepted tokens and the root), so no refresh after verify is 
 is cached chunk by chunk with its prefill (`on_prefill`); a slot's draft K/V stay after its request
 ends, and `copy_prefix` hands them to a request that reuses its prefix. Trees come from
 `beam.grow_trees` (topk=1 is a chain).
-Every draft-model forward runs through `runtime.draft_model.DraftModelRunner`.
+Every draft-model forward runs through `runtime.draft_model.DraftModelRunner` (a compiled program
+on a CPU where the runtime plan compiles, else eagerly).
 
 The draft model never sees the target's hidden states; it does not verify or sample.
 """
@@ -53,7 +54,6 @@ class StandaloneDrafter(Drafter):
         self.spec = spec
         if spec.drafter_path:
             self.model = load_llama(spec.drafter_path, ctx.dtype, ctx.device)
-            pack_for_inference(self.model)
             if self.model.cfg.vocab_size != ctx.target.cfg.vocab_size:
                 raise ValueError(
                     f"drafter_path: draft vocabulary {self.model.cfg.vocab_size} differs from the target's "
@@ -68,7 +68,10 @@ class StandaloneDrafter(Drafter):
             raise ValueError(f"num_steps: (num_steps - 1) * topk = {scratch - 1} exceeds the scratch entries")
         self.model.init_rope(ctx.max_len)
         self.cache = KVCache(self.model.cfg, ctx.num_slots, ctx.max_len, ctx.dtype, ctx.device)
-        self.runner = DraftModelRunner(self.model, self.cache)  # runs every draft-model forward
+        # runs every draft-model forward; its program is compiled from the plain weights, then packed
+        self.runner = DraftModelRunner(self.model, self.cache, ctx.runtime)
+        if spec.drafter_path:
+            pack_for_inference(self.model)  # the target's own layers are packed with the target
         self.cached = [0] * ctx.num_slots  # per slot: tokens whose K/V are in the draft cache
         self.device = ctx.device
 

@@ -9,7 +9,8 @@ compiled program does not (docs/performance.md has the figures).
 `CompiledTarget` is the target's forward in two programs: a step program for forwards of a few rows
 (decode, tree verification, short prompt chunks; its matmuls chosen for this CPU, `STEP_CONFIGS`, or
 the few-row kernel in float32 on AVX2) and a prefill program with oneDNN's prepacked matmuls.
-`CompiledHead` is one forward of a one-layer draft head over its own cache. Packages are cached
+`CompiledHead` is one forward of a one-layer draft head over its own cache (a standalone draft
+model's, `runtime.draft_model`, is called the same way: `scattered_call`). Packages are cached
 under a key of everything a program depends on (`program_key`), compiled by one process while
 the others wait on a file lock, and a package that does not load is set aside and compiled again
 once. The programs only read their KV cache (the new K/V are written afterwards); the classes'
@@ -57,8 +58,8 @@ PREFILL_CONFIGS = {"freezing": True}  # inductor settings: frozen weights, oneDN
 STEP_CONFIGS = {**PREFILL_CONFIGS, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 # the modules whose code a program is traced from (under the specserve package): an edit to any of
 # them is another program, never a stale one loaded from the compile cache
-TRACED_SOURCES = ("runtime/compiled.py", "models/llama.py", "models/cpu_linear.py", "models/eagle_head.py",
-                  "models/mtp_head.py", "models/gguf.py")
+TRACED_SOURCES = ("runtime/compiled.py", "runtime/draft_model.py", "models/llama.py", "models/cpu_linear.py",
+                  "models/eagle_head.py", "models/mtp_head.py", "models/gguf.py")
 STALE_AFTER_DAYS = 14  # a compile-cache package unused this long is deleted when another is compiled
 CORRUPT_SUFFIX = ".corrupt"  # a package that did not load, moved out of its key (`set_aside`)
 Runner = Callable[..., list[torch.Tensor]]
@@ -402,15 +403,21 @@ class ReadOnlyHeadStep(nn.Module):
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
                 slots: torch.Tensor, mask: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b, t = tokens.shape
-        at_new = write_pos[:, None, :].expand(b, t, t)
-        own = torch.gather(mask[:, 0], 2, at_new)  # (B, T, T): new token j visible to new token i
-        prefix = mask[:, 0].scatter(2, at_new, False)  # the new tokens' entries are not in the cache yet
-        full = torch.cat([prefix, own], dim=-1)[:, None]  # (B, 1, T, S + T)
+        full = prefix_then_new(mask, write_pos)
         cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
         new_kv: list[torch.Tensor] = []
         h = self.head(tokens, hidden, readonly_attend(kv[0], slots, full, cos, sin, new_kv))
         return h, torch.stack(new_kv, dim=2)
+
+
+def prefix_then_new(mask: torch.Tensor, write_pos: torch.Tensor) -> torch.Tensor:
+    """mask (B, 1, T, S) over cache entries as if the new tokens were written at write_pos (B, T)
+    -> (B, 1, T, S + T) over [the cache as it is | the new tokens] (`readonly_attend`'s keys)."""
+    b, t = write_pos.shape
+    at_new = write_pos[:, None, :].expand(b, t, t)
+    own = torch.gather(mask[:, 0], 2, at_new)  # (B, T, T): new token j visible to new token i
+    prefix = mask[:, 0].scatter(2, at_new, False)  # the new tokens' entries are not in the cache yet
+    return torch.cat([prefix, own], dim=-1)[:, None]
 
 
 class CompiledHead:
@@ -454,21 +461,32 @@ class CompiledHead:
                 mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """As the head's eager forward over the cache: mask (B, 1, T, key_len) over cache entries,
         the new ones (write_pos) included; writes their K/V. -> h (B, T, H)."""
-        (b, t), key_len = tokens.shape, mask.shape[-1]
-        assert self.fits(key_len), "check fits() first"
-        padded = min(padded_rows(t), self.cache.max_len - 1)
-        if padded > t and not self.fits(key_len + 1):
-            padded = t
-        # padded tokens take cache entry key_len, past every real token's keys, and see only that entry
-        s = aligned_keys(key_len + (padded > t))
-        full = torch.zeros(b, 1, padded, s, dtype=torch.bool, device=mask.device)
-        full[:, :, :t, :key_len] = mask
-        full[:, :, t:, key_len:key_len + 1] = padded > t
-        if padded > t:
-            tokens, hidden = pad_columns(tokens, padded), pad_columns(hidden, padded)
-            positions = continued_positions(positions, padded, self.rope[0].shape[0])
-            write_pos = pad_columns(write_pos, padded, key_len)
-        inputs = (x.contiguous() for x in (tokens, hidden, positions, write_pos, slots, full))
-        h, new_kv = self.runners[hidden.shape[-1]](*inputs, prefix_keys(self.cache, s))
-        write_new_kv(self.cache, slots, write_pos[:, :t], new_kv[:, :t])
-        return h[:, :t]
+        assert self.fits(mask.shape[-1]), "check fits() first"
+        return scattered_call(self.runners[hidden.shape[-1]], self.cache, self.rope[0].shape[0], tokens, (hidden,),
+                              positions, write_pos, mask, slots)
+
+
+def scattered_call(runner: Runner, cache: KVCache, rope_len: int, tokens: torch.Tensor,
+                   per_token: tuple[torch.Tensor, ...], positions: torch.Tensor, write_pos: torch.Tensor,
+                   mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One call of a program exported as `ReadOnlyHeadStep` is (tokens, *per_token, positions,
+    write_pos, slots, mask, kv) -> (out, new_kv): the new tokens written at arbitrary cache entries
+    `write_pos` (B, T), mask (B, 1, T, key_len) over cache entries as if they were written. Runs
+    padded to `padded_rows(T)` tokens where the cache has room; writes the new K/V; -> out (B, T, ...)."""
+    (b, t), key_len = tokens.shape, mask.shape[-1]
+    padded = min(padded_rows(t), cache.max_len - 1)
+    if padded > t and aligned_keys(key_len + 1) >= cache.max_len:
+        padded = t
+    # padded tokens take cache entry key_len, past every real token's keys, and see only that entry
+    s = aligned_keys(key_len + (padded > t))
+    full = torch.zeros(b, 1, padded, s, dtype=torch.bool, device=mask.device)
+    full[:, :, :t, :key_len] = mask
+    full[:, :, t:, key_len:key_len + 1] = padded > t
+    if padded > t:
+        tokens, per_token = pad_columns(tokens, padded), tuple(pad_columns(x, padded) for x in per_token)
+        positions = continued_positions(positions, padded, rope_len)
+        write_pos = pad_columns(write_pos, padded, key_len)
+    inputs = (x.contiguous() for x in (tokens, *per_token, positions, write_pos, slots, full))
+    out, new_kv = runner(*inputs, prefix_keys(cache, s))
+    write_new_kv(cache, slots, write_pos[:, :t], new_kv[:, :t])
+    return out[:, :t]
