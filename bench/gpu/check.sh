@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # The GPU check, on a bare CUDA machine with torch, triton, transformers and pytest (no network, no
-# `make setup`); the SmolLM2 model prepared in models/ (see docs/gpu.md). Within 5 minutes from cold
-# caches, in order: the Triton kernels' tests on CUDA; the GPU tests (CUDA graphs, every algorithm
-# lossless in float32); the decode / verify step benchmark for SmolLM2's and Llama-3.1-8B's shapes;
-# every algorithm on 8 MT-bench prompts x 128 tokens with graphs on, pinned and adaptive; HF
-# generate() with its static cache. Each part writes its file into OUT as it finishes (a timeout
-# still returns what ran): summary.txt, check.log and one JSON/XML a part. A part past its limit
-# gets SIGINT first, so pytest still writes its report.
+# `make setup`). It needs only this tree: without a prepared SmolLM2 in models/ (or
+# SPECSERVE_GPU_MODEL_DIR), it writes a random-weight model of SmolLM2's shape first
+# (bench/gpu/random_model.py: real shapes, kernels and graphs; no real accept lengths). Within 6
+# minutes from cold caches, in order: the Triton kernels' tests on CUDA; the GPU tests (every
+# CUDA-graph bucket captured, every algorithm lossless in float32, Llama-3.1-8B's width in 2 layers);
+# the decode / verify step benchmark for SmolLM2's and Llama-3.1-8B's shapes; every algorithm on 8
+# MT-bench prompts x 128 tokens with graphs on, pinned and adaptive; HF generate() with its static
+# cache. Each part writes its file into OUT as it finishes (a timeout still returns what ran), at
+# most 8 files: summary.txt (one line a part, then the capture failures counted over every JSON
+# row), check.log, kernels.xml, gpu_tests.xml, steps_smollm2.json, steps_llama8b.json,
+# variants.json, hf_static.json. A part past its limit gets SIGINT first, so pytest still writes
+# its report.
 #     bench/gpu/check.sh [OUT]        (default results/gpu-check)
+# REHEARSAL=1 runs every part on the CPU with tiny shapes in seconds (tests/unit/test_gpu_bench_script.py).
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${1:-${OUT:-results/gpu-check}}
@@ -29,19 +35,43 @@ part() {  # part NAME SECONDS CMD...: run, log, record its exit status and the t
   $PY -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
 } >> "$OUT/summary.txt" 2>&1
 
-# Limits (300 s in all): a cold start compiles each Triton kernel on its first launch (1-4 s each)
-# and captures every CUDA-graph bucket; the CPU-only kernel tests (the AVX2 few-row GEMM, the
-# compile check for GPUs that are not there) are left out.
+# what each part runs: the GPU's shapes and counts, or the rehearsal's tiny ones
+SMOL=smollm2-135m BIG=llama-3.1-8b SMOL_BS=1,8,64 BIG_BS=1,16,64 CONTEXT=1024 PROMPTS=8 NEW_TOKENS=128
+ALGORITHMS=none,ngram,eagle,eagle3,mtp,standalone KERNEL_TESTS=tests/kernels COLLECT=
+SMOL_TREES=8,16,32,64 BIG_TREES=8,16,32
+if [ "${REHEARSAL:-0}" = 1 ]; then
+  SMOL=tiny BIG=tiny SMOL_BS=1,2 BIG_BS=1,2 CONTEXT=32 PROMPTS=1 NEW_TOKENS=4 ALGORITHMS=none,ngram
+  SMOL_TREES=4,8 BIG_TREES=4 COLLECT=--collect-only
+  RANDOM_SHAPE=tiny
+fi
+
+# the model: the prepared SmolLM2, or random weights of its shape (the first call stages nothing)
+MODEL_DIR=${SPECSERVE_GPU_MODEL_DIR:-}
+if [ -z "$MODEL_DIR" ] && [ -f models/SmolLM2-135M-Instruct/model.safetensors ] && [ "${REHEARSAL:-0}" != 1 ]; then
+  MODEL_DIR=models/SmolLM2-135M-Instruct
+fi
+if [ -z "$MODEL_DIR" ]; then
+  MODEL_DIR=${TMPDIR:-/tmp}/specserve-random-${RANDOM_SHAPE:-smollm2-135m}
+  part random-model 30 $PY bench/gpu/random_model.py "$MODEL_DIR" --shape "${RANDOM_SHAPE:-smollm2-135m}"
+fi
+export SPECSERVE_GPU_MODEL_DIR=$MODEL_DIR
+echo "model: $MODEL_DIR" >> "$OUT/summary.txt"
+
+# Limits (360 s in all, from the last GPU run with a margin): a cold start compiles each Triton
+# kernel on its first launch (1-4 s each) and captures every CUDA-graph bucket; HF's static cache
+# compiles its forward (about 42 s). The CPU-only kernel tests (the AVX2 few-row GEMM, the GGUF
+# blocks, the compile check for GPUs that are not there) are left out.
 PYTEST="$PY -m pytest -q -p no:cacheprovider -o faulthandler_timeout=60"
-part kernels 70 $PYTEST tests/kernels --ignore=tests/kernels/test_few_row_gemm.py \
-  --ignore=tests/kernels/test_real_compiler.py --junitxml="$OUT/kernels.xml"
-part gpu-tests 60 $PYTEST -m gpu tests/gpu --junitxml="$OUT/gpu_tests.xml"
-part steps-smollm2 25 $PY bench/gpu/run.py --shape smollm2-135m --context 1024 --batch-sizes 1,8,64 \
-  --num-draft-tokens 8,16,32,64 --skip-variants --json "$OUT/steps_smollm2.json"
-part steps-llama8b 35 $PY bench/gpu/run.py --shape llama-3.1-8b --context 1024 --batch-sizes 1,16,64 \
-  --num-draft-tokens 8,16,32 --skip-variants --json "$OUT/steps_llama8b.json"
-part variants 75 $PY bench/gpu/run.py --skip-steps --algorithms none,ngram,eagle,eagle3,mtp,standalone \
-  --num-prompts 8 --max-new-tokens 128 --graphs-only --json "$OUT/variants.json"
-part hf-static 35 $PY bench/gpu/run.py --skip-steps --algorithms none --no-adaptive --graphs-only \
-  --num-prompts 8 --max-new-tokens 128 --hf-static --json "$OUT/hf_static.json"
+part kernels 55 $PYTEST $COLLECT $KERNEL_TESTS --ignore=tests/kernels/test_few_row_gemm.py \
+  --ignore=tests/kernels/test_gguf_gemm.py --ignore=tests/kernels/test_real_compiler.py --junitxml="$OUT/kernels.xml"
+part gpu-tests 100 $PYTEST $COLLECT -m gpu tests/gpu --junitxml="$OUT/gpu_tests.xml"
+part steps-smollm2 25 $PY bench/gpu/run.py --shape $SMOL --context $CONTEXT --batch-sizes $SMOL_BS \
+  --num-draft-tokens $SMOL_TREES --skip-variants --json "$OUT/steps_smollm2.json"
+part steps-llama8b 35 $PY bench/gpu/run.py --shape $BIG --context $CONTEXT --batch-sizes $BIG_BS \
+  --num-draft-tokens $BIG_TREES --skip-variants --json "$OUT/steps_llama8b.json"
+part variants 75 $PY bench/gpu/run.py --skip-steps --model-dir "$MODEL_DIR" --algorithms $ALGORITHMS \
+  --num-prompts $PROMPTS --max-new-tokens $NEW_TOKENS --graphs-only --json "$OUT/variants.json"
+part hf-static 50 $PY bench/gpu/run.py --skip-steps --model-dir "$MODEL_DIR" --algorithms none --no-adaptive \
+  --graphs-only --num-prompts $PROMPTS --max-new-tokens $NEW_TOKENS --hf-static --json "$OUT/hf_static.json"
+$PY bench/gpu/run.py --summarize "$OUT" | tee -a "$OUT/summary.txt"
 echo "done in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"

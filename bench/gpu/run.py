@@ -106,7 +106,10 @@ def weight_bytes_per_step(model: LlamaModel) -> int:
 
 @torch.inference_mode()
 def bench_steps(cfg: ModelConfig, device: torch.device, batch_sizes: list[int], num_draft_tokens: list[int],
-                context: int, iters: int, graphs: bool, attention: str = "auto") -> dict:
+                context: int, iters: int, graphs: bool, attention: str = "auto",
+                dump: Callable[[dict], None] = lambda report: None) -> dict:
+    """Decode and verify step times of a random-weight model of shape `cfg`; `dump(report)` after
+    each row (a timeout keeps what ran)."""
     dtype = torch.bfloat16
     model = random_model(cfg, dtype, device)
     max_bs = max(batch_sizes)
@@ -125,7 +128,9 @@ def bench_steps(cfg: ModelConfig, device: torch.device, batch_sizes: list[int], 
     def backend(bs: int, t: int, capture: bool):  # noqa: ANN202
         return make_attention_backend(attention, cfg, cache.max_len, dtype, device, bs if capture else None, t)
 
-    def step_fn(bs: int, t: int, capture: bool) -> Callable[[], object]:
+    def time_step(row: dict, name: str, bs: int, t: int, capture: bool) -> None:
+        """row[name_ms]: the step's median time; with capture, whether its graph was captured and
+        its capture failures (a failed capture runs eagerly: its time is no graph's)."""
         runner = GraphRunner(model, cache, [bs], [t], (), padding_slot=max_bs,
                              make_backend=lambda b, n: backend(b, n, capture), capture=capture)
         slots = torch.arange(bs, device=device)
@@ -134,27 +139,46 @@ def bench_steps(cfg: ModelConfig, device: torch.device, batch_sizes: list[int], 
         positions = lens[:, None] + torch.arange(t, device=device)
         mask = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(bs, t, t)  # a chain of t nodes
         host = [context] * bs
-        return lambda: runner.forward(tokens, positions, slots, lens, mask if t > 1 else None, host)
+        row[f"{name}_ms"] = timer(device, lambda: runner.forward(tokens, positions, slots, lens,
+                                                                 mask if t > 1 else None, host), iters) * 1e3
+        if capture:
+            row["graph_captured"] = runner.num_captured == 1
+            row["capture_failures"] = len(runner.failures.keys)
 
     modes = [("eager", False)] + ([("graph", True)] if graphs else [])
     for bs in batch_sizes:
         row = {"batch_size": bs}
         for name, capture in modes:
-            row[f"{name}_ms"] = timer(device, step_fn(bs, 1, capture), iters) * 1e3
+            time_step(row, name, bs, 1, capture)
         best = min(row[f"{n}_ms"] for n, _ in modes)
         row["bandwidth_floor_ms"] = (floor + bs * kv_bytes / bandwidth) * 1e3  # weights once, each request's KV
         row["vs_bandwidth_floor"] = best / row["bandwidth_floor_ms"]
         report["decode"].append(row)
         log.info("decode bs=%d %s", bs, row)
+        dump(report)
     decode_bs1 = report["decode"][0]
     for t in num_draft_tokens:
         row = {"batch_size": 1, "num_draft_tokens": t}
         for name, capture in modes:
-            row[f"{name}_ms"] = timer(device, step_fn(1, t, capture), iters) * 1e3
+            time_step(row, name, 1, t, capture)
             row[f"{name}_vs_decode"] = row[f"{name}_ms"] / decode_bs1[f"{name}_ms"]
         report["verify"].append(row)
         log.info("verify t=%d %s", t, row)
+        dump(report)
     return report
+
+
+def graph_report(engine: object) -> dict:
+    """What an engine captured: its target's and its drafter's CUDA-graph buckets and capture
+    failures (a failed bucket runs eagerly), their sum, and `cuda_graph` when the target replays
+    at least one graph."""
+    row = {}
+    for name, graphs in (("target", engine.runner.graphs), ("drafter", engine.drafter.graphs)):
+        row[f"{name}_graphs"] = 0 if graphs is None else graphs.num_captured
+        row[f"{name}_capture_failures"] = 0 if graphs is None else len(graphs.failures.keys)
+    row["capture_failures"] = row["target_capture_failures"] + row["drafter_capture_failures"]
+    row["cuda_graph"] = row["target_graphs"] > 0
+    return row
 
 
 def bench_variants(model_dir: str, device: torch.device, algorithms: list[str], num_prompts: int,
@@ -183,12 +207,14 @@ def bench_variants(model_dir: str, device: torch.device, algorithms: list[str], 
         for shape_name, shape in shapes.items():
             spec = SpecConfig(algorithm=alg, **served_drafter(alg), **shape)
             for mode in (["auto", "off"] if graphs and eager_too else ["auto"] if graphs else ["off"]):
+                start = time.perf_counter()
                 engine = Engine(replace(base, spec=spec, graph_mode=mode))
+                startup_s = time.perf_counter() - start
                 run = run_engine(engine, prompts, max_new_tokens)
-                rows.append({"algorithm": alg, "shape": shape_name,
-                             "cuda_graph": mode == "auto" and device.type == "cuda",
-                             "attention": engine.runner.attention, "tokens_per_s": run["tokens_per_s"],
-                             "accept_length": run["accept_length"], "profile_ms": engine.profile.per_step_ms()})
+                rows.append({"algorithm": alg, "shape": shape_name, "graph_mode": mode, **graph_report(engine),
+                             "startup_s": round(startup_s, 2), "attention": engine.runner.attention,
+                             "tokens_per_s": run["tokens_per_s"], "accept_length": run["accept_length"],
+                             "profile_ms": engine.profile.per_step_ms()})
                 log.info("%s", rows[-1])
                 dump(rows)
                 del engine
@@ -236,6 +262,25 @@ def hf_static_generate(model_dir: str, device: torch.device, prompts: list[list[
             "cache_len": cache_len}
 
 
+def capture_failures(report: dict) -> int:
+    """The capture failures a report's rows count (steps and variants)."""
+    steps = report.get("steps", {})
+    rows = [*steps.get("decode", []), *steps.get("verify", []), *report.get("variants", [])]
+    return sum(r.get("capture_failures", 0) for r in rows)
+
+
+def summarize(out: Path) -> str:
+    """One line for the check's summary: the capture failures of every JSON report in `out`, per file."""
+    counts = {}
+    for path in sorted(out.glob("*.json")):
+        try:
+            counts[path.name] = capture_failures(json.loads(path.read_text()))
+        except (OSError, ValueError) as e:  # a part cut mid-write: say so, count nothing
+            counts[path.name] = f"unreadable ({type(e).__name__})"
+    total = sum(c for c in counts.values() if isinstance(c, int))
+    return f"capture failures: {total} (" + ", ".join(f"{k} {v}" for k, v in counts.items()) + ")"
+
+
 def markdown(report: dict) -> str:
     lines = []
     if "steps" in report:
@@ -276,17 +321,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-static", action="store_true", help="variants: also HF generate() with its static cache")
     p.add_argument("--graphs-only", action="store_true", help="variants: no eager runs beside the graphs")
     p.add_argument("--json", default=None, help="write the report to this one file (no --out folder)")
+    p.add_argument("--summarize", default=None, metavar="DIR",
+                   help="print the capture failures of the JSON reports in DIR, and run nothing")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.summarize:
+        print(summarize(Path(args.summarize)))
+        return 0
 
     device = torch.device(args.device)
     graphs = device.type == "cuda"
     name = torch.cuda.get_device_name(device) if graphs else "cpu"
     report: dict = {"device": name, "torch": torch.__version__}
     if not args.skip_steps:
+        def dump_steps(steps: dict) -> None:
+            if args.json:
+                Path(args.json).write_text(json.dumps(report | {"steps": steps}, indent=2) + "\n")
+
         report["steps"] = bench_steps(SHAPES[args.shape], device, [int(b) for b in args.batch_sizes.split(",")],
                                       [int(t) for t in args.num_draft_tokens.split(",")], args.context, args.iters,
-                                      graphs, args.attention)
+                                      graphs, args.attention, dump_steps)
     if not args.skip_variants:
         from specserve.prepare import default_model_dir
 

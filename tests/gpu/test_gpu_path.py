@@ -1,5 +1,6 @@
-"""The GPU path on the real SmolLM2: CUDA graphs, the Triton and flashinfer attention backends,
-against the eager torch path, for every algorithm.
+"""The GPU path on SmolLM2 (or a random-weight model of its shape, `conftest.gpu_model_dir`) and on
+Llama-3.1-8B's width in 2 layers: CUDA graphs, every bucket captured, the Triton and flashinfer
+attention backends, against the eager torch path, for every algorithm.
 
 Every test here is marked `gpu` and skipped without CUDA (tests/conftest.py). The Triton kernels
 are checked on the GPU by tests/kernels/ itself, which launches them on CUDA tensors when CUDA
@@ -27,21 +28,31 @@ def _engine(model_dir, algorithm="none", dtype="float32", batch=4, **kw) -> Engi
                                max_seq_len=1024, spec=spec, **kw))
 
 
+def assert_captured(engine: Engine, drafts: bool = False) -> None:
+    """Every CUDA-graph bucket of the target (and, with `drafts`, of the drafter) captured: a failed
+    capture runs eagerly, and its step would pass for a graph's."""
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.failures.keys == [] and graphs.num_captured == len(graphs.buckets) > 0
+    if drafts:
+        drafted = engine.drafter.graphs
+        assert drafted is not None and drafted.failures.keys == [] and drafted.num_captured == len(drafted.buckets) > 0
+
+
 @pytest.fixture(scope="module")
-def prompts(smollm2_dir) -> list[list[int]]:
+def prompts(gpu_model_dir) -> list[list[int]]:
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
-    return [tok.encode(render_chat(str(smollm2_dir), q), add_special_tokens=False).ids
+    tok = Tokenizer.from_file(str(gpu_model_dir / "tokenizer.json"))
+    return [tok.encode(render_chat(str(gpu_model_dir), q), add_special_tokens=False).ids
             for q in load_questions("mtbench", 6)]
 
 
 @pytest.mark.parametrize("algorithm", ["none", "ngram"])
-def test_cuda_graphs_equal_eager(smollm2_dir, prompts, algorithm):
+def test_cuda_graphs_equal_eager(gpu_model_dir, prompts, algorithm):
     """fp32: a captured graph with the Triton attention kernel gives the eager torch forward's tokens."""
-    eager = _engine(smollm2_dir, algorithm, graph_mode="off", attention_backend="torch")
-    graphs = _engine(smollm2_dir, algorithm, graph_mode="auto", attention_backend="triton")
-    assert graphs.runner.graphs is not None and graphs.runner.graphs.graph_bytes > 0
+    eager = _engine(gpu_model_dir, algorithm, graph_mode="off", attention_backend="torch")
+    graphs = _engine(gpu_model_dir, algorithm, graph_mode="auto", attention_backend="triton")
+    assert_captured(graphs)
     ref = eager.generate(prompts, PARAMS)
     out = graphs.generate(prompts, PARAMS)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
@@ -56,36 +67,37 @@ def _spec(algorithm: str) -> SpecConfig:
 
 
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3", "mtp", "standalone"])
-def test_captured_drafts_equal_eager(smollm2_dir, prompts, algorithm):
+def test_captured_drafts_equal_eager(gpu_model_dir, prompts, algorithm):
     """fp32: with graphs on (the target's buckets and, for EAGLE/MTP heads, the whole multi-step
     draft replayed from a CUDA graph), the eager engine's tokens and accept lengths."""
-    engines = [Engine(EngineConfig(model_dir=str(smollm2_dir), device="cuda", dtype="float32", max_batch_size=4,
+    engines = [Engine(EngineConfig(model_dir=str(gpu_model_dir), device="cuda", dtype="float32", max_batch_size=4,
                                    max_seq_len=1024, spec=_spec(algorithm), graph_mode=mode, attention_backend="torch"))
                for mode in ("off", "auto")]
-    assert engines[1].runner.graphs is not None and engines[1].runner.graphs.graph_bytes > 0
-    if algorithm != "standalone":
-        assert engines[1].drafter.runner.graphs is not None and engines[1].drafter.runner.graphs.graph_bytes > 0
+    assert_captured(engines[1], drafts=algorithm != "standalone")
     ref, out = (e.generate(prompts, PARAMS) for e in engines)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
     assert [o.accept_lengths for o in out] == [r.accept_lengths for r in ref]
 
 
 @pytest.mark.parametrize("algorithm", ["ngram", "eagle", "eagle3", "mtp", "standalone"])
-def test_greedy_speculation_equals_none_with_graphs(smollm2_dir, prompts, algorithm):
+def test_greedy_speculation_equals_none_with_graphs(gpu_model_dir, random_weights, prompts, algorithm):
     """fp32, graphs on, the Triton attention kernel: every algorithm's greedy output is `none`'s."""
     def engine(spec: SpecConfig) -> Engine:
-        return Engine(EngineConfig(model_dir=str(smollm2_dir), device="cuda", dtype="float32", max_batch_size=4,
+        return Engine(EngineConfig(model_dir=str(gpu_model_dir), device="cuda", dtype="float32", max_batch_size=4,
                                    max_seq_len=1024, spec=spec, attention_backend="triton"))
 
     ref = engine(_spec("none")).generate(prompts, PARAMS)
-    out = engine(_spec(algorithm)).generate(prompts, PARAMS)
+    spec = engine(_spec(algorithm))
+    assert_captured(spec)
+    out = spec.generate(prompts, PARAMS)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
-    assert any(o.num_accepted_tokens > 0 for o in out)
+    assert sum(o.num_draft_tokens for o in out) > 0
+    assert random_weights or any(o.num_accepted_tokens > 0 for o in out)
 
 
-def test_steps_issue_no_host_sync_inside_the_forward(smollm2_dir, prompts):
+def test_steps_issue_no_host_sync_inside_the_forward(gpu_model_dir, prompts):
     """A bf16 decode step with graphs: the forward replays without a synchronizing call."""
-    eng = _engine(smollm2_dir, "none", "bfloat16", attention_backend="triton")
+    eng = _engine(gpu_model_dir, "none", "bfloat16", attention_backend="triton")
     eng.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))
     fn = eng.runner.graphs
     assert fn is not None
@@ -99,10 +111,10 @@ def test_steps_issue_no_host_sync_inside_the_forward(smollm2_dir, prompts):
 
 @pytest.mark.skipif(not flashinfer_available(), reason="flashinfer is not installed")
 @pytest.mark.parametrize("graph_mode", ["off", "auto"])
-def test_flashinfer_logits_close_to_torch(smollm2_dir, graph_mode):
+def test_flashinfer_logits_close_to_torch(gpu_model_dir, graph_mode):
     """bf16: one tree-verify forward through flashinfer (eager and in a graph) vs torch SDPA."""
-    ref_engine = _engine(smollm2_dir, "ngram", "bfloat16", graph_mode=graph_mode, attention_backend="torch")
-    fi_engine = _engine(smollm2_dir, "ngram", "bfloat16", graph_mode=graph_mode, attention_backend="flashinfer")
+    ref_engine = _engine(gpu_model_dir, "ngram", "bfloat16", graph_mode=graph_mode, attention_backend="torch")
+    fi_engine = _engine(gpu_model_dir, "ngram", "bfloat16", graph_mode=graph_mode, attention_backend="flashinfer")
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 40000, (300,), generator=g).tolist()
     first = [e.generate([prompt], SamplingParams(max_tokens=1))[0] for e in (ref_engine, fi_engine)]
@@ -113,10 +125,24 @@ def test_flashinfer_logits_close_to_torch(smollm2_dir, graph_mode):
 
 
 @pytest.mark.skipif(not flashinfer_available(), reason="flashinfer is not installed")
-def test_flashinfer_graphs_lossless_speculation(smollm2_dir, prompts):
+def test_flashinfer_graphs_lossless_speculation(gpu_model_dir, prompts):
     """The production GPU configuration (flashinfer + graphs, bf16): greedy ngram equals greedy
     none under the same configuration, on most prompts (bf16 batch-shape effects aside)."""
-    base = _engine(smollm2_dir, "none", "bfloat16").generate(prompts, PARAMS)
-    spec = _engine(smollm2_dir, "ngram", "bfloat16").generate(prompts, PARAMS)
+    base = _engine(gpu_model_dir, "none", "bfloat16").generate(prompts, PARAMS)
+    spec = _engine(gpu_model_dir, "ngram", "bfloat16").generate(prompts, PARAMS)
     same = sum(a.token_ids == b.token_ids for a, b in zip(base, spec))
     assert same >= len(prompts) // 2
+
+
+@pytest.mark.parametrize("algorithm", ["none", "ngram"])
+def test_llama8b_width_graphs_equal_eager(llama8b_width_dir, algorithm):
+    """fp32 at Llama-3.1-8B's width (hidden 4096, head dim 128, 32 / 8 heads, 128k vocabulary), 2
+    layers: captured graphs with the Triton attention kernel give the eager torch forward's tokens."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(10, 128000, (n,), generator=g).tolist() for n in (7, 40, 150)]
+    prompts[1] = prompts[1][:10] * 4  # repeats give NGRAM something to draft
+    eager = _engine(llama8b_width_dir, algorithm, graph_mode="off", attention_backend="torch", batch=3)
+    graphs = _engine(llama8b_width_dir, algorithm, graph_mode="auto", attention_backend="triton", batch=3)
+    assert_captured(graphs)
+    ref, out = (e.generate(prompts, PARAMS) for e in (eager, graphs))
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]

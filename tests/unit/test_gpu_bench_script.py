@@ -76,3 +76,48 @@ def test_make_gpu_check_writes_into_out_when_it_is_set(tmp_path):
     default = subprocess.run(["bash", "-c", f"echo {said.split(' ', 1)[1]}"], capture_output=True, text=True,
                              env={k: v for k, v in os.environ.items() if k != "OUT"}).stdout.strip()
     assert default == "results/gpu-check"
+
+
+EXPECTED_OUT = {"summary.txt", "check.log", "kernels.xml", "gpu_tests.xml", "steps_smollm2.json", "steps_llama8b.json",
+                "variants.json", "hf_static.json"}
+
+
+def test_check_rehearsal_leaves_its_files_in_out(tmp_path):
+    """bench/gpu/check.sh end to end on the CPU with tiny shapes (REHEARSAL=1), the random-weight
+    model it writes when none is prepared included: at most the 8 files the device machine returns,
+    a summary line per part, each part successful, and the capture failures counted."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    env = {**os.environ, "REHEARSAL": "1", "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
+    env.pop("SPECSERVE_GPU_MODEL_DIR", None)
+    subprocess.run(["bash", str(SCRIPT.parent / "check.sh"), str(out)], env=env, check=True, timeout=600,
+                   capture_output=True)
+    names = {p.name for p in out.iterdir()}
+    assert names == EXPECTED_OUT, names
+    summary = (out / "summary.txt").read_text().splitlines()
+    parts = [line.split(":")[0] for line in summary if ": rc=" in line]
+    assert parts == ["random-model", "kernels", "gpu-tests", "steps-smollm2", "steps-llama8b", "variants", "hf-static"]
+    assert all(": rc=0," in line for line in summary if ": rc=" in line), summary
+    assert any(line.startswith("capture failures: 0 (") and "variants.json 0" in line for line in summary), summary
+    rows = json.loads((out / "variants.json").read_text())["variants"]
+    assert rows and all(r["capture_failures"] == 0 and r["cuda_graph"] is False for r in rows)
+
+
+def test_a_failed_capture_is_counted_and_is_no_graph(monkeypatch):
+    """A bucket whose capture fails runs eagerly: its row says so (`graph_captured` false, one
+    capture failure) and the summary counts it. On the CPU every capture fails (no CUDA stream)."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    report = module.bench_steps(module.SHAPES["tiny"], torch.device("cpu"), [1], [4], context=16, iters=1,
+                                graphs=True, attention="torch")
+    rows = [*report["decode"], *report["verify"]]
+    assert [(r["graph_captured"], r["capture_failures"]) for r in rows] == [(False, 1), (False, 1)]
+    assert module.capture_failures({"steps": report}) == 2

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from specserve.config import SpecConfig
     from specserve.draft_plan import DraftPlan
     from specserve.models.llama import ForwardOutput, LlamaModel
+    from specserve.runtime.cuda_graph import DraftGraphs
     from specserve.runtime.prefill import PackedPrompts
     from specserve.tree import DraftShape
 
@@ -110,6 +111,11 @@ class Drafter:
             yield
         finally:
             self.forward_seconds += time.perf_counter() - start
+
+    @property
+    def graphs(self) -> DraftGraphs | None:
+        """Its drafts captured as CUDA graphs (`runtime.cuda_graph.DraftGraphs`), None where none are."""
+        return None
 
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree] | TreeBatch:
         """One tree per sequence, root = seq.token_ids[-1], of at most `shape.num_draft_tokens`

@@ -39,6 +39,7 @@ from specserve.drafters.beam import grow_trees, grow_trees_on_device
 from specserve.models.draft_heads import HEADS, load_token_map
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, KeyMask, rope_table
+from specserve.runtime.cuda_graph import DraftGraphs
 from specserve.runtime.head_runner import HeadRunner
 from specserve.runtime.prefill import PackedPrompts
 from specserve.staging import to_device
@@ -128,6 +129,10 @@ class HeadDrafter(Drafter):
             self.features[s.slot, c.start : c.end] = feats[0, packed.columns(i)]
         for s in seqs:
             self._catch_up([s])
+
+    @property
+    def graphs(self) -> DraftGraphs | None:
+        return self.runner.graphs
 
     def on_accept(self, seqs: Sequence[SequenceView], out: ForwardOutput, accepted: Sequence[torch.Tensor]) -> None:
         t = max(len(a) for a in accepted)

@@ -31,6 +31,7 @@ from specserve.drafters.base import DraftContext, Drafter, SequenceView
 from specserve.drafters.suffix import SuffixDrafter
 from specserve.estimates import RunningAverage
 from specserve.models.llama import ForwardOutput
+from specserve.runtime.cuda_graph import DraftGraphs
 from specserve.runtime.prefill import PackedPrompts
 from specserve.tree import DraftShape, DraftTree
 
@@ -125,6 +126,10 @@ class HybridDrafter(Drafter):
         self.suffix_rows += len(seqs) - len(rows)
         self._proposed_at = time.perf_counter()
         return trees
+
+    @property
+    def graphs(self) -> DraftGraphs | None:
+        return self.head.graphs
 
     def on_accept(self, seqs: Sequence[SequenceView], out: ForwardOutput, accepted: Sequence[torch.Tensor]) -> None:
         if self._proposed_at is not None:

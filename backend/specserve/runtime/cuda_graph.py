@@ -99,6 +99,11 @@ class GraphRunner:
                 self.graph_bytes / 2**20,
             )
 
+    @property
+    def num_captured(self) -> int:
+        """The buckets that replay a captured graph (the others run their static forward eagerly)."""
+        return sum(bk.graph is not None for bk in self.buckets.values())
+
     def bucket_for(self, batch_size: int, num_tokens: int) -> tuple[int, int] | None:
         """The smallest bucket holding the batch, or None (the caller runs it eagerly)."""
         i = bisect.bisect_left(self.batch_sizes, batch_size)
@@ -294,6 +299,11 @@ class DraftGraphs:
             log.info("CUDA graphs: %d of %d drafts captured (batch sizes %s), %.1f MiB",
                      len(self.buckets) - len(self.failures.keys), len(self.buckets), self.batch_sizes,
                      self.graph_bytes / 2**20)
+
+    @property
+    def num_captured(self) -> int:
+        """The batch sizes that replay a captured draft (the others draft eagerly)."""
+        return sum(bk.graph is not None for bk in self.buckets.values())
 
     def _captured(self, bk: _DraftBucket) -> Callable[[], TreeBatch]:
         return capturable(lambda: self.draft(bk.slots, bk.base, bk.roots))
