@@ -14,13 +14,15 @@ and GFLOP/s; `--storage bfloat16` stores them in bf16 (float32 arithmetic), as t
 a bf16 checkpoint. `--library` loads a kernel library built from another source instead of building this
 checkout's (to compare two versions, run each in its own process, alternately).
 
-`--gguf`: SmolLM2's own GGUF blocks through the GGUF kernel (`gguf_gemm`), against the floor of their
-bytes and beside the same weights in bf16 prepacked.
+`--gguf`: SmolLM2's own GGUF blocks through the GGUF kernel (`gguf_gemm`) in both packed layouts (float
+and integer, timed alternately in one process), against the floor of their bytes and beside the same
+weights in bf16 prepacked. `SPECSERVE_GGUF_ISA=avx2` or `avx512-256` in the environment narrows the
+integer kernel.
 
     .venv/bin/python bench/cpu_linear.py [--tokens 1 4 16]
     .venv/bin/python bench/cpu_linear.py --few-rows [--tokens 1 4 8 32]
     .venv/bin/python bench/cpu_linear.py --kernel [--storage bfloat16] [--tokens 1 2 4 6 8 12 16] [--library PATH.so]
-    .venv/bin/python bench/cpu_linear.py --gguf [--tokens 1 2 4 8 12 16]
+    .venv/bin/python bench/cpu_linear.py --gguf [--tokens 1 2 4 8 12 16] [--repeats 15]
 """
 
 from __future__ import annotations
@@ -102,32 +104,57 @@ def kernel(args: argparse.Namespace) -> None:
               f"{2 * t * params / seconds / 1e9:6.1f} GFLOP/s")
 
 
+def best_seconds_alternately(fns: list, repeats: int) -> list[float]:  # noqa: ANN001
+    """Best time of each function, the functions run in turn in every repeat (a neighbour's load hits all alike)."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
 @torch.inference_mode()
 def gguf(args: argparse.Namespace) -> None:
-    """SmolLM2's own GGUF blocks (fused qkv and gate/up, the Q8_0 lm_head) through the GGUF kernel, beside
-    the same weights dequantized to bf16 and prepacked for oneDNN (what the bf16 checkpoint's engine runs)."""
+    """SmolLM2's own GGUF blocks (fused qkv and gate/up, the Q8_0 lm_head) through the GGUF kernel in the float
+    and the integer layout, beside the same weights dequantized to bf16 and prepacked for oneDNN (what the bf16
+    checkpoint's engine runs)."""
     from specserve.models.gguf import load_llama_gguf
     from specserve.prepare import prepare
-    from specserve_kernels.gguf_gemm import GGUFLinear
+    from specserve_kernels import gguf_gemm
+    from specserve_kernels.gguf_gemm import FLOAT_LAYOUT, GGUFLinear
 
-    model = load_llama_gguf(prepare())
-    blocks = [m for m in model.modules() if isinstance(m, GGUFLinear)]
-    nbytes = sum(m.weight_nbytes for m in blocks)
-    packed = [PackedLinear(m.dequantized().bfloat16()) for m in blocks] if can_pack(torch.device("cpu"),
-                                                                                   torch.bfloat16) else []
+    model_dir = prepare()
+    layouts = {"float": FLOAT_LAYOUT}
+    if any(gguf_gemm.int_layout_runs(q) for q in gguf_gemm.QTYPES.values()):
+        layouts["int"] = None  # each type in its default layout: the integer one where this CPU runs it
+    models = {name: load_llama_gguf(model_dir, layout=layout) for name, layout in layouts.items()}
+    blocks = {name: [m for m in model.modules() if isinstance(m, GGUFLinear)] for name, model in models.items()}
+    float_blocks = blocks["float"]
+    packed = [PackedLinear(m.dequantized().bfloat16()) for m in float_blocks] if can_pack(torch.device("cpu"),
+                                                                                         torch.bfloat16) else []
     read = read_bandwidth_gbs()
-    floor = nbytes / (read * 1e9)
-    print(f"{len(blocks)} matrices, {nbytes / 1e6:.1f} MB of blocks; read bandwidth {read:.1f} GB/s, "
-          f"floor {floor * 1e3:.2f} ms")
+    floors = {name: sum(m.weight_nbytes for m in ms) / (read * 1e9) for name, ms in blocks.items()}
+    print(f"{len(float_blocks)} matrices; read bandwidth {read:.1f} GB/s; integer kernel {gguf_gemm.int_kernel()}; "
+          + ", ".join(f"{name} layout {sum(m.weight_nbytes for m in blocks[name]) / 1e6:.1f} MB, floor "
+                      f"{floors[name] * 1e3:.2f} ms" for name in blocks))
     for t in args.tokens:
         x = {n: torch.randn(t, n) for n in (args.hidden, args.intermediate)}
-        seconds = best_seconds(lambda x=x: [m(x[m.in_features]) for m in blocks], repeats=15)
-        line = f"rows {t:2d}: blocks {seconds * 1e3:6.2f} ms ({floor / seconds:4.0%} of the floor)"
+        fns = [lambda ms=ms, x=x: [m(x[m.in_features]) for m in ms] for ms in blocks.values()]
         if packed:
             xb = {n: v.bfloat16() for n, v in x.items()}
-            bf16 = best_seconds(lambda xb=xb: [p(xb[p.in_features]) for p in packed], repeats=15)
-            line += f"   bf16 prepacked {bf16 * 1e3:6.2f} ms   {bf16 / seconds:.2f}x"
-        print(line)
+            fns.append(lambda xb=xb: [p(xb[p.in_features]) for p in packed])
+        seconds = best_seconds_alternately(fns, args.repeats)
+        line = f"rows {t:2d}:" + "".join(f"   {name} {s * 1e3:6.2f} ms ({floors[name] / s:4.0%} of the floor)"
+                                         for name, s in zip(blocks, seconds))
+        if "int" in blocks:
+            line += f"   int {seconds[0] / seconds[1]:.2f}x as fast"
+        if packed:
+            line += f"   bf16 prepacked {seconds[-1] * 1e3:6.2f} ms"
+        print(line, flush=True)
 
 
 def main() -> None:
@@ -145,7 +172,8 @@ def main() -> None:
     parser.add_argument("--storage", default="float32", choices=["float32", "bfloat16"],
                         help="with --kernel: how the weights are stored (the arithmetic is float32 either way)")
     parser.add_argument("--gguf", action="store_true",
-                        help="SmolLM2's GGUF blocks through the GGUF kernel, beside bf16 prepacked")
+                        help="SmolLM2's GGUF blocks through the GGUF kernel (both layouts), beside bf16 prepacked")
+    parser.add_argument("--repeats", type=int, default=15, help="with --gguf: timed repeats, best kept")
     args = parser.parse_args()
     if args.gguf:
         return gguf(args)

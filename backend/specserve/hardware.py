@@ -82,4 +82,15 @@ def describe() -> dict:
         "native_bf16": native_bf16(),
         "avx512": "avx512f" in cpu_flags(),
         "avx2_fma": {"avx2", "fma"} <= cpu_flags(),  # what the few-row matmul kernel needs
+        "gguf_kernel": gguf_kernel(),
     }
+
+
+def gguf_kernel() -> str:
+    """Which GGUF-block kernel a served `load_format=gguf` runs here: "int-avx512" (the integer layout,
+    512-bit VNNI), "float" (the float layout, AVX2) or "none"."""
+    if not gguf_kernel_runs():
+        return "none"
+    from specserve_kernels import gguf_gemm
+
+    return "int-avx512" if gguf_gemm.default_layout(gguf_gemm.Q4_1) == gguf_gemm.INT_LAYOUT else "float"

@@ -1,9 +1,15 @@
-"""The GGUF-block matmul (`specserve_kernels.gguf_gemm`): packing that keeps every weight as GGUF's own
-dequantization (`gguf.quants` is the oracle), products against float64 at every row count a step can
-have, rows bit-identical whatever they are multiplied with, SmolLM2's real Q4_1 and Q8_0 tensors, refusals
-with a message, and the op inside an AOTInductor program. Skipped where the kernel cannot run."""
+"""The GGUF-block matmul (`specserve_kernels.gguf_gemm`), in both packed layouts (the integer one where this
+CPU runs it): packing that keeps every weight as GGUF's own dequantization (`gguf.quants` is the oracle),
+products against float64 at every row count a step can have, rows bit-identical whatever they are
+multiplied with, the integer kernel's instruction sets agreeing bit for bit, SmolLM2's real Q4_1 and Q8_0
+tensors, refusals with a message, and the op inside an AOTInductor program. Skipped where the kernel
+cannot run."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,12 +17,18 @@ import torch
 from torch import nn
 
 from specserve_kernels import gguf_gemm
-from specserve_kernels.gguf_gemm import Q4_0, Q4_1, Q8_0
+from specserve_kernels.gguf_gemm import FLOAT_LAYOUT, INT_LAYOUT, Q4_0, Q4_1, Q8_0
 
 pytestmark = pytest.mark.skipif(not (gguf_gemm.supported() and gguf_gemm.load()),
                                 reason="needs an AVX2 + FMA + F16C CPU, g++ and ninja")
 
 TYPES = [Q4_0, Q4_1, Q8_0]
+LAYOUTS = [FLOAT_LAYOUT, INT_LAYOUT]
+
+
+def skip_unless_runs(qtype: int, layout: int) -> None:
+    if layout == INT_LAYOUT and not gguf_gemm.int_layout_runs(qtype):
+        pytest.skip(f"this CPU's integer kernel ({gguf_gemm.int_kernel()}) does not serve qtype {qtype}")
 
 
 def random_blocks(n: int, k: int, qtype: int, seed: int) -> torch.Tensor:
@@ -47,41 +59,151 @@ def assert_within_float32_sum_error(got: torch.Tensor, x: torch.Tensor, weight: 
     assert ((got.double() - exact).abs() <= bound).all(), ((got.double() - exact).abs() / bound).max()
 
 
+def assert_within_digit_error(got: torch.Tensor, x: torch.Tensor, raw: torch.Tensor, qtype: int) -> None:
+    """got = x @ weight.T as the integer layout computes it, each output within
+
+        2^-24 * [(K / 32 + 8) * S + 32 * sum_k |m_k x_k| + 1.03 * sum_k |d_k q_k| * max_b(k) |x|]
+
+    of the exact (float64) value, q_k the code less its offset (q - 8 for Q4_0), m_k 0 but for Q4_1,
+    S = sum_k (|d_k q_k| + |m_k|) |x_k| (for Q4_0 and Q8_0 that is sum_k |w_k x_k|, the float layout's
+    yardstick) and max_b(k) |x| the largest |x| of k's block. Why: the digits represent x within
+    s / 2 / 254^2 <= 1.03 * 2^-24 of the block's largest |x| (the last term); the int32 sums are exact;
+    each block's term d s (A0 + (A1 + A2 / 254) / 254) takes up to about 6 roundings and the float32 sum
+    over K / 32 blocks one per block (the first term, relative to the terms' magnitude S); Q4_1's
+    m * sum_k x_k adds the float32 sum of 32 x_k (the second). Tighter than K * 2^-24 * S from K = 64 on."""
+    codes, d, m = gguf_gemm.codes_and_scales(raw, qtype)
+    q = codes.double() - (8 if qtype == Q4_0 else 0)
+    dq = (q * d.double()[..., None]).abs().reshape(codes.shape[0], -1)  # (n, K)
+    mm = (m.double() if qtype == Q4_1 else torch.zeros_like(m.double()))[..., None].abs().expand(q.shape)
+    mm = mm.reshape(codes.shape[0], -1)
+    k = x.shape[1]
+    xa = x.double().abs()
+    block_max = xa.reshape(x.shape[0], k // 32, 32).amax(-1).repeat_interleave(32, dim=1)  # (M, K)
+    exact = x.double() @ gguf_gemm.dequantize(raw, qtype).double().T
+    bound = 2.0**-24 * ((k / 32 + 8) * (xa @ (dq + mm).T) + 32 * (xa @ mm.T) + 1.03 * (block_max @ dq.T)) + 1e-30
+    assert ((got.double() - exact).abs() <= bound).all(), ((got.double() - exact).abs() / bound).max()
+
+
+def test_the_integer_layout_is_the_default_where_avx512_vnni_runs_it():
+    assert torch.ops.specserve.gguf_int_kernel() == gguf_gemm.int_kernel()
+    for qtype in TYPES:
+        raw = random_blocks(32, 64, qtype, seed=qtype)
+        layer = gguf_gemm.GGUFLinear(raw, qtype)
+        want = INT_LAYOUT if gguf_gemm.int_kernel() == "avx512" else FLOAT_LAYOUT  # AVX2's is slower at 2+ rows
+        assert layer.layout == want
+        assert ("int layout" if want == INT_LAYOUT else "float layout") in repr(layer)
+        assert gguf_gemm.GGUFLinear(raw, qtype, FLOAT_LAYOUT).layout == FLOAT_LAYOUT  # asked for
+    if gguf_gemm.int_kernel().startswith("avx512"):
+        assert all(gguf_gemm.int_layout_runs(q) for q in TYPES)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("n", [16, 100, 192])
-def test_packing_keeps_every_weight_as_gguf_defines_it(qtype, n):
+def test_packing_keeps_every_weight_as_gguf_defines_it(qtype, n, layout):
+    """Both layouts, whatever this CPU runs: the packed bytes, `unpack`, and `rows` (the embedding lookup)."""
     raw = random_blocks(n, 576, qtype, seed=n + qtype)
     want = gguf_reference(raw, qtype)
     assert want.shape == (n, 576)
     assert torch.equal(gguf_gemm.dequantize(raw, qtype), want)
-    packed = gguf_gemm.pack(raw, qtype)
-    assert packed.shape == (-(-n // 16), 18, gguf_gemm.RECORD_BYTES[qtype])
-    assert torch.equal(gguf_gemm.unpack(packed, n, qtype), want)
+    packed = gguf_gemm.pack(raw, qtype, layout)
+    assert packed.shape == (-(-n // 16), 18, gguf_gemm.record_bytes(qtype, layout))
+    assert torch.equal(gguf_gemm.unpack(packed, n, qtype, layout), want)
+    layer = gguf_gemm.GGUFLinear(raw, qtype, layout)
+    assert torch.equal(layer.dequantized(), want)
+    ids = torch.tensor([0, n - 1, 5, 17 % n, 5])
+    assert torch.equal(layer.rows(ids), want[ids])
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize(("n", "k"), [(16, 32), (100, 576), (960, 1536)])
-def test_matches_float64_at_every_row_count(qtype, n, k):
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (100, 576), (960, 1536), (37, 96)])
+def test_matches_float64_at_every_row_count(qtype, n, k, layout):
+    skip_unless_runs(qtype, layout)
     raw = random_blocks(n, k, qtype, seed=n * k + qtype)
     weight = gguf_reference(raw, qtype).double()
-    packed = gguf_gemm.pack(raw, qtype)
+    packed = gguf_gemm.pack(raw, qtype, layout)
     g = torch.Generator().manual_seed(k)
     for m in [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 33]:
         x = torch.randn(m, k, generator=g)
-        got = gguf_gemm.gguf_mm(x, packed, n, qtype)
+        x[:, :32] *= 50  # a block of larger activations beside smaller ones
+        got = gguf_gemm.gguf_mm(x, packed, n, qtype, layout)
         assert got.shape == (m, n)
-        assert_within_float32_sum_error(got, x, weight)
+        if layout == INT_LAYOUT:
+            assert_within_digit_error(got, x, raw, qtype)
+        else:
+            assert_within_float32_sum_error(got, x, weight)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_zero_and_non_finite_activations(layout):
+    raw = random_blocks(40, 96, Q4_1, seed=3)
+    packed = gguf_gemm.pack(raw, Q4_1, layout)
+    x = torch.randn(3, 96)
+    x[0] = 0.0
+    x[1, 40] = float("inf")
+    x[2, 33:64] = 0.0  # an all-zero block inside a row
+    got = gguf_gemm.gguf_mm(x, packed, 40, Q4_1, layout)
+    assert torch.equal(got[0], torch.zeros(40))
+    assert not got[1].isfinite().any()
+    assert_within_float32_sum_error(got[2:], x[2:], gguf_reference(raw, Q4_1))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("qtype", TYPES)
-def test_a_row_is_computed_the_same_whatever_rows_come_with_it(qtype):
-    """A verification's rows equal the decode steps' bit for bit: one sequential sum per output."""
+def test_a_row_is_computed_the_same_whatever_rows_come_with_it(qtype, layout):
+    """A verification's rows equal the decode steps' bit for bit: the same operations per output."""
+    skip_unless_runs(qtype, layout)
     raw = random_blocks(300, 576, qtype, seed=7)
-    packed = gguf_gemm.pack(raw, qtype)
+    packed = gguf_gemm.pack(raw, qtype, layout)
     x = torch.randn(17, 576, generator=torch.Generator().manual_seed(1))
-    alone = torch.cat([gguf_gemm.gguf_mm(x[i : i + 1], packed, 300, qtype) for i in range(17)])
+    alone = torch.cat([gguf_gemm.gguf_mm(x[i : i + 1], packed, 300, qtype, layout) for i in range(17)])
     for m in range(1, 18):
-        assert torch.equal(gguf_gemm.gguf_mm(x[:m], packed, 300, qtype), alone[:m]), m
+        assert torch.equal(gguf_gemm.gguf_mm(x[:m], packed, 300, qtype, layout), alone[:m]), m
+        assert torch.equal(gguf_gemm.gguf_mm(x[17 - m :], packed, 300, qtype, layout), alone[17 - m :]), m
+
+
+_ISA_SCRIPT = """
+import sys, torch
+from specserve_kernels import gguf_gemm
+assert gguf_gemm.load()
+data = torch.load(sys.argv[1])
+out = {}
+for qtype, raw in data["raws"].items():
+    if gguf_gemm.int_layout_runs(qtype):
+        out[qtype] = gguf_gemm.gguf_mm(data["x"], gguf_gemm.pack(raw, qtype, 1), raw.shape[0], qtype, 1)
+    else:
+        try:
+            gguf_gemm.gguf_mm(data["x"], gguf_gemm.pack(raw, qtype, 1), raw.shape[0], qtype, 1)
+        except RuntimeError as e:
+            out[qtype] = str(e)
+torch.save({"kernel": torch.ops.specserve.gguf_int_kernel(), "out": out}, sys.argv[2])
+"""
+
+
+def test_every_integer_kernel_computes_the_same_bits(tmp_path):
+    """The AVX2 (vpmaddubsw), 256-bit and 512-bit VNNI kernels (where this CPU has them, each in a process of
+    its own: the choice is made once) do the same float operations per output on exact integer sums."""
+    if gguf_gemm.int_kernel() == "none":
+        pytest.skip("no integer kernel on this CPU")
+    raws = {q: random_blocks(70, 192, q, seed=11 + q) for q in TYPES}
+    x = torch.randn(6, 192, generator=torch.Generator().manual_seed(5))
+    torch.save({"raws": raws, "x": x}, tmp_path / "in.pt")
+    results = {}
+    for cap in ["avx2", "avx512-256", ""]:
+        env = {**os.environ, "SPECSERVE_GGUF_ISA": cap}
+        subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / f"out-{cap}.pt")],
+                       env=env, check=True, timeout=600)
+        got = torch.load(tmp_path / f"out-{cap}.pt")
+        results[got["kernel"]] = got["out"]
+    assert "avx2" in results
+    for kernel, out in results.items():
+        for qtype in TYPES:
+            if kernel == "avx2" and qtype == Q8_0:
+                assert "no integer kernel" in out[qtype]
+                continue
+            want = results[gguf_gemm.int_kernel()][qtype]
+            assert torch.equal(out[qtype], want), (kernel, qtype)
 
 
 def test_smollm2s_own_tensors(smollm2_gguf):
@@ -94,12 +216,18 @@ def test_smollm2s_own_tensors(smollm2_gguf):
         t = tensors[name]
         raw = torch.from_numpy(np.ascontiguousarray(t.data))
         qtype = int(t.tensor_type)
-        layer = gguf_gemm.GGUFLinear(raw, qtype)
         weight = gguf_reference(raw, qtype)
-        assert torch.equal(layer.dequantized(), weight)
-        assert_within_float32_sum_error(layer(x), x, weight)
-        ids = torch.tensor([0, 17, 5, layer.out_features - 1])
-        assert torch.equal(layer.rows(ids), weight[ids])  # an embedding lookup on the blocks
+        for layout in LAYOUTS:
+            if layout == INT_LAYOUT and not gguf_gemm.int_layout_runs(qtype):
+                continue
+            layer = gguf_gemm.GGUFLinear(raw, qtype, layout)
+            assert torch.equal(layer.dequantized(), weight)
+            if layout == INT_LAYOUT:
+                assert_within_digit_error(layer(x), x, raw, qtype)
+            else:
+                assert_within_float32_sum_error(layer(x), x, weight)
+            ids = torch.tensor([0, 17, 5, layer.out_features - 1])
+            assert torch.equal(layer.rows(ids), weight[ids])  # an embedding lookup on the blocks
 
 
 def test_bad_input_is_refused_with_a_message():
@@ -113,6 +241,13 @@ def test_bad_input_is_refused_with_a_message():
         gguf_gemm.gguf_mm(torch.randn(2, 64, dtype=torch.float64), packed, 32, Q4_1)
     with pytest.raises(RuntimeError, match="qtype"):
         gguf_gemm.gguf_mm(torch.randn(2, 64), packed, 32, 12)
+    with pytest.raises(RuntimeError, match="layout"):
+        gguf_gemm.gguf_mm(torch.randn(2, 64), packed, 32, Q4_1, 2)
+    with pytest.raises(RuntimeError, match="does not match"):  # Q4_0's integer records are 288 bytes
+        gguf_gemm.gguf_mm(torch.randn(2, 64), gguf_gemm.pack(random_blocks(32, 64, Q4_0, seed=0), Q4_0), 32, Q4_0,
+                          INT_LAYOUT)
+    with pytest.raises(ValueError, match="layout"):
+        gguf_gemm.pack(raw, Q4_1, 5)
     with pytest.raises(ValueError, match="Q4_0"):
         gguf_gemm.pack(raw, 14)  # Q6_K: not a type this kernel reads
     with pytest.raises(ValueError, match="raw blocks"):
@@ -120,17 +255,18 @@ def test_bad_input_is_refused_with_a_message():
 
 
 class _Tiny(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, layout: int | None) -> None:
         super().__init__()
-        self.proj = gguf_gemm.GGUFLinear(random_blocks(64, 64, Q4_1, seed=1), Q4_1)
-        self.head = gguf_gemm.GGUFLinear(random_blocks(50, 64, Q8_0, seed=2), Q8_0)
+        self.proj = gguf_gemm.GGUFLinear(random_blocks(64, 64, Q4_1, seed=1), Q4_1, layout)
+        self.head = gguf_gemm.GGUFLinear(random_blocks(50, 64, Q8_0, seed=2), Q8_0, layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.nn.functional.silu(self.proj(x)))
 
 
-def test_the_op_compiles_into_an_aoti_program(tmp_path):
-    model = _Tiny().eval()
+@pytest.mark.parametrize("layout", [FLOAT_LAYOUT, None])  # None: the default, the integer one where it runs
+def test_the_op_compiles_into_an_aoti_program(tmp_path, layout):
+    model = _Tiny(layout).eval()
     x = torch.randn(2, 3, 64)
     rows = torch.export.Dim("rows", min=1, max=16)
     with torch.no_grad():

@@ -1,23 +1,54 @@
-// out (M, n) = x (M, K) @ W^T with W kept in a GGUF file's own blocks of 32 weights (Q4_0, Q4_1, Q8_0):
-// the 4- or 8-bit codes are widened to float32 in registers, dequantized exactly as GGUF defines them
-// (Q4_1: d * q + m; Q4_0: d * (q - 8), stored as m = -8 d; Q8_0: d * q, with d and m float16), and
-// multiplied in float32 on AVX2 + FMA + F16C.
+// out (M, n) = x (M, K) @ W^T with W kept in a GGUF file's own blocks of 32 weights (Q4_0, Q4_1, Q8_0; float16
+// d and m per block), in one of two packed layouts. The float layout (0) runs on AVX2 + FMA + F16C; the integer
+// layout (1) on AVX-512 VNNI, and for Q4_0 / Q4_1 on plain AVX2 too.
 //
-// W (n, K) is repacked once into column panels of 16: packed (NB, K / 32, bytes), one record per panel
-// and block of 32 k steps, the panels' blocks contiguous so that a panel is one stream:
+// Float layout: the 4- or 8-bit codes are widened to float32 in registers, dequantized exactly as GGUF defines
+// them (Q4_1: d * q + m; Q4_0: d * (q - 8), stored as m = -8 d; Q8_0: d * q) and multiplied in float32.
+// W (n, K) is repacked once into column panels of 16: packed (NB, K / 32, bytes), one record per panel and block
+// of 32 k steps, the panels' blocks contiguous so that a panel is one stream:
 //   Q4_0 / Q4_1: d[16] and m[16] as float16, then 16 pairs of k steps, each 16 bytes: byte c holds
 //                column c's code at the even k step in its low nibble and at the odd one in its high.
 //   Q8_0:        d[16] as float16, then 32 k steps of 16 signed bytes, byte c column c's code.
-// A pass multiplies a panel by up to 4 rows; more rows take further passes over the panel, which is then
-// in L1 / L2. Each output element is two FMA chains of exactly dequantized weights, over the even and the
-// odd k steps, added at the end: the same operations whatever the rows, so a row's result does not depend
-// on how many rows are multiplied with it (a tree verification computes its rows bit for bit as decodes).
+// Each output element is two FMA chains of exactly dequantized weights, over the even and the odd k steps,
+// added at the end.
+//
+// Integer layout: each row's activations are split once per call, per block b of 32, into three signed int8
+// digits: s = max |x| / 127, a0 = round(x / s), a1 = round(254 (x / s - a0)), a2 = round(254 (254 (x / s - a0)
+// - a1)) (each in [-127, 127]), so that x = s (a0 + a1 / 254 + a2 / 254^2) within s / 2 / 254^2, about 6e-8 of
+// the block's largest |x| (float32's own rounding of that largest element); a block's smaller elements keep
+// that absolute error, not a relative one. Then per column and block the three sums A_j = sum_k q_k a_j,k are
+// exact int32 dot products of unsigned codes and signed digits (vpdpbusd; on AVX2, vpmaddubsw + vpmaddwd, whose
+// int16 pairs 2 * 15 * 127 cannot saturate) and the block adds
+//   d * s * (A0 + (A1 + A2 / 254) / 254) [+ m * sum_k x_k for Q4_1]
+// to the column's float32 sum. Q4_0's codes (q - 8) and Q8_0's (stored q + 128, unsigned) are offset exactly
+// in the integers: A_j starts at -offset * sum_k a_j,k. sum_k x_k (float32) and the digit sums are computed once
+// per call per row and block. Records, one per (panel, block), the panel's blocks contiguous as above:
+//   Q4_0: d[16] float16, then 4 chunks of 64 bytes; Q4_1: d[16], m[16] float16, then the same chunks.
+//         Byte 4 c + i (c the column, i < 4) of chunk j holds column c's code at k = 8 j + i in its low nibble
+//         and at k = 8 j + 4 + i in its high one: one AND, one shift and AND give two vectors in which each
+//         32-bit lane holds 4 consecutive k steps of one column, what vpdpbusd multiplies with 4 digits.
+//   Q8_0: d[16] float16, then 8 chunks of 64 bytes, byte 4 c + i of chunk j column c's code + 128 at k = 4 j + i.
+// Q8_0 has no AVX2 integer kernel (2 * 255 * 127 saturates vpmaddubsw's int16): there it keeps the float layout.
+// The integer layout loses what the digits do not represent and rounds each block's term once more; it is not
+// llama.cpp's int8 activation quantization (one digit, about 2^-8 of the block's maximum).
+//
+// Both layouts: a pass multiplies a panel by up to 4 rows; more rows take further passes over the panel, which is
+// then in L1 / L2. Every output element goes through the same operations whatever the rows multiplied with it,
+// so a row's result does not depend on how many rows are multiplied with it (a tree verification computes its
+// rows bit for bit as decodes). AVX-512 code is compiled only into functions that carry the target and run
+// where the CPU has avx512f, bw, vl and vnni (checked at run time; SPECSERVE_GGUF_ISA=avx2 or avx512-256 in the
+// environment picks a narrower kernel, for comparisons and tests).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
 
 namespace {
 
@@ -27,6 +58,7 @@ constexpr int64_t kMaxRowsPerPass = 4;
 constexpr int64_t kQ4Bytes = 64 + 256;  // d[16], m[16] float16; 32 x 16 nibbles
 constexpr int64_t kQ8Bytes = 32 + 512;  // d[16] float16; 32 x 16 bytes
 constexpr int64_t kPrefetchBlocks = 4;  // blocks requested ahead of use
+constexpr int64_t kIntPrefetchBlocks = 12;  // the integer kernel consumes a block in fewer cycles
 
 inline __m256 half8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -164,31 +196,376 @@ void multiply(const TileFn* tiles, int64_t record_bytes, const float* xp, int64_
   });
 }
 
-at::Tensor gguf_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, int64_t qtype) {
+// ---- integer layout ----
+
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+constexpr int64_t kDigitBytes = 3 * kBlock;  // per row and block: a0[32], a1[32], a2[32]
+
+constexpr int64_t int_record_bytes(int64_t qtype) {
+  return qtype == kQ8_0 ? 32 + 512 : qtype == kQ4_1 ? 64 + 256 : 32 + 256;
+}
+
+// Per row and block, computed once per call.
+struct BlockTerms {
+  float s;          // the digits' scale
+  float sum;        // sum_k x_k in float32 (Q4_1's m multiplies it)
+  int32_t init[3];  // digit j's accumulator start: -offset * sum_k a_j,k (offset 8 for Q4_0, 128 for Q8_0, else 0)
+  int32_t pad[3];
+};
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+inline float hsum8(__m256 v) {  // a fixed order: (lanes i + i+4), then (0+2, 1+3), then 0+1
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+inline int32_t hsum4(__m128i v) {
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
+}
+
+// x (M, K) float32 -> digits (M, K / 32, 3, 32) int8 and terms (M, K / 32): the digit split the header
+// describes, in float64 (x / s, the residuals and their products by 254 are exact or within 2^-53), each row
+// and block on its own.
+void split_digits(const float* x, int64_t M, int64_t K, int32_t offset, int8_t* digits, BlockTerms* terms) {
+  const int64_t blocks = M * (K / kBlock);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256d base = _mm256_set1_pd(254.0), hi = _mm256_set1_pd(127.0), lo = _mm256_set1_pd(-127.0);
+  for (int64_t r = 0; r < blocks; ++r) {
+    const float* xb = x + r * kBlock;  // x is (M, K) contiguous and K is whole blocks: block r of the whole
+    int8_t* out = digits + r * kDigitBytes;
+    const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
+                 v3 = _mm256_loadu_ps(xb + 24);
+    const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                    _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    const float big = hmax8(mx);
+    BlockTerms& t = terms[r];
+    t.sum = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+    t.init[0] = t.init[1] = t.init[2] = 0;
+    float s = big / 127.0f;
+    if (!(s > 0.0f) || !std::isfinite(s)) {  // all zeros; or an infinity or NaN, which the output then carries
+      std::fill(out, out + kDigitBytes, 0);
+      const bool finite = std::isfinite(t.sum) && std::isfinite(big);
+      t.s = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    while (static_cast<double>(big) > 127.0 * static_cast<double>(s)) s = std::nextafter(s, INFINITY);
+    t.s = s;
+    const __m256d inv = _mm256_set1_pd(1.0 / static_cast<double>(s));
+    __m128i d[3][8];
+    __m128i sums[3] = {_mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128()};
+    for (int g = 0; g < 8; ++g) {
+      const __m256d y = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(xb + 4 * g)), inv);
+      const __m256d a0 = _mm256_max_pd(_mm256_min_pd(_mm256_round_pd(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                                     hi), lo);
+      const __m256d r1 = _mm256_mul_pd(_mm256_sub_pd(y, a0), base);
+      const __m256d a1 = _mm256_max_pd(
+          _mm256_min_pd(_mm256_round_pd(r1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), hi), lo);
+      const __m256d r2 = _mm256_mul_pd(_mm256_sub_pd(r1, a1), base);
+      const __m256d a2 = _mm256_max_pd(
+          _mm256_min_pd(_mm256_round_pd(r2, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), hi), lo);
+      d[0][g] = _mm256_cvtpd_epi32(a0), d[1][g] = _mm256_cvtpd_epi32(a1), d[2][g] = _mm256_cvtpd_epi32(a2);
+      for (int j = 0; j < 3; ++j) sums[j] = _mm_add_epi32(sums[j], d[j][g]);
+    }
+    for (int j = 0; j < 3; ++j) {
+      const __m128i w0 = _mm_packs_epi32(d[j][0], d[j][1]), w1 = _mm_packs_epi32(d[j][2], d[j][3]);
+      const __m128i w2 = _mm_packs_epi32(d[j][4], d[j][5]), w3 = _mm_packs_epi32(d[j][6], d[j][7]);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * j), _mm_packs_epi16(w0, w1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * j + 16), _mm_packs_epi16(w2, w3));
+      t.init[j] = -offset * hsum4(sums[j]);
+    }
+  }
+}
+
+// One tile of the integer layout, written once for every vector width V: x's digits (MR rows) times G groups of
+// V::kCols columns of a panel, from group H0 on -> out (MR, G * V::kCols), leading dimension ldo. V's members
+// carry no target of their own use: the entry points below, compiled for their instruction set, inline all of
+// it (flatten), so AVX-512 instructions exist only in functions that run where the CPU has them.
+template <class V, int MR, int Q, int G, int H0>
+inline void int_tile(const int8_t* digits, const BlockTerms* terms, int64_t blocks, const uint8_t* panel, float* out,
+                     int64_t ldo) {
+  using I = typename V::I;
+  using F = typename V::F;
+  constexpr int64_t R = int_record_bytes(Q), kCodes = Q == kQ4_1 ? 64 : 32;
+  constexpr int kChunks = Q == kQ8_0 ? 8 : 4, kQuads = Q == kQ8_0 ? 1 : 2, kSpan = 4 * V::kCols;
+  constexpr bool kSplit = MR == 1 && kQuads == 2;
+  const int64_t row_digits = blocks * kDigitBytes;
+  F acc[MR][G];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 2
+    for (int g = 0; g < G; ++g) acc[m][g] = V::zero();
+  const F inv = V::splat(1.0f / 254.0f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* rec = panel + b * R;
+    if constexpr (H0 == 0) prefetch_record(rec + kIntPrefetchBlocks * R, R);
+    const int8_t* a = digits + b * kDigitBytes;
+    I sum[3][MR][G];
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 3
+      for (int j = 0; j < 3; ++j)
+#pragma GCC unroll 2
+        for (int g = 0; g < G; ++g) sum[j][m][g] = V::splat_int(terms[m * blocks + b].init[j]);
+    // one row: the high quads of a chunk go to a second set of sums, two dependency chains per digit
+    I odd[3][G];
+    if constexpr (kSplit) {
+#pragma GCC unroll 3
+      for (int j = 0; j < 3; ++j)
+#pragma GCC unroll 2
+        for (int g = 0; g < G; ++g) odd[j][g] = V::splat_int(0);
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < kChunks; ++c) {
+      I w[G][kQuads];
+#pragma GCC unroll 2
+      for (int g = 0; g < G; ++g) {
+        const I v = V::load(rec + kCodes + 64 * c + kSpan * (H0 + g));
+        if constexpr (Q == kQ8_0) {
+          w[g][0] = v;
+        } else {
+          w[g][0] = V::low_nibbles(v);
+          w[g][kQuads - 1] = V::high_nibbles(v);
+        }
+      }
+#pragma GCC unroll 2
+      for (int h = 0; h < kQuads; ++h)
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 3
+          for (int j = 0; j < 3; ++j) {
+            const I x4 = V::broadcast4(a + m * row_digits + 32 * j + 4 * (kQuads * c + h));
+#pragma GCC unroll 2
+            for (int g = 0; g < G; ++g) {
+              if (kSplit && h == 1) {
+                odd[j][g] = V::dot(odd[j][g], w[g][h], x4);
+              } else {
+                sum[j][m][g] = V::dot(sum[j][m][g], w[g][h], x4);
+              }
+            }
+          }
+    }
+    if constexpr (kSplit) {
+#pragma GCC unroll 3
+      for (int j = 0; j < 3; ++j)
+#pragma GCC unroll 2
+        for (int g = 0; g < G; ++g) sum[j][0][g] = V::add_int(sum[j][0][g], odd[j][g]);
+    }
+#pragma GCC unroll 2
+    for (int g = 0; g < G; ++g) {
+      const F d = V::halves(rec + 2 * V::kCols * (H0 + g));
+      const F mq = Q == kQ4_1 ? V::halves(rec + 32 + 2 * V::kCols * (H0 + g)) : d;
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const BlockTerms& t = terms[m * blocks + b];
+        const F u = V::fma(V::to_float(sum[2][m][g]), inv, V::to_float(sum[1][m][g]));
+        const F v = V::fma(u, inv, V::to_float(sum[0][m][g]));
+        acc[m][g] = V::fma(v, V::mul(d, V::splat(t.s)), acc[m][g]);
+        if constexpr (Q == kQ4_1) acc[m][g] = V::fma(mq, V::splat(t.sum), acc[m][g]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 2
+    for (int g = 0; g < G; ++g) V::store(out + m * ldo + V::kCols * g, acc[m][g]);
+}
+
+// AVX2: 8 columns a vector; a dot product of 4 u8 codes (<= 15) and 4 s8 digits as vpmaddubsw (two pairs, int16,
+// at most 2 * 15 * 127) and vpmaddwd by ones (int32).
+struct Avx2 {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int kCols = 8;
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I low_nibbles(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+  static I high_nibbles(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+  static I broadcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+  static I splat_int(int32_t v) { return _mm256_set1_epi32(v); }
+  static I add_int(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I dot(I acc, I w, I x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+  }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F splat(float v) { return _mm256_set1_ps(v); }
+  static F halves(const uint8_t* p) { return half8(p); }
+  static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+
+using IntTileFn = void (*)(const int8_t*, const BlockTerms*, int64_t, const uint8_t*, float*, int64_t);
+
+// AVX2 has 16 vector registers: one row takes the whole panel at once, more rows one half after the other.
+template <int MR, int Q>
+__attribute__((flatten)) void avx2_entry(const int8_t* a, const BlockTerms* t, int64_t blocks, const uint8_t* p,
+                                         float* o, int64_t ldo) {
+  if constexpr (MR == 1) {
+    int_tile<Avx2, MR, Q, 2, 0>(a, t, blocks, p, o, ldo);
+  } else {
+    int_tile<Avx2, MR, Q, 1, 0>(a, t, blocks, p, o, ldo);
+    int_tile<Avx2, MR, Q, 1, 1>(a, t, blocks, p, o + 8, ldo);
+  }
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+
+// AVX-512 VNNI on 256-bit vectors (EVEX, 32 registers): 8 columns a vector, vpdpbusd.
+struct Vnni256 : Avx2 {
+  static I dot(I acc, I w, I x) { return _mm256_dpbusd_epi32(acc, w, x); }
+};
+
+// AVX-512 VNNI on 512-bit vectors: the 16 columns of a panel in one vector.
+struct Vnni512 {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int kCols = 16;
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I low_nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+  static I high_nibbles(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+  static I broadcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+  static I splat_int(int32_t v) { return _mm512_set1_epi32(v); }
+  static I add_int(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I dot(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F splat(float v) { return _mm512_set1_ps(v); }
+  static F halves(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+
+// 32 registers: up to 2 rows the whole panel at once, 3-4 rows one half after the other.
+template <int MR, int Q>
+__attribute__((flatten)) void vnni256_entry(const int8_t* a, const BlockTerms* t, int64_t blocks, const uint8_t* p,
+                                            float* o, int64_t ldo) {
+  if constexpr (MR <= 2) {
+    int_tile<Vnni256, MR, Q, 2, 0>(a, t, blocks, p, o, ldo);
+  } else {
+    int_tile<Vnni256, MR, Q, 1, 0>(a, t, blocks, p, o, ldo);
+    int_tile<Vnni256, MR, Q, 1, 1>(a, t, blocks, p, o + 8, ldo);
+  }
+}
+
+template <int MR, int Q>
+__attribute__((flatten)) void vnni512_entry(const int8_t* a, const BlockTerms* t, int64_t blocks, const uint8_t* p,
+                                            float* o, int64_t ldo) {
+  int_tile<Vnni512, MR, Q, 1, 0>(a, t, blocks, p, o, ldo);
+}
+
+#pragma GCC pop_options
+
+// The integer kernels this CPU runs: 0 none (Q8_0 too on AVX2 only: see the header), 1 AVX2, 2 VNNI on 256-bit
+// vectors, 3 VNNI on 512-bit vectors; SPECSERVE_GGUF_ISA (avx2, avx512-256) caps it.
+int int_isa() {
+  static const int isa = [] {
+    __builtin_cpu_init();
+    int best = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+    if (best && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+      best = 3;  // on Zen 4, as fast as 256-bit vectors at 1-2 rows and faster from 4 on
+    const char* cap = std::getenv("SPECSERVE_GGUF_ISA");
+    if (cap && std::strcmp(cap, "avx2") == 0) best = std::min(best, 1);
+    if (cap && std::strcmp(cap, "avx512-256") == 0) best = std::min(best, 2);
+    return best;
+  }();
+  return isa;
+}
+
+template <int Q>
+const IntTileFn* int_tiles(int isa) {
+  static constexpr IntTileFn avx2[] = {avx2_entry<1, Q>, avx2_entry<2, Q>, avx2_entry<3, Q>, avx2_entry<4, Q>};
+  static constexpr IntTileFn v256[] = {vnni256_entry<1, Q>, vnni256_entry<2, Q>, vnni256_entry<3, Q>,
+                                       vnni256_entry<4, Q>};
+  static constexpr IntTileFn v512[] = {vnni512_entry<1, Q>, vnni512_entry<2, Q>, vnni512_entry<3, Q>,
+                                       vnni512_entry<4, Q>};
+  return isa >= 3 ? v512 : isa == 2 ? v256 : avx2;
+}
+
+void int_multiply(const IntTileFn* tiles, int64_t record_bytes, const int8_t* digits, const BlockTerms* terms,
+                  int64_t M, int64_t K, const uint8_t* wp, int64_t panels, float* op, int64_t ldo) {
+  const int64_t passes = (M + kMaxRowsPerPass - 1) / kMaxRowsPerPass, per_pass = (M + passes - 1) / passes;
+  const int64_t blocks = K / kBlock, panel_bytes = blocks * record_bytes;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const uint8_t* panel = wp + j * panel_bytes;
+      for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
+        const int64_t rows = std::min(per_pass, M - m0);
+        tiles[rows - 1](digits + m0 * blocks * kDigitBytes, terms + m0 * blocks, blocks, panel, op + m0 * ldo + j * kPanel,
+                        ldo);
+      }
+    }
+  });
+}
+
+at::Tensor gguf_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, int64_t qtype, int64_t layout) {
   // ggml's type numbers: Q4_0 2, Q4_1 3, Q8_0 8
-  TORCH_CHECK(qtype == 2 || qtype == 3 || qtype == 8, "gguf_mm: qtype must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), got ",
-              qtype);
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0,
+              "gguf_mm: qtype must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), got ", qtype);
+  TORCH_CHECK(layout == 0 || layout == 1, "gguf_mm: layout must be 0 (float) or 1 (integer), got ", layout);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
               "gguf_mm: x must be a 2-D float32 CPU tensor, got ", x_in.sizes(), " ", x_in.scalar_type());
-  const int64_t record_bytes = qtype == 8 ? kQ8Bytes : kQ4Bytes;
+  const int64_t record_bytes = layout == 1 ? int_record_bytes(qtype) : qtype == kQ8_0 ? kQ8Bytes : kQ4Bytes;
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(1) * kBlock == x_in.size(1) && packed.size(2) == record_bytes &&
                   n <= packed.size(0) * kPanel,
               "gguf_mm: packed weight ", packed.sizes(), " ", packed.scalar_type(), " does not match x ",
-              x_in.sizes(), ", n=", n, " and qtype ", qtype);
+              x_in.sizes(), ", n=", n, ", qtype ", qtype, " and layout ", layout);
+  const int isa = layout == 1 ? int_isa() : 0;
+  TORCH_CHECK(layout == 0 || isa >= 2 || (isa == 1 && qtype != kQ8_0),
+              "gguf_mm: this CPU has no integer kernel for qtype ", qtype,
+              " (Q4_0 / Q4_1 need AVX2, Q8_0 AVX-512 VNNI); pack it in the float layout");
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), ldo = panels * kPanel;
   at::Tensor out = at::empty({M, ldo}, x.options());
-  if (M > 0) {
-    multiply(qtype == 8 ? kQ8Tiles : kQ4Tiles, record_bytes, x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(),
-             panels, out.data_ptr<float>(), ldo);
+  if (M > 0 && layout == 0) {
+    multiply(qtype == kQ8_0 ? kQ8Tiles : kQ4Tiles, record_bytes, x.data_ptr<float>(), M, K,
+             packed.data_ptr<uint8_t>(), panels, out.data_ptr<float>(), ldo);
+  } else if (M > 0) {
+    const int64_t blocks = M * (K / kBlock);
+    at::Tensor scratch = at::empty({blocks * (kDigitBytes + static_cast<int64_t>(sizeof(BlockTerms)))}, x.options().dtype(at::kByte));
+    auto* terms = reinterpret_cast<BlockTerms*>(scratch.data_ptr<uint8_t>());  // first: 4-byte aligned
+    auto* digits = reinterpret_cast<int8_t*>(scratch.data_ptr<uint8_t>() + blocks * sizeof(BlockTerms));
+    split_digits(x.data_ptr<float>(), M, K, qtype == kQ8_0 ? 128 : qtype == kQ4_0 ? 8 : 0, digits, terms);
+    const IntTileFn* tiles = qtype == kQ8_0 ? int_tiles<kQ8_0>(isa) : qtype == kQ4_1 ? int_tiles<kQ4_1>(isa)
+                                                                                      : int_tiles<kQ4_0>(isa);
+    int_multiply(tiles, record_bytes, digits, terms, M, K, packed.data_ptr<uint8_t>(), panels,
+                 out.data_ptr<float>(), ldo);
   }
   return n == ldo ? out : out.narrow(1, 0, n).contiguous();
+}
+
+// What the integer layout runs on this CPU: "avx512" (512-bit vectors), "avx512-256", "avx2" or "none".
+std::string gguf_int_kernel() {
+  static const char* names[] = {"none", "avx2", "avx512-256", "avx512"};
+  return names[int_isa()];
 }
 
 }  // namespace
 
 // a fragment: the few-row kernel defines the namespace
-TORCH_LIBRARY_FRAGMENT(specserve, m) { m.def("gguf_mm(Tensor x, Tensor packed, int n, int qtype) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(specserve, m) {
+  m.def("gguf_mm(Tensor x, Tensor packed, int n, int qtype, int layout) -> Tensor");
+  m.def("gguf_int_kernel() -> str", &gguf_int_kernel);
+}
 
 TORCH_LIBRARY_IMPL(specserve, CPU, m) { m.impl("gguf_mm", gguf_mm); }
