@@ -5,7 +5,8 @@ llama.cpp (llama-cpp-python in its own venv, `bench/llama_cpp_worker.py`), specs
 (`load_format=gguf`) and specserve on the prepared bf16 checkpoint, one after another, the order rotating
 from prompt to prompt so a slow spell weighs on all alike. Batch 1, the same threads for all, end-to-end
 wall time per request (prompt and decode). Beside the tokens/s: specserve's forward per decode step
-against the memory floor of the bytes it reads (from a read-bandwidth test in the same run) and its time
+against the memory floor of the bytes it reads (the median of read-bandwidth tests after each round of
+the same run, with their range: on a shared host the bandwidth swings by 2x within minutes) and its time
 per token outside the forward; the CPU's flags. Writes a JSON report.
 
     .venv/bin/python bench/compare_cpu.py --llama-python .venv-llama-cpp/bin/python [--prompts 12] [--tokens 128]
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -105,16 +107,19 @@ def main() -> int:
         run.engine.profile = StepProfile()
     llama.run(prompts[0], args.tokens, timed=False)
     order = list(runs)
+    bandwidths = []  # the read bandwidth after each round: on a shared host it swings by 2x within minutes
     for i, prompt in enumerate(prompts):
         for name in order[i % len(order):] + order[: i % len(order)]:
             run = runs[name]
             run.run([prompt], i) if isinstance(run, EngineRun) else run.run(prompt, args.tokens)
+        bandwidths.append(read_bandwidth_gbs(repeats=3))
     llama.close()
-    read_gbs = read_bandwidth_gbs()
+    read_gbs = statistics.median(bandwidths)
     base = llama.tokens_per_s
     report = {
         "hardware": describe(), "threads": args.threads, "prompts": len(prompts), "max_tokens": args.tokens,
         "dataset": args.dataset, "read_bandwidth_gbs": round(read_gbs, 1),
+        "read_bandwidth_gbs_range": [round(min(bandwidths), 1), round(max(bandwidths), 1)],
         "tokens_per_s": {name: round(r.tokens_per_s, 2) for name, r in runs.items()},
         "vs_llama_cpp": {name: round(r.tokens_per_s / base, 3) for name, r in engines.items()},
         "forward": {name: forward_figures(r.engine, read_gbs) for name, r in engines.items()},
