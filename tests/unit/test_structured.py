@@ -318,6 +318,16 @@ def test_masks_on_the_accepted_path_and_pruned_drafts_equal_full_masks(tiny_targ
         assert engine.profile.grammar_pruned > 0, "the drafter proposed nothing the grammars forbid"
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_forced_text_stays_within_the_step_programs_rows(tiny_target_dir, monkeypatch, rows):
+    """On a CPU with compiled programs a request's forced text is cut to the tokens the step
+    program's rows leave it (`TargetRunner.few_rows`): one row each drafts none, two at most one."""
+    engine = _engine(tiny_target_dir, "none", 3)
+    monkeypatch.setattr(engine.runner, "few_rows", lambda batch_size, share=1.0: rows)
+    outs = engine.generate(PROMPTS, [SamplingParams(max_tokens=20, structured_output=g) for g in GRAMMARS])
+    assert max(n for o in outs for n in o.accept_lengths) == rows
+
+
 def test_a_grammar_output_validates_and_masked_logprobs(tiny_target_dir):
     import jsonschema
 

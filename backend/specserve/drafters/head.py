@@ -135,6 +135,12 @@ class HeadDrafter(Drafter):
         return self.runner.graphs
 
     def on_accept(self, seqs: Sequence[SequenceView], out: ForwardOutput, accepted: Sequence[torch.Tensor]) -> None:
+        if self.features.device.type == "cpu":  # on the host, a row's features go straight to its slot
+            feats = self._features(out)
+            for i, (s, a) in enumerate(zip(seqs, accepted)):
+                n = len(a)  # accepted node j holds position cache_len - n + j; node 0 is the root
+                self.features[s.slot, s.cache_len - n : s.cache_len] = feats[i, :1] if n == 1 else feats[i, a]
+            return
         t = max(len(a) for a in accepted)
         index = torch.zeros(len(seqs), t, dtype=torch.int64, device=self.device)
         for i, a in enumerate(accepted):

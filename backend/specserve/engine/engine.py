@@ -37,6 +37,7 @@ from specserve.drafters.factory import build_drafter
 from specserve.engine.adaptive import ShapeChooser
 from specserve.engine.detokenize import IncrementalDetokenizer
 from specserve.engine.grammar import (
+    FORCED_ROWS_SHARE,
     FORCED_TOKENS_FOR_NO_DRAFT,
     GrammarCompiler,
     GrammarMatch,
@@ -348,7 +349,9 @@ class Engine:
         forced = None
         if self.config.structured_output_jump_forward and any(r.grammar is not None for r in reqs):
             forced_start = time.perf_counter()
-            forced = forced_tokens([r.grammar for r in reqs], self.tokenizer, self.draft_plan.max_nodes - 1)
+            rows = self.runner.few_rows(len(reqs), FORCED_ROWS_SHARE)  # forced text costs rows like drafts
+            limit = self.draft_plan.max_nodes - 1 if rows is None else min(self.draft_plan.max_nodes, rows) - 1
+            forced = forced_tokens([r.grammar for r in reqs], self.tokenizer, limit)
             p.grammar += time.perf_counter() - forced_start
             if shape.drafts and all(len(f) >= FORCED_TOKENS_FOR_NO_DRAFT for f in forced):
                 shape = DraftShape(1, 0, 1)  # the grammars draft this step (`FORCED_TOKENS_FOR_NO_DRAFT`)

@@ -148,6 +148,15 @@ class TargetRunner:
 
     # ---- the compiled program's paths -----------------------------------------------------------
 
+    def few_rows(self, batch_size: int, share: float = 1.0) -> int | None:
+        """Tokens per request a forward of `batch_size` requests may verify and stay within `share`
+        of the compiled step program's rows (its few-row matmuls, whose cost grows with every row;
+        more rows run the prefill program), at least 1; None without that program (on a GPU more
+        rows cost little)."""
+        if self.compiled is None or self.compiled.step_runner is None:
+            return None
+        return max(1, int(self.compiled.step_rows * share) // batch_size)
+
     @property
     def compiled_step_buckets(self) -> tuple[int, ...]:
         """The batch-size buckets whose decode steps run the compiled step program now."""
