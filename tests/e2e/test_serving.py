@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from serving_helpers import TIMEOUT_S, finished, metric, quick_request_works, reference, start_long_stream, wait_for
 
 from specserve.config import SamplingParams
 from specserve_client.stream import (
@@ -26,35 +27,11 @@ from specserve_client.stream import (
     http_generate,
     http_generate_stream,
     http_stream_inputs,
-    request_inputs,
 )
 
 pytestmark = pytest.mark.e2e
 
 PROMPT = "What is the capital of France? Answer in one sentence."
-TIMEOUT_S = 120
-
-
-def reference(engine, prompt_ids: list[list[int]], max_tokens: int):
-    """Greedy outputs of the in-process engine. Run on a worker thread, as the server runs it:
-    on a busy 2-core CPU, torch ops from the main thread were several times slower."""
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(engine.generate, prompt_ids, SamplingParams(max_tokens=max_tokens)).result()
-
-
-def metric(server, name: str, **labels: str) -> float:
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", line)
-        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
-
-
-def quick_request_works(server) -> None:
-    g = collect(grpc_stream(server.grpc_url, "llm_none", "Hi", max_tokens=2, timeout_s=TIMEOUT_S))
-    assert len(g.token_ids) >= 1 and g.finish_reason in ("stop", "length")
 
 
 # ---- happy paths ----------------------------------------------------------------------------
@@ -269,34 +246,11 @@ def test_decoupled_model_errors_end_with_final(server):
 # ---- cancellation, metrics, concurrency -----------------------------------------------------
 
 
-def _start_long_stream(url: str, model: str, prompt: str, max_tokens: int, trtllm_format: bool = False):
-    results: queue.SimpleQueue = queue.SimpleQueue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    values = request_inputs(prompt, max_tokens=max_tokens, ignore_eos=True)
-    client.async_stream_infer(model, grpc_inputs(values, trtllm_format),
-                              outputs=[grpcclient.InferRequestedOutput("output_ids")])
-    return client, results
-
-
-def _finished(server, reason: str) -> float:
-    return metric(server, "specserve:request_finished_total", model="llm_none", finish_reason=reason)
-
-
-def _wait_for(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.2)
-    return condition()
-
-
 def test_cancellation_frees_the_slots(server, e2e):
     """stop_stream(cancel_requests=True) on requests to the decoupled model aborts them at the next
     engine step: a request queued behind them starts at once."""
-    aborted_before = _finished(server, "abort")
-    streams = [_start_long_stream(server.grpc_url, "llm_none", f"Count from {i} to 1000.", 256)
+    aborted_before = finished(server, "abort")
+    streams = [start_long_stream(server.grpc_url, "llm_none", f"Count from {i} to 1000.", 256)
                for i in range(e2e.slots)]
     try:
         for _, results in streams:  # every slot is busy decoding a 256-token request
@@ -314,20 +268,20 @@ def test_cancellation_frees_the_slots(server, e2e):
     assert len(g.token_ids) >= 1
     # had the slots stayed busy, this request would have queued behind ~250 decode steps (> 10 s)
     assert waited < 8.0, f"the next request waited {waited:.1f}s: cancelled requests still hold slots"
-    assert _wait_for(lambda: _finished(server, "abort") - aborted_before >= e2e.slots, 10)
-    assert _finished(server, "abort") - aborted_before == e2e.slots
+    assert wait_for(lambda: finished(server, "abort") - aborted_before >= e2e.slots, 10)
+    assert finished(server, "abort") - aborted_before == e2e.slots
 
 
 def test_a_full_queue_answers_unavailable_and_the_server_keeps_serving(server, e2e):
     """Every slot busy and max_queue_size requests waiting: the next request gets UNAVAILABLE at
     once, naming the limit; once they are cancelled, requests run again and the gauges read 0."""
-    streams = [_start_long_stream(server.grpc_url, "llm_none", f"Count from {i} to 1000.", 256)
+    streams = [start_long_stream(server.grpc_url, "llm_none", f"Count from {i} to 1000.", 256)
                for i in range(e2e.slots)]
     try:
         for _, results in streams:
             assert results.get(timeout=TIMEOUT_S)[1] is None  # decoding
-        streams += [_start_long_stream(server.grpc_url, "llm_none", "Hi", 8) for _ in range(e2e.max_queue_size)]
-        assert _wait_for(lambda: metric(server, "specserve:num_requests_waiting", model="llm_none")
+        streams += [start_long_stream(server.grpc_url, "llm_none", "Hi", 8) for _ in range(e2e.max_queue_size)]
+        assert wait_for(lambda: metric(server, "specserve:num_requests_waiting", model="llm_none")
                          == e2e.max_queue_size, 10)
         start = time.perf_counter()
         with pytest.raises(GenerateError, match="max_queue_size"):
@@ -340,16 +294,16 @@ def test_a_full_queue_answers_unavailable_and_the_server_keeps_serving(server, e
             client.close()
     # the cancelled requests, queued ones included, leave within a few engine steps
     for gauge in ("num_requests_waiting", "num_requests_running", "kv_slots_used"):
-        assert _wait_for(lambda g=gauge: metric(server, f"specserve:{g}", model="llm_none") == 0, 10), gauge
+        assert wait_for(lambda g=gauge: metric(server, f"specserve:{g}", model="llm_none") == 0, 10), gauge
     quick_request_works(server)
 
 
 def test_closing_an_http_stream_cancels_it(server):
-    aborted_before = _finished(server, "abort")
+    aborted_before = finished(server, "abort")
     deltas = http_generate_stream(server.http_url, "llm_none", "Count to 1000.", max_tokens=200, ignore_eos=True)
     next(deltas)
     deltas.close()  # closes the connection
-    assert _wait_for(lambda: _finished(server, "abort") > aborted_before, 15), "closing the SSE stream did not abort"
+    assert wait_for(lambda: finished(server, "abort") > aborted_before, 15), "closing the SSE stream did not abort"
 
 
 @pytest.mark.xfail(
@@ -358,16 +312,16 @@ def test_closing_an_http_stream_cancels_it(server):
     "decoupled step already streaming never sees it; llm_<variant>, what clients call, gets it (the tests above)",
 )
 def test_cancelling_an_ensemble_stream_reaches_the_engine(server):
-    aborted_before, length_before = _finished(server, "abort"), _finished(server, "length")
-    client, results = _start_long_stream(server.grpc_url, "ensemble_none", "Count to 1000.", 40, trtllm_format=True)
+    aborted_before, length_before = finished(server, "abort"), finished(server, "length")
+    client, results = start_long_stream(server.grpc_url, "ensemble_none", "Count to 1000.", 40, trtllm_format=True)
     try:
         results.get(timeout=TIMEOUT_S)
         client.stop_stream(cancel_requests=True)
-        assert _wait_for(lambda: _finished(server, "abort") > aborted_before, 3)
+        assert wait_for(lambda: finished(server, "abort") > aborted_before, 3)
     finally:
         client.close()
         # the uncancelled request runs to max_tokens: let it finish before the next test
-        _wait_for(lambda: _finished(server, "abort") + _finished(server, "length") > aborted_before + length_before, 60)
+        wait_for(lambda: finished(server, "abort") + finished(server, "length") > aborted_before + length_before, 60)
 
 
 def test_a_short_soak_of_every_request_kind_passes(server):
@@ -462,7 +416,7 @@ def test_variants_that_learn_draft_from_earlier_requests_and_end_only_their_own(
     with pytest.raises(GenerateError, match=r"\btop_p:"):
         list(grpc_stream_inputs(server.grpc_url, f"llm_{variant}", grpc_inputs({"text_input": "hi", "top_p": 1.5}),
                                 TIMEOUT_S))
-    client, results = _start_long_stream(server.grpc_url, f"llm_{variant}", "Count from 1 to 1000.", 256)
+    client, results = start_long_stream(server.grpc_url, f"llm_{variant}", "Count from 1 to 1000.", 256)
     try:
         assert results.get(timeout=TIMEOUT_S)[1] is None
     finally:
