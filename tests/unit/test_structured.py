@@ -251,6 +251,27 @@ def test_greedy_targets_mask_only_where_the_path_needs_it(compiler, smollm2_dir,
     assert match.accept(ids[1]), "the walk left the matcher where it was"
 
 
+def test_greedy_targets_stop_where_the_grammar_ends(compiler, smollm2_dir):
+    """A drafted EOS the target agrees with ends the grammar: the walk stops there and fills no mask
+    for the nodes below it (xgrammar refuses a terminated matcher's mask)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    match = compiler.match(GrammarSpec("choice", json.dumps(["yes"])))
+    ids = tok.encode("yes", add_special_tokens=False).ids
+    for t in ids:
+        assert match.accept(t)
+    tokens, parents = [ids[-1], 2, 17], [-1, 0, 1]  # root -> EOS -> a token after the end
+    tree = TreeBatch.from_trees([DraftTree.from_parents(tokens, parents)])
+    logits = torch.zeros(3, 49152)
+    logits[0, 2] = logits[1, 17] = 10.0
+    targets = logits.argmax(-1)
+    match.greedy_targets(tokens, tree.first_child[0].tolist(), tree.next_sibling[0].tolist(), logits, targets)
+    got = K.verify_greedy(tree.tokens, tree.first_child, tree.next_sibling, targets[None])
+    assert got.accepted_nodes[0, :2].tolist() == [0, 1]
+    assert not match.terminated and match.accept(2), "the walk left the matcher where it was"
+
+
 def test_the_device_unpacking_equals_the_host_one():
     words = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
     words[1] = 0  # a rejected node: forbids nothing

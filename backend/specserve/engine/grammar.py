@@ -177,6 +177,8 @@ class GrammarMatch:
                 if not self.matcher.accept_token(target):  # the grammar allows nothing here: never expected
                     break
             walked += 1
+            if self.matcher.is_terminated():  # a stop token ended the grammar: nothing below is emitted
+                break
             child = first_child[node]
             while child >= 0 and tokens[child] != target:
                 child = next_sibling[child]
