@@ -253,7 +253,7 @@ def test_greedy_targets_mask_only_where_the_path_needs_it(compiler, smollm2_dir,
 
 def test_greedy_targets_stop_where_the_grammar_ends(compiler, smollm2_dir):
     """A drafted EOS the target agrees with ends the grammar: the walk stops there and fills no mask
-    for the nodes below it (xgrammar refuses a terminated matcher's mask)."""
+    for the nodes below it (xgrammar refuses a terminated matcher's mask), and pruning drops them."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
@@ -269,6 +269,7 @@ def test_greedy_targets_stop_where_the_grammar_ends(compiler, smollm2_dir):
     match.greedy_targets(tokens, tree.first_child[0].tolist(), tree.next_sibling[0].tolist(), logits, targets)
     got = K.verify_greedy(tree.tokens, tree.first_child, tree.next_sibling, targets[None])
     assert got.accepted_nodes[0, :2].tolist() == [0, 1]
+    assert match.allowed_nodes(tokens, parents) == [0, 1]  # nothing below the stop token is verified
     assert not match.terminated and match.accept(2), "the walk left the matcher where it was"
 
 

@@ -151,7 +151,8 @@ class GrammarMatch:
             for child in children[node]:
                 if self.matcher.accept_token(tokens[child]):
                     allowed.append(child)
-                    visit(child)
+                    if not self.matcher.is_terminated():  # after a stop token nothing is allowed
+                        visit(child)
                     self.matcher.rollback(1)
 
         visit(0)
