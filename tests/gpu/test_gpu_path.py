@@ -68,12 +68,12 @@ def _spec(algorithm: str) -> SpecConfig:
 
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3", "mtp", "standalone"])
 def test_captured_drafts_equal_eager(gpu_model_dir, prompts, algorithm):
-    """fp32: with graphs on (the target's buckets and, for EAGLE/MTP heads, the whole multi-step
-    draft replayed from a CUDA graph), the eager engine's tokens and accept lengths."""
+    """fp32: with graphs on (the target's buckets and the drafter's whole multi-step draft replayed
+    from CUDA graphs), the eager engine's tokens and accept lengths."""
     engines = [Engine(EngineConfig(model_dir=str(gpu_model_dir), device="cuda", dtype="float32", max_batch_size=4,
                                    max_seq_len=1024, spec=_spec(algorithm), graph_mode=mode, attention_backend="torch"))
                for mode in ("off", "auto")]
-    assert_captured(engines[1], drafts=algorithm != "standalone")
+    assert_captured(engines[1], drafts=True)
     ref, out = (e.generate(prompts, PARAMS) for e in engines)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
     assert [o.accept_lengths for o in out] == [r.accept_lengths for r in ref]

@@ -24,6 +24,7 @@ SPECS = {
     "eagle": dict(num_steps=3, topk=2, num_draft_tokens=6),
     "eagle3": dict(num_steps=3, topk=2, num_draft_tokens=6),
     "mtp": dict(num_steps=2, topk=2, num_draft_tokens=4),
+    "standalone": dict(num_steps=3, topk=2, num_draft_tokens=6, standalone_num_layers=1),
 }
 
 
@@ -61,7 +62,7 @@ def test_every_captured_function_is_capture_safe(tiny_target_dir, drafter_dirs, 
     engine = meta_engine(model_dir, algorithm, drafter, attention)
     fns = captured_functions(engine)
     assert any(key[0] == "target" for key in fns)
-    assert (algorithm in ("eagle", "eagle3", "mtp")) == any(key[0] == "draft" for key in fns)
+    assert (algorithm in ("eagle", "eagle3", "mtp", "standalone")) == any(key[0] == "draft" for key in fns)
     for fn in fns.values():
         check_capturable(fn, "meta")
 

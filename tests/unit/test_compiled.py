@@ -362,9 +362,8 @@ def test_compiled_head_matches_eager(tmp_path, tiny_target_dir, compile_dir, alg
 
 
 def test_compiled_draft_model_matches_eager(tiny_target_dir, compile_dir):
-    """A standalone draft model's compiled forwards give the eager logits and K/V: a catch-up over
-    fresh prompts, one after a prefix (logits at the last column only), a beam step whose nodes sit
-    at scattered cache entries, and a prompt chunk's K/V alone (`write_kv`)."""
+    """A standalone draft model's compiled forwards give the eager hidden states and K/V: fresh prompts, a catch-up
+    after a prefix (logits at the last column), a beam step at scattered cache entries, a prompt chunk."""
     from specserve.models.llama import KeyMask
 
     spec = dict(drafter_path=str(tiny_target_dir), num_steps=3, topk=2, num_draft_tokens=6)
@@ -387,14 +386,16 @@ def test_compiled_draft_model_matches_eager(tiny_target_dir, compile_dir):
               None)]
     with torch.inference_mode():
         for tok, pos, wpos, mask, key_len, index in steps:
-            got = compiled.forward(tok, pos, wpos, [0, 1], mask, key_len, logit_index=index)
-            want = eager.forward(tok, pos, wpos, [0, 1], mask, key_len, logit_index=index)
+            got, want = (r.hidden(tok, pos, wpos, [0, 1], mask, key_len) for r in (compiled, eager))
+            if index is not None:  # the logits of the last column
+                pick = index[:, :, None].expand(-1, -1, got.shape[-1])
+                got, want = compiled.logits(got.gather(1, pick)), eager.logits(want.gather(1, pick))
             assert got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(compiled.cache.data, eager.cache.data, rtol=1e-4, atol=1e-4)
         chunk, chunk_pos = torch.randint(3, VOCAB, (1, 9), generator=g), torch.arange(t + 3, t + 12)[None]
         for runner in (compiled, eager):
-            runner.write_kv(chunk, chunk_pos, [1], KeyMask(torch.tensor([t + 3])), t + 12)
+            runner.hidden(chunk, chunk_pos, chunk_pos, [1], KeyMask(torch.tensor([t + 3])), t + 12)
         torch.testing.assert_close(compiled.cache.data, eager.cache.data, rtol=1e-4, atol=1e-4)
 
 

@@ -114,7 +114,7 @@ def test_static_engine_eagle3_slices_aux_features(tmp_path, tiny_target_dir):
 
 @pytest.mark.parametrize("graph_mode", ["static", "off"])
 @pytest.mark.parametrize(("algorithm", "num_steps", "topk", "num_draft_tokens"),
-                         [("eagle", 4, 2, 8), ("eagle3", 3, 1, 4), ("eagle3", 3, 4, 12)])
+                         [("eagle", 4, 2, 8), ("eagle3", 3, 1, 4), ("eagle3", 3, 4, 12), ("standalone", 3, 2, 6)])
 def test_device_beam_builds_the_host_drafts_trees(tmp_path, tiny_target_dir, algorithm, num_steps, topk,
                                                   num_draft_tokens, graph_mode):
     """Every propose (the on-device beam: static, as `DraftGraphs` captures it, padded to its
@@ -123,8 +123,9 @@ def test_device_beam_builds_the_host_drafts_trees(tmp_path, tiny_target_dir, alg
     (cuda_graph_max_bs=4): 3 requests are padded to 4, 5 are drafted eagerly."""
     from test_eagle import write_checkpoint
 
-    path = write_checkpoint(tmp_path / algorithm, algorithm)
-    spec = dict(drafter_path=str(path), num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens)
+    spec = dict(num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens)
+    spec |= (dict(standalone_num_layers=2) if algorithm == "standalone"
+             else dict(drafter_path=str(write_checkpoint(tmp_path / algorithm, algorithm))))
     eng = _engine(tiny_target_dir, graph_mode, algorithm, batch=5, cuda_graph_max_bs=4, **spec)
     drafter, compared, above = eng.drafter, [], []
     if graph_mode == "static":
@@ -173,7 +174,7 @@ def test_the_gpu_step_is_lossless_on_cpu(tmp_path, tiny_target_dir, monkeypatch,
     assert algorithm == "ngram" or all(o.num_draft_tokens > 0 for o in outs)  # the drafts were verified
 
 
-@pytest.mark.parametrize("algorithm", ["none", "eagle3"])
+@pytest.mark.parametrize("algorithm", ["none", "eagle3", "standalone"])
 def test_a_bucket_whose_capture_fails_runs_eagerly_and_the_engine_serves(tmp_path, tiny_target_dir, monkeypatch,
                                                                          caplog, algorithm):
     """With CUDA graphs on (`disable_cuda_graph` unset), every capture failing (as on the GPU where
@@ -201,13 +202,15 @@ def test_a_bucket_whose_capture_fails_runs_eagerly_and_the_engine_serves(tmp_pat
     spec = dict(num_draft_tokens=6)
     if algorithm == "eagle3":
         spec |= dict(drafter_path=str(write_checkpoint(tmp_path / "e3", "eagle3")), num_steps=3, topk=2)
+    elif algorithm == "standalone":
+        spec |= dict(standalone_num_layers=2, num_steps=3, topk=2)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     ref = _engine(tiny_target_dir, "off").generate(_prompts(3), params)
     with caplog.at_level("WARNING", logger=cuda_graph.__name__):
         eng = _engine(tiny_target_dir, "static", algorithm, **spec)
     failures = [eng.runner.graphs.failures]
-    if algorithm == "eagle3":
-        failures.append(eng.drafter.runner.graphs.failures)
+    if algorithm != "none":
+        failures.append(eng.drafter.graphs.failures)
     assert len(attempts) == sum(len(f.keys) for f in failures) > 0
     for f in failures:
         assert list(f.causes) == ["RuntimeError: CUDA error: operation not permitted when stream is capturing"]

@@ -51,12 +51,11 @@ def test_bad_draft_models_are_refused(tiny_target_dir, tiny_llama_factory):
 
 
 def test_every_draft_model_forward_runs_through_its_runner(tiny_target_dir):
-    """The catch-ups over prompt chunks (`write_kv`) and the drafts' forwards (`forward`) are
-    `DraftModelRunner` calls, one per forward the drafter counts, and the draft model runs no
-    layers outside them."""
+    """The catch-ups over prompt chunks and the drafts' forwards are `DraftModelRunner.hidden`
+    calls, one per forward the drafter counts, and the draft model runs no layers outside them."""
     eng = _engine(tiny_target_dir, "standalone", standalone_num_layers=3, num_steps=3, topk=2, num_draft_tokens=6)
     drafter, runner = eng.drafter, eng.drafter.runner
-    calls = {"write_kv": 0, "forward": 0, "layers_inside": 0, "layers_outside": 0}
+    calls = {"hidden": 0, "layers_inside": 0, "layers_outside": 0}
     inside = [False]
 
     def counted(name):
@@ -78,11 +77,11 @@ def test_every_draft_model_forward_runs_through_its_runner(tiny_target_dir):
         calls["layers_inside" if inside[0] else "layers_outside"] += 1
         return run_layers(*args, **kwargs)
 
-    runner.write_kv, runner.forward = counted("write_kv"), counted("forward")
+    runner.hidden = counted("hidden")
     drafter.model.run_layers = layers
     outs = eng.generate(_prompts(), SamplingParams(max_tokens=12, ignore_eos=True))
     assert all(len(o.token_ids) == 12 for o in outs)
-    assert calls["write_kv"] >= len(outs)  # each prompt cached with its prefill
-    assert calls["forward"] > 0
+    # each prompt cached with its prefill, then per draft a catch-up and num_steps - 1 beam steps
+    assert calls["hidden"] >= len(outs) + 3
     assert calls["layers_outside"] == 0
-    assert calls["layers_inside"] == calls["write_kv"] + calls["forward"] == drafter.num_forwards
+    assert calls["layers_inside"] == calls["hidden"] == drafter.num_forwards

@@ -7,9 +7,11 @@ plus its final norm and lm_head (the same modules, no extra weights). It keeps i
 in that cache (the accepted tokens and the root), so no refresh after verify is needed. A prompt
 is cached chunk by chunk with its prefill (`on_prefill`); a slot's draft K/V stay after its request
 ends, and `copy_prefix` hands them to a request that reuses its prefix. Trees come from
-`beam.grow_trees` (topk=1 is a chain).
-Every draft-model forward runs through `runtime.draft_model.DraftModelRunner` (a compiled program
-on a CPU where the runtime plan compiles, else eagerly).
+`beam.grow_trees_on_device` (topk=1 is a chain), from the root's hidden state the catch-up leaves
+in `last_hidden`, as a draft head drafts from its own. Every draft-model forward runs through
+`runtime.draft_model.DraftModelRunner` (a compiled program on a CPU where the runtime plan
+compiles, else eagerly), which on a static plan also replays the configured shape's whole beam
+from a CUDA graph per batch size.
 
 The draft model never sees the target's hidden states; it does not verify or sample.
 """
@@ -24,15 +26,16 @@ from torch import nn
 
 from specserve.config import SpecConfig
 from specserve.drafters.base import DraftContext, Drafter, SequenceView
-from specserve.drafters.beam import grow_trees
+from specserve.drafters.beam import grow_trees, grow_trees_on_device
 from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, KeyMask, LlamaModel
 from specserve.models.weights import empty_modules, load_llama
+from specserve.runtime.cuda_graph import DraftGraphs
 from specserve.runtime.draft_model import DraftModelRunner
 from specserve.runtime.prefill import PackedPrompts
 from specserve.staging import to_device
-from specserve.tree import DraftShape, DraftTree
+from specserve.tree import DraftShape, DraftTree, TreeBatch
 
 
 def first_layers(target: LlamaModel, k: int) -> LlamaModel:
@@ -74,6 +77,9 @@ class StandaloneDrafter(Drafter):
             pack_for_inference(self.model)  # the target's own layers are packed with the target
         self.cached = [0] * ctx.num_slots  # per slot: tokens whose K/V are in the draft cache
         self.device = ctx.device
+        # (slots, H): the draft model's final-norm hidden at each request's root (its children's logits)
+        self.last_hidden = torch.zeros(ctx.num_slots, self.model.cfg.hidden_size, dtype=ctx.dtype, device=ctx.device)
+        self.runner.capture_drafts(self._draft_static, self.draft_plan.shape)
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """The draft K/V of the reused tokens [0, n), as far as src's draft cache has them."""
@@ -92,36 +98,79 @@ class StandaloneDrafter(Drafter):
             tokens, positions = to_device([s.token_ids[start:end], list(range(start, end))], self.device)  # (T,) each
             mask = None if start == 0 else KeyMask(positions[:1])
             with self.model_forward():  # the layers alone: no logits needed
-                self.runner.write_kv(tokens[None], positions[None], [s.slot], mask, end)
+                self.runner.hidden(tokens[None], positions[None], positions[None], [s.slot], mask, end)
             self.cached[s.slot] = end
 
-    def _topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs, tokens = logits.softmax(-1).topk(self.spec.topk, dim=-1)
-        return probs.cpu(), tokens.cpu()
+    @property
+    def graphs(self) -> DraftGraphs | None:
+        return self.runner.graphs
 
-    def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree]:
-        shape = shape or self.draft_plan.shape
+    def _catch_up(self, seqs: Sequence[SequenceView]) -> None:
+        """The draft model over each request's tokens not yet in its cache (the root last), one
+        forward for the batch; the root's final-norm hidden goes to `last_hidden`."""
         host_slots = [s.slot for s in seqs]
         starts = [self.cached[s.slot] for s in seqs]
         news = [s.token_ids[start:] for s, start in zip(seqs, starts)]  # uncached tokens, root last
         b, t = len(seqs), max(len(n) for n in news)
         tokens = to_device([n + [0] * (t - len(n)) for n in news], self.device)  # (B, T)
-        start_t, last = to_device([starts, [len(n) - 1 for n in news]], self.device)  # (B,) each
-        last = last[:, None]
+        start_t, last, slots = to_device([starts, [len(n) - 1 for n in news], host_slots], self.device)  # (B,) each
         positions = start_t[:, None] + torch.arange(t, device=self.device)
-        key_len = max(starts) + t
         mask = None if max(starts) == 0 else KeyMask(start_t)
         with self.model_forward():
-            logits = self.runner.forward(tokens, positions, positions, host_slots, mask, key_len, logit_index=last)
-            probs, children = self._topk(logits[:, 0])  # (B, k): the roots' children
+            hidden = self.runner.hidden(tokens, positions, positions, host_slots, mask, max(starts) + t)  # (B, T, H)
+        self.last_hidden[slots] = hidden[torch.arange(b, device=self.device), last]
         for s in seqs:
             self.cached[s.slot] = len(s.token_ids)
 
-        def step(beam_tokens, _state, positions, write_pos, mask, key_len):  # noqa: ANN001, ANN202
+    def _topk(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (..., H) -> the draft model's topk (probs, tokens), each (..., topk), on the device."""
+        with self.model_forward(count=False):
+            return self.runner.logits(hidden).softmax(-1).topk(self.spec.topk, dim=-1)
+
+    def _draft(self, slots: list[int] | torch.Tensor, base: torch.Tensor, roots: torch.Tensor, shape: DraftShape,
+               key_len: int) -> TreeBatch:
+        """The whole beam from tensors (`grow_trees_on_device`): no per-request Python, no host
+        sync. slots: host ints (eager) or a (B,) tensor (`DraftGraphs`, key_len = the whole slot);
+        base (= the root's position + 1), roots (B,) -> B trees of equal size."""
+        h = self.last_hidden[slots if isinstance(slots, torch.Tensor) else to_device(slots, self.device)]  # (B, H)
+        probs, tokens = self._topk(h)
+
+        def step(beam_tokens, state, positions, write_pos, mask, key_len):  # noqa: ANN001, ANN202
             with self.model_forward():
-                logits = self.runner.forward(beam_tokens, positions, write_pos, host_slots, mask, key_len)  # (B, k, V)
-                return (_state, *self._topk(logits))
+                hs = self.runner.hidden(beam_tokens, positions, write_pos, slots, mask, key_len)  # (B, k, H)
+            return (state, *self._topk(hs))
+
+        state = torch.zeros(roots.shape[0], 1, device=self.device)  # token-level drafting carries no state
+        return grow_trees_on_device(roots, base, probs, tokens, state, step, shape.num_steps, shape.topk,
+                                    shape.num_draft_tokens, key_len=key_len)
+
+    def _draft_static(self, slots: torch.Tensor, base: torch.Tensor, roots: torch.Tensor) -> TreeBatch:
+        """The configured shape's draft with keys over the whole cache slot: what `DraftGraphs` captures."""
+        return self._draft(slots, base, roots, self.draft_plan.shape, self.cache.max_len)
+
+    def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> TreeBatch:
+        shape = shape or self.draft_plan.shape
+        self._catch_up(seqs)
+        host_slots, roots = [s.slot for s in seqs], [s.token_ids[-1] for s in seqs]
+        base = [len(s.token_ids) for s in seqs]  # the beam's first scratch entry: after the root
+        batch = self.runner.draft(shape, host_slots, base, roots)
+        if batch is not None:  # None: not the captured shape, or more requests than the largest bucket
+            return batch
+        key_len = max(base) + max(shape.scratch, 1)  # prefix + the beam's scratch
+        base_t, roots_t = to_device([base, roots], self.device)  # (B,) each
+        return self._draft(host_slots, base_t, roots_t, shape, key_len)
+
+    def draft_on_host(self, seqs: Sequence[SequenceView], shape: DraftShape) -> list[DraftTree]:
+        """The same draft with the beam picked on the host by `DynamicTreeBuilder`: the reference
+        the tests hold `propose` to (call it after a propose, so the model has caught up)."""
+        host_slots = [s.slot for s in seqs]
+        probs, children = (x.cpu() for x in self._topk(self.last_hidden[to_device(host_slots, self.device)]))
+
+        def step(beam_tokens, state, positions, write_pos, mask, key_len):  # noqa: ANN001, ANN202
+            with self.model_forward():
+                hs = self.runner.hidden(beam_tokens, positions, write_pos, host_slots, mask, key_len)
+            return (state, *(x.cpu() for x in self._topk(hs)))
 
         base = to_device([len(s.token_ids) for s in seqs], self.device)  # after the root
-        state = torch.zeros(b, 1, device=self.device)  # token-level drafting carries no state
+        state = torch.zeros(len(seqs), 1, device=self.device)
         return grow_trees(seqs, base, probs, children, state, step, shape.num_steps, shape.topk, shape.num_draft_tokens)

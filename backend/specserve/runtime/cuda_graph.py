@@ -266,22 +266,24 @@ class _DraftBucket:
 
 
 class DraftGraphs:
-    """A drafter's whole multi-step draft, one CUDA graph per batch-size bucket.
+    """A drafter's whole multi-step draft of one tree shape, one CUDA graph per batch-size bucket.
 
     `draft(slots, base, roots)` must run on tensors only, with shapes fixed by the batch size
-    (e.g. `beam.grow_trees_on_device` with keys over the whole cache slot). Padding rows draft for
+    (e.g. `beam.grow_trees_on_device` with keys over the whole cache slot); it drafts `shape`, and
+    a call for another shape is the caller's to run eagerly. Padding rows draft for
     `padding_slot`, a drafter-cache slot no request gets, from base 0 and root token 0.
     """
 
     def __init__(
         self,
         draft: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], TreeBatch],
+        shape: object,
         batch_sizes: Sequence[int],
         padding_slot: int,
         device: torch.device,
         capture_graphs: bool,
     ) -> None:
-        self.draft, self.padding_slot, self.device = draft, padding_slot, device
+        self.draft, self.shape, self.padding_slot, self.device = draft, shape, padding_slot, device
         self.batch_sizes = sorted(set(batch_sizes))
         self.buckets: dict[int, _DraftBucket] = {}
         self.graph_bytes = 0
@@ -312,11 +314,12 @@ class DraftGraphs:
         """Per batch size, the function its graph captures (what the capture-guard tests run)."""
         return {bs: self._captured(bk) for bs, bk in self.buckets.items()}
 
-    def __call__(self, slots: list[int], base: list[int], roots: list[int]) -> TreeBatch | None:
-        """The B = len(slots) trees, or None when B is above the largest bucket (draft eagerly)."""
+    def __call__(self, shape: object, slots: list[int], base: list[int], roots: list[int]) -> TreeBatch | None:
+        """The B = len(slots) trees, or None (draft eagerly) for another shape than the captured
+        one or when B is above the largest bucket."""
         b = len(slots)
         i = bisect.bisect_left(self.batch_sizes, b)
-        if i == len(self.batch_sizes):
+        if shape != self.shape or i == len(self.batch_sizes):
             return None
         bs = self.batch_sizes[i]
         bk = self.buckets[bs]

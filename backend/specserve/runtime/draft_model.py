@@ -1,25 +1,26 @@
-"""A standalone draft model's forwards over its own KV cache: catch-ups and beam steps.
+"""A standalone draft model's forwards over its own KV cache, and its whole draft captured per batch size.
 
-`DraftModelRunner` runs every forward of a draft LLM (`drafters.standalone`): `write_kv` over
-tokens whose K/V the draft cache lacks (a prompt chunk: the layers alone, no logits) and `forward`
-for the logits a draft needs (the catch-up up to the root, then each beam step). Tokens are
-written at arbitrary entries of their slots (`write_pos`: a beam's scratch area) with rope at
-`positions`. On a CPU with compiled programs (`RuntimePlan.compile_cache_dir`) the layers run as
-one AOTInductor program (`CompiledDraftModel`, called as a draft head's is) and the logits come
-from the model's own output layer at the columns asked for; elsewhere, and for forwards the program
-does not cover, they run eagerly with torch attention. No CUDA graph is captured for a draft LLM.
+`DraftModelRunner.hidden` runs the draft LLM's layers (`drafters.standalone`) over tokens written
+at arbitrary entries of their slots (`write_pos`: a beam's scratch area) with rope at `positions`:
+a prompt chunk, the catch-up up to the root, each beam step; `logits` is its output layer. On a
+CPU with compiled programs (`RuntimePlan.compile_cache_dir`) the layers run as one AOTInductor
+program (`CompiledDraftModel`, called as a draft head's is); elsewhere, and for forwards the program
+does not cover, they run eagerly (our Triton attention where the target's uses it). `draft` runs
+a drafter's whole beam from a CUDA graph (or its static bucket) when the plan is static and the
+shape is the captured one, as a draft head's runner does.
 
 This module does not draft: it neither picks tokens nor tracks what each slot has cached.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from specserve.models.attention import AttentionInputs
+from specserve.models.attention import TORCH_ATTENTION, TRITON_ATTENTION
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import KeyMask, LlamaModel, scattered_attention_inputs
 from specserve.runtime.compiled import (
@@ -34,8 +35,13 @@ from specserve.runtime.compiled import (
     readonly_attend,
     scattered_call,
 )
+from specserve.runtime.cuda_graph import DraftGraphs
 from specserve.runtime.plan import RuntimePlan
 from specserve.staging import to_device
+from specserve.tree import TreeBatch
+
+Slots = list[int] | torch.Tensor  # host ints, or a (B,) device tensor (a static draft)
+Draft = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], TreeBatch]  # (slots, base, roots) (B,) -> trees
 
 
 class ReadOnlyDraftForward(nn.Module):
@@ -104,20 +110,20 @@ class CompiledDraftModel:
 
 class DraftModelRunner:
     """The draft model's forwards into `cache` (its own, one slot per request like the target's);
-    `compiled` its CPU program where the plan compiles (None otherwise). Build it before the
-    model's linears are prepacked for eager use."""
+    `compiled` its CPU program where the plan compiles (None otherwise); `graphs` its captured
+    drafts (None until `capture_drafts` on a static plan). Build it before the model's linears are
+    prepacked for eager use."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache, plan: RuntimePlan | None = None) -> None:
-        self.model, self.cache = model, cache
-        cache_dir = None if plan is None else plan.compile_cache_dir
+    def __init__(self, model: LlamaModel, cache: KVCache, plan: RuntimePlan) -> None:
+        self.model, self.cache, self.plan = model, cache, plan
+        # its attention: our Triton kernel where the target's runs it (the GPU), else torch
+        self.attention = TRITON_ATTENTION if plan.attention == "triton" else TORCH_ATTENTION
+        cache_dir = plan.compile_cache_dir
         self.compiled = None if cache_dir is None else compiled_or_none(
             "draft model", lambda: CompiledDraftModel(model, cache, cache_dir))
+        self.graphs: DraftGraphs | None = None
 
-    def _inputs(self, positions: torch.Tensor, write_pos: torch.Tensor, slots: list[int], mask: KeyMask | None,
-                key_len: int) -> AttentionInputs:
-        return scattered_attention_inputs(self.model.rope, positions, write_pos, slots, mask, key_len)
-
-    def _compiled(self, tokens: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor, slots: list[int],
+    def _compiled(self, tokens: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor, slots: Slots,
                   mask: KeyMask | None, key_len: int) -> torch.Tensor | None:
         """The program's hidden (B, T, H) with the new K/V written, or None where it does not run."""
         if self.compiled is None or not self.compiled.fits(key_len):
@@ -125,24 +131,34 @@ class DraftModelRunner:
         b, t = tokens.shape
         if mask is None:  # causal over a fresh prefill: nothing before the new tokens
             mask = KeyMask(torch.zeros(b, dtype=torch.int64, device=tokens.device))
-        return self.compiled.forward(tokens, positions, write_pos, mask.dense(t, key_len),
-                                     to_device(slots, tokens.device))
+        slots_t = slots if isinstance(slots, torch.Tensor) else to_device(slots, tokens.device)
+        return self.compiled.forward(tokens, positions, write_pos, mask.dense(t, key_len), slots_t)
 
-    def write_kv(self, tokens: torch.Tensor, positions: torch.Tensor, slots: list[int], mask: KeyMask | None,
-                 key_len: int) -> None:
-        """tokens, positions (B, T), written at their positions; mask: the keys each token sees
-        (None: causal over a fresh prefill). Only their K/V come out: no logits are computed."""
-        if self._compiled(tokens, positions, positions, slots, mask, key_len) is not None:
-            return
-        a = self._inputs(positions, positions, slots, mask, key_len)
-        self.model.run_layers(tokens, lambda i, attn, x: attn(x, self.cache.layer(i), a))
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor, slots: list[int],
-                mask: KeyMask | None, key_len: int, logit_index: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens, positions, write_pos (B, T); logit_index (B, K): the columns that get logits
-        (all T when None) -> logits (B, K, V)."""
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor, slots: Slots,
+               mask: KeyMask | None, key_len: int) -> torch.Tensor:
+        """tokens, positions, write_pos (B, T), written at write_pos of their slots (host ints, or a
+        (B,) device tensor in a static draft); mask: the keys each token sees (None: causal over a
+        fresh prefill) -> the final-norm hidden (B, T, H)."""
         hidden = self._compiled(tokens, positions, write_pos, slots, mask, key_len)
         if hidden is not None:
-            return self.model.output(hidden, None, logit_index).logits
-        a = self._inputs(positions, write_pos, slots, mask, key_len)
-        return self.model(tokens, a, self.cache, logit_index=logit_index).logits
+            return hidden
+        a = scattered_attention_inputs(self.model.rope, positions, write_pos, slots, mask, key_len, self.attention)
+        return self.model.run_layers(tokens, lambda i, attn, x: attn(x, self.cache.layer(i), a))[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (..., H) -> the model's logits (..., V) in float32."""
+        return self.model.lm_head(hidden).float()
+
+    # ---- whole drafts ---------------------------------------------------------------------------
+
+    def capture_drafts(self, draft: Draft, shape: object) -> None:
+        """On a static plan: `draft` (the drafter's draft of `shape` with keys over the whole cache
+        slot, tensors only) in one bucket per batch size, captured on CUDA."""
+        if self.plan.static:
+            self.graphs = DraftGraphs(draft, shape, self.plan.batch_sizes, self.cache.reserve(), self.plan.device,
+                                      self.plan.capture)
+
+    def draft(self, shape: object, slots: list[int], base: list[int], roots: list[int]) -> TreeBatch | None:
+        """The captured draft's trees when `shape` is the captured one and a bucket holds the
+        batch, else None (the drafter drafts eagerly)."""
+        return None if self.graphs is None else self.graphs(shape, slots, base, roots)

@@ -61,7 +61,6 @@ class HeadRunner:
         pack_for_inference(head)  # bf16 on CPU: the head's linears
         head.pack_logits()  # on CPU: its output layer (bf16: packed; float32: int8 where that is faster here)
         self.graphs: DraftGraphs | None = None
-        self._captured_shape: object = None
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
                 mask: KeyMask | None, key_len: int, slots: list[int] | torch.Tensor) -> torch.Tensor:
@@ -124,13 +123,10 @@ class HeadRunner:
         """On a static plan: `draft` (the drafter's draft of `shape` with keys over the whole cache
         slot, tensors only) in one bucket per batch size, captured on CUDA."""
         if self.plan.static:
-            self.graphs = DraftGraphs(draft, self.plan.batch_sizes, self.cache.reserve(), self.device,
+            self.graphs = DraftGraphs(draft, shape, self.plan.batch_sizes, self.cache.reserve(), self.device,
                                       self.plan.capture)
-            self._captured_shape = shape
 
     def draft(self, shape: object, slots: list[int], base: list[int], roots: list[int]) -> TreeBatch | None:
         """The captured draft's trees when `shape` is the captured one and a bucket holds the
         batch, else None (the drafter drafts eagerly)."""
-        if self.graphs is None or shape != self._captured_shape:
-            return None
-        return self.graphs(slots, base, roots)
+        return None if self.graphs is None else self.graphs(shape, slots, base, roots)

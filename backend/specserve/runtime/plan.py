@@ -7,9 +7,9 @@
 - fused_kernels: on a GPU, the target's layers run their small ops as fused Triton kernels. The
   "meta" device (shapes only) stands in for a GPU in the capture-guard tests.
 
-The target's runner (`runtime.target`) and each draft head's (`runtime.head_runner`) read this plan; a
-standalone draft model's (`runtime.draft_model`) runs eagerly under any plan. The engine and the
-drafters never ask which path a forward takes.
+The target's runner (`runtime.target`), each draft head's (`runtime.head_runner`) and a standalone
+draft model's (`runtime.draft_model`) read this plan. The engine and the drafters never ask which
+path a forward takes.
 """
 
 from __future__ import annotations
