@@ -8,9 +8,10 @@ path that turns slow is left within a few dozen steps. A path measured more than
 exploring costs about 1/`explore_every` of a step whatever the gap.
 
 A start-up figure is provisional: the path's first real forward replaces it (it is never
-averaged with real forwards), a figure more than `doubt_ratio` times the other path's is re-timed
-on the key's next step before it is believed, and while a path has fewer than `min_samples` real
-forwards it is explored at least every `provisional_period` steps. So a start-up timing that a
+averaged with real forwards), a figure more than `doubt_ratio` times the other path's, or within
+`explore_within` of the other path's real forwards (a near tie), is re-timed on the key's next
+step before it is believed, and while a path has fewer than `min_samples` real forwards it is
+explored at least every `provisional_period` steps. So a start-up timing that a
 busy moment skewed costs a few dozen steps, not thousands. Real forwards can stall too (the
 machine still busy, a program's pages read back in): a forward more than `doubt_ratio` times
 faster than its path's estimate restarts that estimate, so stalled forwards cost at most one
@@ -73,6 +74,14 @@ class PathChooser:
         fast, slow = sorted(self._averages(key).values(), key=lambda a: a.value)
         return slow.provisional and fast.count > 0 and slow.value > self.doubt_ratio * fast.value
 
+    def _untried_near_tie(self, key: tuple[int, int]) -> bool:
+        """Whether the slower-looking path is known only by its start-up figure, within
+        `explore_within` of the other path's real forwards: one forward settles a tie that a skewed
+        start-up timing may have decided. (A drafting engine's plain steps are rare, so their keys
+        could run the wrong path for a whole bench before the provisional period came round.)"""
+        fast, slow = sorted(self._averages(key).values(), key=lambda a: a.value)
+        return slow.provisional and fast.samples > 0 and slow.value <= self.explore_within * fast.value
+
     def _believed(self, key: tuple[int, int]) -> bool:
         """Whether every path of `key` is measured (the choice between them is then by estimate)."""
         return all(a.count >= self.min_samples for a in self._averages(key).values())
@@ -91,8 +100,8 @@ class PathChooser:
         up, at most `max_slowdown`) once that exceeds `explore_within`, so a far slower path costs as
         little as a near one; at most `provisional_period` while a path has fewer than `min_samples`
         real forwards (a start-up figure, or one real forward, may be far off); 1 while the slower
-        path's start-up figure is doubted."""
-        if self._doubted(key):
+        path's start-up figure is doubted or an untried near tie."""
+        if self._doubted(key) or self._untried_near_tie(key):
             return 1
         avgs = self._averages(key)
         fast, slow = sorted(a.value for a in avgs.values())
