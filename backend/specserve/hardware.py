@@ -28,12 +28,23 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def cpu_model() -> str:
+def _cpuinfo(field: str) -> str:
+    """The first processor's `field` in /proc/cpuinfo ("" where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return ""
-    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                 if line.split(":", 1)[0].strip() == field), "")
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name")
+
+
+# the flags that choose kernels here, recorded with every figure (two CPUs of one model name can differ)
+RECORDED_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_vp2intersect",
+                  "amx_tile", "amx_bf16", "amx_int8")
 
 
 GGUF_KERNEL_FLAGS = frozenset({"avx2", "fma", "f16c"})  # specserve_kernels.gguf_gemm's
@@ -76,6 +87,8 @@ def describe() -> dict:
 
     return {
         "cpu": cpu_model(),
+        "cpu_family_model": f"{_cpuinfo('cpu family')}/{_cpuinfo('model')}",  # AMD 25: Zen 3/4, 26: Zen 5
+        "flags": sorted(cpu_flags() & set(RECORDED_FLAGS)),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "bf16_flags": sorted(cpu_flags() & set(BF16_FLAGS)),

@@ -19,3 +19,5 @@ def test_describe_reads_this_machine():
     assert info["cores"] >= 1 and info["torch_threads"] >= 1
     assert set(info["bf16_flags"]) <= set(hardware.BF16_FLAGS)
     assert info["native_bf16"] == bool({"avx512_bf16", "amx_bf16"} & hardware.cpu_flags())
+    assert set(info["flags"]) == hardware.cpu_flags() & set(hardware.RECORDED_FLAGS)
+    assert info["cpu_family_model"].count("/") == 1
