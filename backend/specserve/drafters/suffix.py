@@ -23,6 +23,10 @@ one with the larger score (the sum of its nodes' shares: the tokens it expects a
 The shared store keeps one index per cache salt (None is a salt too): a request drafts only from the
 text of requests of its own salt, and the ring's memory bound holds across all salts.
 
+`TokenStore`, `draft_nodes` and `propose` (one request's step) here are the reference; the drafter runs
+`specserve_kernels.suffix_store`'s C++ ones where that module builds (one call per request and step,
+the tree's arrays laid out there too), these where it does not: the same trees and scores either way.
+
 This module reads token ids only; it knows nothing of models, KV caches or the engine.
 """
 
@@ -31,13 +35,16 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Hashable, Sequence
+from types import ModuleType
 
 import numpy as np
+import torch
 
 from specserve.config import SpecConfig
 from specserve.draft_plan import DraftPlan
 from specserve.drafters.base import DraftContext, Drafter, SequenceView
 from specserve.tree import DraftShape, DraftTree
+from specserve_kernels import suffix_store
 
 SENTINEL = -1  # ends a segment; never a token id
 MAX_CANDIDATES = 256  # the most recent positions after a k-gram that one lookup weighs
@@ -75,6 +82,14 @@ class TokenStore:
     def num_tokens(self) -> int:
         """Live positions, segment ends included."""
         return self.high - self.low
+
+    def tokens(self) -> np.ndarray:
+        """The live tokens (positions [low, high), segment ends included) in order."""
+        return self.buf[np.arange(self.low, self.high) % self.capacity]
+
+    def last(self) -> int:
+        """The token at position high - 1."""
+        return int(self.buf[(self.high - 1) % self.capacity])
 
     def append(self, tokens: Sequence[int], salt: Hashable = None) -> None:
         """Add tokens to the open segment (a new one if none is open)."""
@@ -227,6 +242,24 @@ def draft_nodes(root: int, rows: np.ndarray, match_len: int, num_draft_tokens: i
             sum(nodes[n][3] for n in kept) / total)
 
 
+def propose(own: TokenStore, shared: TokenStore, salt: Hashable, num_draft_tokens: int,
+            spec: SpecConfig) -> tuple[list[int], list[int], float]:
+    """One request's tree (`draft_nodes`'s tokens, parents, score): its own store (salt None) and the
+    shared store (its salt) matched against its tokens, the better scored tree kept (Arctic's rule);
+    the root alone, score 0, where neither matches."""
+    context, root = own.buf[: own.high], own.last()
+    depth = min(spec.suffix_max_depth, num_draft_tokens - 1)
+    best, best_score = ([root], [-1]), 0.0
+    if depth >= 1:
+        for store, store_salt in ((own, None), (shared, salt)):
+            length, at = store.match(context, spec.suffix_max_depth, store_salt)
+            if length:
+                *tree, score = draft_nodes(root, store.continuations(at, depth), length, num_draft_tokens, spec)
+                if score > best_score:
+                    best, best_score = tree, score
+    return best[0], best[1], best_score
+
+
 class SuffixDrafter(Drafter):
     """The Drafter for algorithm=suffix: a shared store of finished requests' text and each running
     request's own store. A request's text enters the shared store when it is released."""
@@ -237,11 +270,22 @@ class SuffixDrafter(Drafter):
     def build(cls, spec: SpecConfig, ctx: DraftContext) -> Drafter:
         return cls(ctx.draft_plan)
 
-    def __init__(self, draft_plan: DraftPlan) -> None:
+    def __init__(self, draft_plan: DraftPlan, native: bool | None = None) -> None:
+        """native: the C++ store and trees (True: required), the Python ones (False), or the C++ ones
+        where they build (None)."""
         self.draft_plan = draft_plan
         self.spec = spec = draft_plan.spec
-        self.shared = TokenStore(spec.suffix_cache_tokens, spec.suffix_min_match, ring=True)
+        self._native: ModuleType | None = suffix_store.load() if native is not False else None
+        if native and self._native is None:
+            raise RuntimeError("suffix drafter: the native token store is not built")
+        self._store = self._native.TokenStore if self._native else TokenStore
+        self.shared = self._store(spec.suffix_cache_tokens, spec.suffix_min_match, ring=True)
         self._own: dict[str, tuple[TokenStore, Hashable]] = {}  # request id -> (its tokens, its cache salt)
+
+    @property
+    def native(self) -> bool:
+        """Whether it runs the C++ store and trees."""
+        return self._native is not None
 
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree]:
         shape = shape or self.draft_plan.shape
@@ -255,7 +299,7 @@ class SuffixDrafter(Drafter):
         own = self._own.pop(request_id, None)
         if own is not None:
             store, salt = own
-            self.shared.append(store.buf[: store.high], salt)
+            self.shared.append(store.tokens(), salt)
             self.shared.close()
 
     @property
@@ -264,30 +308,29 @@ class SuffixDrafter(Drafter):
 
     def forget(self) -> None:
         """Drop the shared store (what earlier requests taught it)."""
-        self.shared = TokenStore(self.spec.suffix_cache_tokens, self.spec.suffix_min_match, ring=True)
+        self.shared = self._store(self.spec.suffix_cache_tokens, self.spec.suffix_min_match, ring=True)
 
-    def _own_store(self, seq: SequenceView) -> TokenStore:
+    def _own_store(self, seq: SequenceView) -> tuple[TokenStore, Hashable]:
+        """(its own store, brought up to its tokens; its cache salt)."""
         own = self._own.get(seq.request_id)
         tokens = seq.token_ids
         if own is None or own[0].high > len(tokens):  # new (or a stream that shrank: start over)
-            own = self._own[seq.request_id] = (TokenStore(max(2, 2 * len(tokens)), self.spec.suffix_min_match,
-                                                          ring=False), seq.cache_salt)
+            own = self._own[seq.request_id] = (self._store(max(2, 2 * len(tokens)), self.spec.suffix_min_match,
+                                                           ring=False), seq.cache_salt)
         store = own[0]
         store.append(tokens[store.high:])
-        return store
+        return own
 
     def propose_scored(self, seq: SequenceView, num_draft_tokens: int) -> tuple[DraftTree, float]:
         """The better scored of the trees of its own store and of the shared store (Arctic's rule),
         and its score (`draft_nodes`)."""
-        spec, own = self.spec, self._own_store(seq)
-        context, root = own.buf[: own.high], int(own.buf[own.high - 1])
-        depth = min(spec.suffix_max_depth, num_draft_tokens - 1)
-        best, best_score = ([root], [-1]), 0.0
-        if depth >= 1:
-            for store, salt in ((own, None), (self.shared, self._own[seq.request_id][1])):
-                length, at = store.match(context, spec.suffix_max_depth, salt)
-                if length:
-                    *tree, score = draft_nodes(root, store.continuations(at, depth), length, num_draft_tokens, spec)
-                    if score > best_score:
-                        best, best_score = tree, score
-        return DraftTree.from_parents(*best), best_score
+        spec, (own, salt) = self.spec, self._own_store(seq)
+        if not self._native:
+            tokens, parents, score = propose(own, self.shared, salt, num_draft_tokens, spec)
+            return DraftTree.from_parents(tokens, parents), score
+        # the same tree, its links and mask laid out in C++ as `DraftTree.from_parents` lays them out
+        links, mask, score = self._native.propose(own, self.shared, salt, spec.suffix_max_depth, num_draft_tokens,
+                                                  spec.suffix_min_token_prob, spec.suffix_max_spec_factor)
+        tokens, parents, depth, first_child, next_sibling = torch.from_numpy(links).unbind()
+        return DraftTree(tokens=tokens, parents=parents, depth=depth, mask=torch.from_numpy(mask),
+                         first_child=first_child, next_sibling=next_sibling), score
