@@ -8,9 +8,9 @@ path that turns slow is left within a few dozen steps. A path measured more than
 exploring costs about 1/`explore_every` of a step whatever the gap.
 
 A start-up figure is provisional: the path's first real forward replaces it (it is never
-averaged with real forwards), a figure more than `doubt_ratio` times the other path's, or within
-`explore_within` of the other path's real forwards (a near tie), is re-timed on the key's next
-step before it is believed, and while a path has fewer than `min_samples` real forwards it is
+averaged with real forwards), a figure more than `doubt_ratio` times the other path's is re-timed
+on the key's next step before it is believed, one within `explore_within` of the other path's
+real forwards (a near tie) once that path has `min_samples` of them, and while a path has fewer than `min_samples` real forwards it is
 explored at least every `provisional_period` steps. So a start-up timing that a
 busy moment skewed costs a few dozen steps, not thousands. Real forwards can stall too (the
 machine still busy, a program's pages read back in): a forward more than `doubt_ratio` times
@@ -76,11 +76,14 @@ class PathChooser:
 
     def _untried_near_tie(self, key: tuple[int, int]) -> bool:
         """Whether the slower-looking path is known only by its start-up figure, within
-        `explore_within` of the other path's real forwards: one forward settles a tie that a skewed
-        start-up timing may have decided. (A drafting engine's plain steps are rare, so their keys
-        could run the wrong path for a whole bench before the provisional period came round.)"""
+        `explore_within` of the other path's `min_samples` real forwards: one forward settles a tie
+        that a skewed start-up timing may have decided. (A drafting engine's plain steps are rare, so
+        their keys could run the wrong path for a whole bench before the provisional period came
+        round.) Not sooner: the engine's warm-up times each shape on a key's second forward, which
+        must run the settled path to count."""
         fast, slow = sorted(self._averages(key).values(), key=lambda a: a.value)
-        return slow.provisional and fast.samples > 0 and slow.value <= self.explore_within * fast.value
+        return (slow.provisional and fast.samples >= self.min_samples
+                and slow.value <= self.explore_within * fast.value)
 
     def _believed(self, key: tuple[int, int]) -> bool:
         """Whether every path of `key` is measured (the choice between them is then by estimate)."""
