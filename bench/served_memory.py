@@ -28,7 +28,8 @@ PROMPT = "Explain in two sentences why the sky is blue."
 
 def _stream(url: str, model: str, tokens: int) -> int:
     """One greedy stream; the tokens it generated."""
-    g = collect(grpc_stream(url, model, PROMPT, max_tokens=tokens, temperature=0.0, return_num_output_tokens=True))
+    g = collect(grpc_stream(url, model, PROMPT, max_tokens=tokens, temperature=0.0, ignore_eos=True,
+                            apply_chat_template=True, return_num_output_tokens=True))
     return int(g.stats.get("num_output_tokens", 0))
 
 
