@@ -10,9 +10,9 @@ exploring costs about 1/`explore_every` of a step whatever the gap.
 A start-up figure is provisional: the path's first real forward replaces it (it is never
 averaged with real forwards), a figure more than `doubt_ratio` times the other path's is re-timed
 on the key's next step before it is believed, one within `explore_within` of the other path's
-real forwards (a near tie) once that path has `min_samples` of them, and while a path has fewer than `min_samples` real forwards it is
-explored at least every `provisional_period` steps. So a start-up timing that a
-busy moment skewed costs a few dozen steps, not thousands. Real forwards can stall too (the
+real forwards (a near tie) once that path has `min_samples` of them, and while a path has fewer
+than `min_samples` real forwards it is explored at least every `provisional_period` steps. So a
+start-up timing that a busy moment skewed costs a few dozen steps, not thousands. Real forwards can stall too (the
 machine still busy, a program's pages read back in): a forward more than `doubt_ratio` times
 faster than its path's estimate restarts that estimate, so stalled forwards cost at most one
 exploring period.
