@@ -7,7 +7,8 @@ scratch entries `base + (step-1)*topk + row`; a node sees the request's prefix [
 scratch entries of its own ancestors only. `grow_trees` leaves the scores, beam picks and final
 rerank to `DynamicTreeBuilder` on the host; `grow_trees_on_device` makes the same picks with
 tensor ops (no host sync, static shapes: what a CUDA graph of the whole draft needs) and returns
-a `TreeBatch`. This module runs no model itself: `step` does.
+a `TreeBatch`; `propose_beam` runs a drafter's captured draft where one holds the batch, else its
+eager draft. This module runs no model itself: `step` does.
 """
 
 from __future__ import annotations
@@ -25,6 +26,26 @@ from specserve.tree import DraftTree, DynamicTreeBuilder, TreeBatch, scratch_ent
 #   -> (states (B, k, ...), child probs (B, k, k), child tokens (B, k, k)); probs and tokens on the host
 #   for `grow_trees`, on the device for `grow_trees_on_device`
 DraftStep = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+# (slots: host ints or a (B,) tensor, base (B,), roots (B,), shape, key_len) -> the B trees
+BeamDraft = Callable[..., TreeBatch]
+# (shape, slots, base, roots) -> the trees of a captured draft, or None where none holds the shape and batch
+CapturedDraft = Callable[[object, list[int], list[int], list[int]], TreeBatch | None]
+
+
+def propose_beam(seqs: Sequence, shape: object, base: list[int], captured: CapturedDraft, draft: BeamDraft,
+                 device: torch.device) -> TreeBatch:
+    """A model drafter's trees for `seqs` (their last token is the root): the captured draft where
+    it holds the shape and the batch, else `draft` eagerly, its keys cut to the longest prefix and
+    the beam's scratch. base: per request, the beam's first scratch entry."""
+    slots, roots = [s.slot for s in seqs], [s.token_ids[-1] for s in seqs]
+    batch = captured(shape, slots, base, roots)
+    if batch is not None:
+        return batch
+    key_len = max(base) + max(shape.scratch, 1)  # prefix + the beam's scratch
+    base_t, roots_t = to_device([base, roots], device)  # (B,) each
+    return draft(slots, base_t, roots_t, shape, key_len)
 
 
 def own_entries(k: int, first: int, width: int, device: torch.device) -> torch.Tensor:

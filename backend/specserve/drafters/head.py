@@ -35,7 +35,7 @@ import torch
 
 from specserve.config import SpecConfig
 from specserve.drafters.base import DraftContext, Drafter, SequenceView
-from specserve.drafters.beam import grow_trees, grow_trees_on_device
+from specserve.drafters.beam import grow_trees, grow_trees_on_device, propose_beam
 from specserve.models.draft_heads import HEADS, load_token_map
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, KeyMask, rope_table
@@ -200,14 +200,7 @@ class HeadDrafter(Drafter):
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> TreeBatch:
         shape = shape or self.draft_plan.shape
         self._catch_up(seqs)
-        host_slots, cache_lens = [s.slot for s in seqs], [s.cache_len for s in seqs]
-        roots = [s.token_ids[-1] for s in seqs]
-        batch = self.runner.draft(shape, host_slots, cache_lens, roots)
-        if batch is not None:  # None: not the captured shape, or more requests than the largest bucket
-            return batch
-        key_len = max(cache_lens) + max(shape.scratch, 1)  # prefix + the beam's scratch
-        base, root_t = to_device([cache_lens, roots], self.device)  # (B,) each
-        return self._draft(host_slots, base, root_t, shape, key_len)
+        return propose_beam(seqs, shape, [s.cache_len for s in seqs], self.runner.draft, self._draft, self.device)
 
     def draft_on_host(self, seqs: Sequence[SequenceView], shape: DraftShape) -> list[DraftTree]:
         """The same draft with the beam picked on the host by `DynamicTreeBuilder`: the reference

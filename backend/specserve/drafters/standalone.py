@@ -26,7 +26,7 @@ from torch import nn
 
 from specserve.config import SpecConfig
 from specserve.drafters.base import DraftContext, Drafter, SequenceView
-from specserve.drafters.beam import grow_trees, grow_trees_on_device
+from specserve.drafters.beam import grow_trees, grow_trees_on_device, propose_beam
 from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, KeyMask, LlamaModel
@@ -151,14 +151,8 @@ class StandaloneDrafter(Drafter):
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> TreeBatch:
         shape = shape or self.draft_plan.shape
         self._catch_up(seqs)
-        host_slots, roots = [s.slot for s in seqs], [s.token_ids[-1] for s in seqs]
         base = [len(s.token_ids) for s in seqs]  # the beam's first scratch entry: after the root
-        batch = self.runner.draft(shape, host_slots, base, roots)
-        if batch is not None:  # None: not the captured shape, or more requests than the largest bucket
-            return batch
-        key_len = max(base) + max(shape.scratch, 1)  # prefix + the beam's scratch
-        base_t, roots_t = to_device([base, roots], self.device)  # (B,) each
-        return self._draft(host_slots, base_t, roots_t, shape, key_len)
+        return propose_beam(seqs, shape, base, self.runner.draft, self._draft, self.device)
 
     def draft_on_host(self, seqs: Sequence[SequenceView], shape: DraftShape) -> list[DraftTree]:
         """The same draft with the beam picked on the host by `DynamicTreeBuilder`: the reference
