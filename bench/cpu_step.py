@@ -1,12 +1,14 @@
 """The target's compiled step program on this CPU: its forward time per step size (1-16 rows), side
-by side for each `step_matmul` (the AVX2 few-row kernel against inductor's autotuned matmuls),
-interleaved in one process; and how far their logits differ from each other.
+by side for each `step_matmul` (the AVX2 few-row kernel against inductor's autotuned matmuls) and
+`step_attention` (the in-place kernel against SDPA over gathered keys), interleaved in one process;
+and how far their logits differ from each other.
 
 Both programs come from the compile cache (compiled on first use, ~2 minutes each on 2 cores).
 A step of t rows here is one request verifying a t-token chain after `--context` cached tokens,
 as a decode (t = 1) or a tree verification does.
 
     .venv/bin/python bench/cpu_step.py [--tokens 1 2 4 8 16] [--repeats 15] [--json results/cpu_step.json]
+    .venv/bin/python bench/cpu_step.py --load-format gguf --matmuls auto --attention sdpa,auto  # the attention
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from specserve.config import EngineConfig
 from specserve.hardware import cpu_flags, describe
 from specserve.models.kv_cache import KVCache
-from specserve.models.weights import load_llama
+from specserve.models.loading import load_target
 from specserve.prepare import default_model_dir
 from specserve.runtime.compiled import CompiledTarget
 
@@ -33,15 +35,18 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--matmuls", default="inductor,auto", help="comma-separated step_matmul values")
+    p.add_argument("--attention", default="auto", help="comma-separated step_attention values (auto, sdpa)")
+    p.add_argument("--load-format", default="safetensors", help="gguf: the GGUF's blocks (its kernel's matmuls)")
     p.add_argument("--json", default="")
     args = p.parse_args()
 
-    model = load_llama(default_model_dir(), torch.float32, "cpu")
+    config = EngineConfig(model_dir=default_model_dir(), load_format=args.load_format, dtype="float32")
+    model = load_target(config).eval()
     cache = KVCache(model.cfg, 1, 1024 + 64, torch.float32, "cpu")
     model.init_rope(cache.max_len)
-    cache_dir = EngineConfig(model_dir="").compile_cache_path
-    programs = {m: CompiledTarget(model, cache, (), 1, 1024, cache_dir, m) for m in args.matmuls.split(",")}
-    names = {m: prog.step_matmul for m, prog in programs.items()}
+    programs = {f"{m}/{a}": CompiledTarget(model, cache, (), 1, 1024, config.compile_cache_path, m, a)
+                for m in args.matmuls.split(",") for a in args.attention.split(",")}
+    names = {k: f"{prog.step_matmul}/{prog.step_attention}" for k, prog in programs.items()}
     print("programs:", names, "| CPU flags:", " ".join(sorted(cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16"})))
     with torch.inference_mode():
         rows = time_steps(programs, names, model.cfg.vocab_size, args)

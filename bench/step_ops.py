@@ -1,6 +1,6 @@
 """Where a target forward's time goes per op, eagerly, for T new tokens after a cached prefix.
 
-    .venv/bin/python bench/step_ops.py --prefix 300 --tokens 1,2,4,8 [--load-format gguf]
+    .venv/bin/python bench/step_ops.py --prefix 300 --tokens 1,2,4,8 [--load-format gguf] [--attention sdpa]
 
 Runs `runtime.compiled.ReadOnlyForward` (what the CPU step program exports) eagerly at batch 1 on the
 served model, random K/V in the prefix, and prints per T the forward's time (median of `--repeats`)
@@ -23,6 +23,7 @@ from specserve.hardware import describe
 from specserve.models.kv_cache import KVCache
 from specserve.models.loading import load_target
 from specserve.runtime.compiled import ReadOnlyForward, aligned_keys, prefix_keys
+from specserve_kernels import slot_attention
 
 
 def main() -> None:
@@ -33,6 +34,8 @@ def main() -> None:
     p.add_argument("--tokens", default="1,2,4,8")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--top", type=int, default=6)
+    p.add_argument("--attention", default="in_place", choices=("in_place", "sdpa"),
+                   help="the step program's attention: the in-place CPU kernel, or SDPA over gathered keys")
     args = p.parse_args()
     cfg = EngineConfig(model_dir=args.model_dir, device="cpu", max_batch_size=1, max_seq_len=args.prefix + 64,
                        load_format=args.load_format)
@@ -41,7 +44,8 @@ def main() -> None:
     model.init_rope(max_len)
     cache = KVCache(model.cfg, 1, max_len, next(model.parameters()).dtype, torch.device("cpu"))
     cache.data.normal_()
-    forward = ReadOnlyForward(model, (), with_logits=True)
+    in_place = args.attention == "in_place" and slot_attention.load()
+    forward = ReadOnlyForward(model, (), with_logits=True, in_place=in_place)
     kv = prefix_keys(cache, aligned_keys(args.prefix))
     rows = []
     for t in map(int, args.tokens.split(",")):
@@ -63,7 +67,7 @@ def main() -> None:
         rows.append({"tokens": t, "forward_ms": round(statistics.median(times) * 1e3, 2),
                      "ops_ms": {k: round(v, 2) for k, v in ops[: args.top]}})
         print(json.dumps(rows[-1]), flush=True)
-    print(json.dumps({"prefix": args.prefix, "load_format": cfg.load_format, "hardware": describe(), "rows": rows}))
+    print(json.dumps({"prefix": args.prefix, "load_format": cfg.load_format, "in_place": in_place, "hardware": describe(), "rows": rows}))
 
 
 if __name__ == "__main__":

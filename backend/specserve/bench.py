@@ -259,6 +259,7 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         "cpu_compile": base_engine.runner.compiled is not None,  # the target's AOTInductor-compiled forward
         # the step program's matmuls: the AVX2 few-row kernel or inductor's autotuned ones
         "step_matmul": getattr(base_engine.runner.compiled, "step_matmul", None),
+        "step_attention": getattr(base_engine.runner.compiled, "step_attention", None),
     }
     hf = lookup = None
     if hf_baseline:

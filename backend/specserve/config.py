@@ -364,7 +364,8 @@ class EngineConfig:
     num_threads: int | None = knob(None, help="torch intra-op threads (empty = torch's default)")
     attention_backend: str = knob("auto", choices=ATTENTION_BACKENDS,
                                   help="auto = on CUDA flashinfer when installed (bf16/fp16), else our Triton kernel; "
-                                  "torch on CPU")
+                                  "on CPU torch, and in the compiled step program our kernel that reads each "
+                                  "request's cached keys in place (torch: SDPA there too)")
     # auto: CUDA graphs on CUDA; off; static: the bucketed forward graphs capture, run without capture
     graph_mode: str = knob("auto", choices=GRAPH_MODES, name="disable_cuda_graph", switch=("auto", "off"),
                            help="run decode / verify eagerly on CUDA (no CUDA graphs)")

@@ -35,7 +35,7 @@ from specserve.runtime.compiled import (
 )
 from specserve.runtime.few_row_head import FEW_ROWS
 from specserve.runtime.target import TargetRunner
-from specserve_kernels import few_row_gemm
+from specserve_kernels import few_row_gemm, slot_attention
 
 pytestmark = pytest.mark.skipif(not can_compile(torch.device("cpu")), reason="needs g++ (make setup installs it)")
 
@@ -83,6 +83,8 @@ def test_compiled_forward_matches_eager(tiny_target_dir, compile_dir, tmp_path, 
     assert compiled.compiled_now and compiled.step_runner is not None
     # float32 on an AVX2 CPU: the step program's matmuls are the few-row kernel, checked against eager below
     assert compiled.step_matmul == ("few_row_gemm" if few_row_gemm.load() else "inductor")
+    # and its attention reads each slot's prefix in place where that kernel runs (checked against eager below)
+    assert compiled.step_attention == ("in_place" if slot_attention.load() else "sdpa")
     # no inductor cache or unpacked package left behind; inductor keeps its precompiled headers (once)
     left = {str(p.relative_to(tmp_path)) for p in tmp_path.glob("*/*")} | {p.name for p in tmp_path.glob("*")}
     assert left <= {f"torchinductor_{getpass.getuser()}", f"torchinductor_{getpass.getuser()}/precompiled_headers"}

@@ -47,7 +47,7 @@ from specserve.models.cpu_linear import padded_rows
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import Attend, Attention, ForwardOutput, LlamaModel
 from specserve.runtime.unlocked import unlocked
-from specserve_kernels import few_row_gemm, gguf_gemm
+from specserve_kernels import few_row_gemm, gguf_gemm, slot_attention
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +241,21 @@ def readonly_attend(kv: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, c
     return attend
 
 
+def slot_attend(kv: torch.Tensor, slots: torch.Tensor, cache_lens: torch.Tensor, new_mask: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, new_kv: list[torch.Tensor]) -> Attend:
+    """`readonly_attend` through the CPU op that reads each request's prefix in place
+    (`specserve_kernels.slot_attention`): token t sees entries [0, cache_lens[b]) of its slot and new
+    token j where new_mask[b, t, j]. No gathered prefix, no (B, 1, T, S + T) mask."""
+
+    def attend(attn: Attention, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = attn.project(x, cos, sin)  # q (B, Hq, T, D); k, v (B, T, Hkv, D)
+        new_kv.append(torch.stack([k, v], dim=2))
+        return attn.o_proj(slot_attention.slot_attention(q.transpose(1, 2), k, v, kv[0], kv[1], slots, cache_lens,
+                                                         new_mask))
+
+    return attend
+
+
 def write_new_kv(cache: KVCache, slots: torch.Tensor, write_pos: torch.Tensor, new_kv: torch.Tensor) -> None:
     """new_kv (B, T, L, 2, Hkv, D) into each request's slot at write_pos (B, T)."""
     cache.data[:, :, slots[:, None], :, write_pos] = new_kv
@@ -276,9 +291,11 @@ class ReadOnlyForward(nn.Module):
     Token t of row b sees prefix entries s < cache_lens[b] and new token j where new_mask[b, t, j].
     """
 
-    def __init__(self, model: LlamaModel, aux_layers: tuple[int, ...], with_logits: bool = False) -> None:
+    def __init__(self, model: LlamaModel, aux_layers: tuple[int, ...], with_logits: bool = False,
+                 in_place: bool = False) -> None:
+        """in_place: attention through `slot_attend` (the CPU op loaded), else SDPA over gathered keys."""
         super().__init__()
-        self.model, self.aux_layers, self.with_logits = model, aux_layers, with_logits
+        self.model, self.aux_layers, self.with_logits, self.in_place = model, aux_layers, with_logits, in_place
         cos, sin = model.rope
         self.register_buffer("cos", cos, persistent=False)  # (max_len, D)
         self.register_buffer("sin", sin, persistent=False)
@@ -288,13 +305,27 @@ class ReadOnlyForward(nn.Module):
         b, t = tokens.shape
         s = kv.shape[-2]
         cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # (B, T, 1, D)
-        in_prefix = torch.arange(s, device=tokens.device)[None, :] < cache_lens[:, None]  # (B, S)
-        mask = torch.cat([in_prefix[:, None, :].expand(b, t, s), new_mask], dim=-1)[:, None]  # (B, 1, T, S + T)
         new_kv: list[torch.Tensor] = []
-        hidden, aux = self.model.run_layers(
-            tokens, lambda i, attn, x: readonly_attend(kv[i], slots, mask, cos, sin, new_kv)(attn, x), self.aux_layers)
+        if self.in_place:
+            def attend(i: int, attn: Attention, x: torch.Tensor) -> torch.Tensor:
+                return slot_attend(kv[i], slots, cache_lens, new_mask, cos, sin, new_kv)(attn, x)
+        else:
+            in_prefix = torch.arange(s, device=tokens.device)[None, :] < cache_lens[:, None]  # (B, S)
+            mask = torch.cat([in_prefix[:, None, :].expand(b, t, s), new_mask], dim=-1)[:, None]  # (B, 1, T, S + T)
+
+            def attend(i: int, attn: Attention, x: torch.Tensor) -> torch.Tensor:
+                return readonly_attend(kv[i], slots, mask, cos, sin, new_kv)(attn, x)
+        hidden, aux = self.model.run_layers(tokens, attend, self.aux_layers)
         outputs = (hidden, torch.stack(new_kv, dim=2), *(() if aux is None else (aux,)))
         return (*outputs, self.model.lm_head(hidden).float()) if self.with_logits else outputs
+
+
+def choose_step_attention(cache: KVCache, cache_dir: Path, requested: str = "auto") -> str:
+    """The step program's attention: "in_place" (the CPU op reading each slot's prefix where it lies,
+    built into `cache_dir`) where it runs and `requested` is "auto", else "sdpa" (over gathered keys)."""
+    if requested == "auto" and cache.data.device.type == "cpu" and slot_attention.load(cache_dir / "kernels"):
+        return "in_place"
+    return "sdpa"
 
 
 class CompiledTarget:
@@ -315,17 +346,20 @@ class CompiledTarget:
     """
 
     def __init__(self, model: LlamaModel, cache: KVCache, aux_layers: tuple[int, ...], max_batch_size: int,
-                 max_tokens: int, cache_dir: Path, step_matmul: str = "auto") -> None:
+                 max_tokens: int, cache_dir: Path, step_matmul: str = "auto", step_attention: str = "auto") -> None:
         self.model, self.cache, self.aux_layers = model, cache, tuple(aux_layers)
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
         key = program_key(model.state_dict().items(), "target", tuple(cache.data.shape), self.aux_layers,
                           max_batch_size, max_tokens)
         self.step_matmul = choose_step_matmul(model, cache_dir, step_matmul)
+        self.step_attention = choose_step_attention(cache, cache_dir, step_attention)
         self.step_rows = TEMPLATE_STEP_ROWS if self.step_matmul == "inductor" else STEP_ROWS
         step_key = key if self.step_matmul == "inductor" else f"{key}-rows{few_row_gemm.source_digest()[:8]}"
+        if self.step_attention == "in_place":
+            step_key += f"-attn{slot_attention.source_digest()[:8]}"
         self.path, self.step_path = cache_dir / f"target-{key}.pt2", cache_dir / f"target-step-{step_key}.pt2"
         self.runner, self.compiled_now = load_or_compile(self.path, lambda: self._export(max_tokens, False))
-        log.info("target step program: %s matmuls", self.step_matmul)
+        log.info("target step program: %s matmuls, %s attention", self.step_matmul, self.step_attention)
         step = compiled_or_none("target step program", lambda: load_or_compile(
             self.step_path, lambda: self._export_step(min(self.step_rows, max_tokens)), STEP_CONFIGS))
         self.step_runner = step[0] if step else None
@@ -338,6 +372,7 @@ class CompiledTarget:
             return self._export(max_tokens, True)
 
     def _export(self, max_tokens: int, with_logits: bool) -> torch.export.ExportedProgram:
+        """The prefill program (SDPA over gathered keys: chunks of many tokens), or the step program (with_logits)."""
         Dim = torch.export.Dim
         batch = Dim("batch", min=1, max=max(2, self.max_batch_size))  # a Dim spans two sizes at least
         tokens = Dim("tokens", min=1, max=max_tokens)
@@ -349,7 +384,8 @@ class CompiledTarget:
         example = (torch.zeros(b, t, **i64), torch.arange(t, **i64).expand(b, t).contiguous(), torch.zeros(b, **i64),
                    torch.zeros(b, **i64), torch.ones(b, t, t, dtype=torch.bool).tril(),
                    prefix_keys(self.cache, KEY_ALIGN))
-        return torch.export.export(ReadOnlyForward(self.model, self.aux_layers, with_logits).eval(), example,
+        in_place = with_logits and self.step_attention == "in_place"
+        return torch.export.export(ReadOnlyForward(self.model, self.aux_layers, with_logits, in_place).eval(), example,
                                    dynamic_shapes=dynamic, strict=False)
 
     def fits(self, batch_size: int, num_tokens: int, max_cache_len: int) -> bool:

@@ -28,7 +28,8 @@ from specserve.runtime.cuda_graph import default_batch_sizes
 @dataclass(frozen=True)
 class RuntimePlan:
     """batch_sizes: the static buckets' batch sizes (empty unless static); compile_cache_dir: where
-    compiled CPU programs live (None: no compiled programs); step_matmul: their few-row matmuls."""
+    compiled CPU programs live (None: no compiled programs); step_matmul, step_attention: their few-row
+    programs' matmuls and attention."""
 
     device: torch.device
     static: bool = False
@@ -36,6 +37,7 @@ class RuntimePlan:
     batch_sizes: tuple[int, ...] = ()
     compile_cache_dir: Path | None = None
     step_matmul: str = "auto"
+    step_attention: str = "auto"  # the CPU step program's: auto = the in-place kernel where it runs, sdpa
     fused_kernels: bool = False
     attention: str = "torch"  # the resolved attention backend (`models.attention.resolve_attention`)
 
@@ -53,6 +55,7 @@ class RuntimePlan:
             batch_sizes=default_batch_sizes(max_bs) if static else (),
             compile_cache_dir=config.compile_cache_path if compile_cpu else None,
             step_matmul=config.step_matmul,
+            step_attention="auto" if config.attention_backend == "auto" else "sdpa",
             fused_kernels=device.type in ("cuda", "meta"),
             attention=resolve_attention(config.attention_backend, device, config.torch_dtype),
         )

@@ -62,7 +62,7 @@ class TargetRunner:
         if plan.compile_cache_dir is not None:
             self.compiled = compiled_or_none("target", lambda: CompiledTarget(
                 model, cache, aux_layers, config.max_batch_size, config.max_seq_len, plan.compile_cache_dir,
-                plan.step_matmul,
+                plan.step_matmul, plan.step_attention,
             ))
         if pack_for_inference(model, keep_weights=("lm_head",)):  # drafters share the lm_head
             log.info("target: bf16 linear weights prepacked for oneDNN (CPU)")
