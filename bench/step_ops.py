@@ -67,7 +67,8 @@ def main() -> None:
         rows.append({"tokens": t, "forward_ms": round(statistics.median(times) * 1e3, 2),
                      "ops_ms": {k: round(v, 2) for k, v in ops[: args.top]}})
         print(json.dumps(rows[-1]), flush=True)
-    print(json.dumps({"prefix": args.prefix, "load_format": cfg.load_format, "in_place": in_place, "hardware": describe(), "rows": rows}))
+    print(json.dumps({"prefix": args.prefix, "load_format": cfg.load_format, "in_place": in_place,
+                      "hardware": describe(), "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,14 @@
 """The CPU attention that reads each request's prefix in place (`specserve_kernels.slot_attention`):
 against its plain-torch reference over random shapes, strides and masks (float32 and bfloat16 caches),
 a tree verification's tokens bit for bit as their decodes, a request's result whatever else is in the
-call, refusals with a message, and the op inside an AOTInductor program. Skipped where it cannot run."""
+call, refusals with a message, the op inside an AOTInductor program, and both vector widths. Skipped
+where it cannot run."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -117,3 +122,29 @@ def test_runs_inside_an_aot_inductor_program(tmp_path) -> None:
     runner = torch._inductor.aoti_load_package(path)
     torch.testing.assert_close(runner(q, k_new, v_new, kv, slots, lens, mask),
                                SA.slot_attention(q, k_new, v_new, kv[0], kv[1], slots, lens, mask), atol=0, rtol=0)
+
+
+_ISA_SCRIPT = """
+import sys, torch
+from specserve_kernels import slot_attention as SA
+assert SA.load()
+inputs = torch.load(sys.argv[1])
+torch.save({"isa": SA.isa(), "out": SA.slot_attention(*inputs)}, sys.argv[2])
+"""
+
+
+def test_both_vector_widths_match_the_reference(tmp_path) -> None:
+    """The 256-bit (AVX2) and, where this CPU has AVX-512, the 512-bit kernel (each in a process of its own:
+    the choice is made once) agree with the reference and with each other to float32 rounding."""
+    inputs = case(2, 5, 3, 3, 64, 90, [90, 41], torch.bfloat16, seed=13)
+    torch.save(inputs, tmp_path / "in.pt")
+    results = {}
+    for cap in ["avx2", ""]:
+        env = {**os.environ, "SPECSERVE_ATTENTION_ISA": cap}
+        subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / f"out-{cap}.pt")],
+                       env=env, check=True, timeout=600)
+        got = torch.load(tmp_path / f"out-{cap}.pt")
+        results[got["isa"]] = got["out"]
+    assert "avx2" in results and SA.isa() in results
+    for out in results.values():
+        torch.testing.assert_close(out, SA.reference(*inputs), atol=2e-6, rtol=2e-5)

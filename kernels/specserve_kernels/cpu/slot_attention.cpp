@@ -16,7 +16,9 @@
 // tokens are its ancestors, at the positions they take once accepted, so its list is the one a decode of the same
 // token meets after they were accepted: verifying a tree computes each token as the decode would.
 //
-// Work is split per (request, query head) over ATen's threads. AVX2 + FMA (and F16C-free bfloat16 widening).
+// Work is split per (request, query head) over ATen's threads. 512-bit vectors where the CPU has AVX-512 (only
+// functions that carry the target hold its instructions; SPECSERVE_ATTENTION_ISA=avx2 picks 256-bit ones), else
+// AVX2 + FMA. The vector width is part of how a result is computed: the two instruction sets round differently.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -24,41 +26,20 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <limits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kLanes = 8;
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 load8(const at::BFloat16* p) {
+inline __m256 widen8(const at::BFloat16* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// exp of 8 floats (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n), relative error about
-// 2e-7; arguments are clamped to [-88.3, 88.3] (exp(-88.3) is below float32's normal range: 0 here).
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
-  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
-  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
 // Lane j of the result: the sum of a[j]'s 8 lanes, by the same tree for every j.
-inline __m256 sum_lanes8(const __m256 a[8]) {
+inline __m256 sum_lanes8(const __m256* a) {
   __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
@@ -70,6 +51,53 @@ inline float sum_lanes(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// The vector operations, once per instruction set. exp is Cephes' expf (x = n ln2 + r, a degree-6 polynomial in
+// r, times 2^n; relative error about 2e-7) for x <= 0, clamped below at -87 (exp(-87) ~ 1.6e-38, float32's
+// smallest normal order): the callers' arguments are scores minus their maximum.
+struct Avx2 {
+  using F = __m256;
+  static constexpr int kWidth = 8;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F splat(float v) { return _mm256_set1_ps(v); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F load(const at::BFloat16* p) { return widen8(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F floor(F a) { return _mm256_floor_ps(a); }
+  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F pow2(F n) {  // 2^n for integral n in [-126, 0]
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+  static F zero_where_minus_inf(F p, F x) {
+    return _mm256_blendv_ps(p, zero(), _mm256_cmp_ps(x, splat(-INFINITY), _CMP_EQ_OQ));
+  }
+  static __m256 fold(F a) { return a; }  // to 8 lanes: lane j gathers lanes j, j + 8, ...
+  static float max_lanes(F a) {
+    float v[8];
+    store(v, a);
+    return *std::max_element(v, v + 8);
+  }
+};
+
+template <class V>
+inline typename V::F exp_nonpositive(typename V::F x) {
+  x = V::max(x, V::splat(-87.0f));
+  const auto n = V::floor(V::fma(x, V::splat(1.44269504088896341f), V::splat(0.5f)));
+  x = V::fnma(n, V::splat(0.693359375f), x);
+  x = V::fnma(n, V::splat(-2.12194440e-4f), x);
+  auto y = V::splat(1.9875691500e-4f);
+  y = V::fma(y, x, V::splat(1.3981999507e-3f));
+  y = V::fma(y, x, V::splat(8.3334519073e-3f));
+  y = V::fma(y, x, V::splat(4.1665795894e-2f));
+  y = V::fma(y, x, V::splat(1.6666665459e-1f));
+  y = V::fma(y, x, V::splat(5.0000001201e-1f));
+  y = V::add(V::fma(y, V::mul(x, x), x), V::splat(1.0f));
+  return V::mul(y, V::pow2(n));
+}
+
 // Rows of D elements: row i at base + i * stride.
 template <typename T>
 struct Rows {
@@ -79,62 +107,95 @@ struct Rows {
 };
 
 // scores[i] = q . key(i) for the n keys of `keys`, 8 at a time (the last block padded with row 0, not stored):
-// 8 independent FMA chains over the columns, then one fixed tree per key.
-template <typename T>
-void dot_rows(const float* q, Rows<T> keys, int64_t n, int64_t d, float* scores) {
-  for (int64_t s0 = 0; s0 < n; s0 += kLanes) {
+// 8 independent FMA chains over the columns, folded to 8 lanes, then one fixed tree per key. D: the head size
+// when it is 64 or 128 (loops unrolled), else 0 and d says it.
+template <class V, int D, typename T>
+inline void dot_rows(const float* q, Rows<T> keys, int64_t n, int64_t d, float* scores) {
+  const int64_t dd = D ? D : d;
+  for (int64_t s0 = 0; s0 < n; s0 += 8) {
     const T* k[8];
-    for (int64_t j = 0; j < kLanes; ++j) k[j] = keys[s0 + j < n ? s0 + j : 0];
-    __m256 acc[8];
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < d; c += kLanes) {
-      const __m256 qc = _mm256_loadu_ps(q + c);
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qc, load8(k[j] + c), acc[j]);
+    for (int64_t j = 0; j < 8; ++j) k[j] = keys[s0 + j < n ? s0 + j : 0];
+    typename V::F acc[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) acc[j] = V::zero();
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < dd; c += V::kWidth) {
+      const auto qc = V::load(q + c);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) acc[j] = V::fma(qc, V::load(k[j] + c), acc[j]);
     }
+    __m256 folded[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) folded[j] = V::fold(acc[j]);
     float block[8];
-    _mm256_storeu_ps(block, sum_lanes8(acc));
-    for (int64_t j = 0; j < kLanes && s0 + j < n; ++j) scores[s0 + j] = block[j];
+    _mm256_storeu_ps(block, sum_lanes8(folded));
+    for (int64_t j = 0; j < 8 && s0 + j < n; ++j) scores[s0 + j] = block[j];
   }
 }
 
-// out[c0, c0 + 64) += sum_i p[i] * row(i)[c0, c0 + 64) over the n rows, in order, in registers.
-template <typename T, typename RowOf>
-inline void add_rows(float* out, const float* p, int64_t n, RowOf row_of, int64_t c0, int64_t width) {
-  __m256 acc[8];
-  const int64_t chunks = width / kLanes;
-  for (int k = 0; k < 8; ++k) acc[k] = k < chunks ? _mm256_loadu_ps(out + c0 + k * kLanes) : _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; ++i) {
-    const __m256 pv = _mm256_set1_ps(p[i]);
-    const T* v = row_of(i) + c0;
-    for (int k = 0; k < 8; ++k)
-      if (k < chunks) acc[k] = _mm256_fmadd_ps(pv, load8(v + k * kLanes), acc[k]);
+// Columns [c0, c0 + kChunk W) of sum_i p[i] row(i), kept in registers: rows at even list indices into one set
+// of accumulators and rows at odd ones into another (two FMA chains per vector, enough to hide the FMA's
+// latency), each in list order, the two added at the end.
+template <class V>
+struct RowSum {
+  static constexpr int kChunk = 8;  // vectors of columns at once
+  typename V::F even[kChunk], odd[kChunk];
+  int64_t vectors;  // in this chunk
+
+  explicit RowSum(int64_t vectors_) : vectors(vectors_) {
+#pragma GCC unroll 8
+    for (int k = 0; k < kChunk; ++k) even[k] = odd[k] = V::zero();
   }
-  for (int k = 0; k < 8; ++k)
-    if (k < chunks) _mm256_storeu_ps(out + c0 + k * kLanes, acc[k]);
-}
+
+  // Rows first, first + 1, ... of the list: p[i] times row_of(i) (pointing at column c0).
+  template <typename T, typename RowOf>
+  inline void add(const float* p, int64_t n, int64_t first, RowOf row_of) {
+    int64_t i = 0;
+    if (n > 0 && first % 2) add_one<T>(odd, p[0], row_of(0)), i = 1;
+    for (; i + 1 < n; i += 2) {
+      add_one<T>(even, p[i], row_of(i));
+      add_one<T>(odd, p[i + 1], row_of(i + 1));
+    }
+    if (i < n) add_one<T>(even, p[i], row_of(i));
+  }
+
+  template <typename T>
+  inline void add_one(typename V::F* acc, float p, const T* v) {
+    const auto pv = V::splat(p);
+#pragma GCC unroll 8
+    for (int k = 0; k < kChunk; ++k)
+      if (k < vectors) acc[k] = V::fma(pv, V::load(v + k * V::kWidth), acc[k]);
+  }
+
+  inline void store(float* out, float scale) const {
+#pragma GCC unroll 8
+    for (int k = 0; k < kChunk; ++k)
+      if (k < vectors) V::store(out + k * V::kWidth, V::mul(V::add(even[k], odd[k]), V::splat(scale)));
+  }
+};
 
 struct Scratch {
-  std::vector<float> q, prefix, list, out;
+  std::vector<float> q, prefix, list;
   std::vector<int64_t> visible;
 };
 
 // One request's query head: its T tokens over the prefix (prefix_len rows of kc / vc) and the new tokens.
-template <typename CacheT>
-void attend_head(const float* q0, int64_t q_stride, Rows<CacheT> kc, Rows<CacheT> vc, int64_t prefix_len,
-                 Rows<float> kn, Rows<float> vn, const bool* mask, int64_t mask_t, int64_t mask_j, int64_t t_len,
-                 int64_t d, float* out0, int64_t out_stride, Scratch& w) {
+template <class V, int D, typename CacheT>
+inline void attend_head(const float* q0, int64_t q_stride, Rows<CacheT> kc, Rows<CacheT> vc, int64_t prefix_len,
+                        Rows<float> kn, Rows<float> vn, const bool* mask, int64_t mask_t, int64_t mask_j,
+                        int64_t t_len, int64_t d, float* out0, int64_t out_stride, Scratch& w) {
+  constexpr int64_t W = V::kWidth;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   w.q.resize(t_len * d);
   w.prefix.resize(t_len * prefix_len);
-  w.out.resize(d);
   w.visible.resize(t_len);
   for (int64_t t = 0; t < t_len; ++t)
     for (int64_t c = 0; c < d; ++c) w.q[t * d + c] = q0[t * q_stride + c] * scale;
-  // the prefix's scores for every token at once: each key row is read from memory once for all T tokens
+  // the prefix's scores for every token at once: each block of key rows is read from memory once for all T
   for (int64_t s0 = 0; s0 < prefix_len; s0 += 64) {
     const int64_t n = std::min<int64_t>(64, prefix_len - s0);
     Rows<CacheT> block{kc[s0], kc.stride};
-    for (int64_t t = 0; t < t_len; ++t) dot_rows(&w.q[t * d], block, n, d, &w.prefix[t * prefix_len + s0]);
+    for (int64_t t = 0; t < t_len; ++t) dot_rows<V, D>(&w.q[t * d], block, n, d, &w.prefix[t * prefix_len + s0]);
   }
   for (int64_t t = 0; t < t_len; ++t) {
     const float* q = &w.q[t * d];
@@ -147,35 +208,121 @@ void attend_head(const float* q0, int64_t q_stride, Rows<CacheT> kc, Rows<CacheT
       std::fill(o, o + d, 0.0f);
       continue;
     }
-    // the token's list of visible keys' scores, [prefix | visible new tokens]
-    w.list.resize(n + kLanes);
+    // the token's list of visible keys' scores, [prefix | visible new tokens], padded with -inf to whole vectors
+    const int64_t padded = (n + W - 1) / W * W;
+    w.list.resize(padded);
     std::copy(&w.prefix[t * prefix_len], &w.prefix[t * prefix_len] + prefix_len, w.list.begin());
-    for (int64_t i = 0; i < n_new; ++i) {
-      const int64_t j = w.visible[i];
-      dot_rows(q, Rows<float>{kn[j], kn.stride}, 1, d, &w.list[prefix_len + i]);
-    }
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) m = std::max(m, w.list[i]);
+    for (int64_t i = 0; i < n_new; ++i) dot_rows<V, D>(q, Rows<float>{kn[w.visible[i]], kn.stride}, 1, d, &w.list[prefix_len + i]);
     std::fill(w.list.begin() + n, w.list.end(), -std::numeric_limits<float>::infinity());
-    const __m256 mv = _mm256_set1_ps(m);
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i += kLanes) {  // lanes past n hold exp(-inf) = 0
-      __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(&w.list[i]), mv));
-      p = _mm256_blendv_ps(p, _mm256_setzero_ps(), _mm256_cmp_ps(_mm256_loadu_ps(&w.list[i]), _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
-      _mm256_storeu_ps(&w.list[i], p);
-      sum = _mm256_add_ps(sum, p);
+    auto mv = V::splat(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < padded; i += W) mv = V::max(mv, V::load(&w.list[i]));
+    const auto neg_max = V::splat(-V::max_lanes(mv));
+    auto sum = V::zero();
+    for (int64_t i = 0; i < padded; i += W) {  // element i into lane i mod W
+      const auto x = V::load(&w.list[i]);
+      const auto p = V::zero_where_minus_inf(exp_nonpositive<V>(V::add(x, neg_max)), x);
+      V::store(&w.list[i], p);
+      sum = V::add(sum, p);
     }
-    std::fill(w.out.begin(), w.out.end(), 0.0f);
-    for (int64_t c0 = 0; c0 < d; c0 += 64) {  // the prefix's rows, then the visible new tokens', in list order
-      const int64_t width = std::min<int64_t>(64, d - c0);
-      add_rows<CacheT>(w.out.data(), w.list.data(), prefix_len, [&](int64_t i) { return vc[i]; }, c0, width);
-      add_rows<float>(w.out.data(), w.list.data() + prefix_len, n_new, [&](int64_t i) { return vn[w.visible[i]]; },
-                      c0, width);
+    const float inv = 1.0f / sum_lanes(V::fold(sum));
+    const int64_t dd = D ? D : d;
+    for (int64_t c0 = 0; c0 < dd; c0 += RowSum<V>::kChunk * W) {  // the prefix's rows, then the new tokens'
+      RowSum<V> acc(std::min<int64_t>(RowSum<V>::kChunk, (dd - c0) / W));
+      acc.template add<CacheT>(w.list.data(), prefix_len, 0, [&](int64_t i) { return vc[i] + c0; });
+      acc.template add<float>(w.list.data() + prefix_len, n_new, prefix_len,
+                              [&](int64_t i) { return vn[w.visible[i]] + c0; });
+      acc.store(o + c0, inv);
     }
-    const float inv = 1.0f / sum_lanes(sum);
-    for (int64_t c = 0; c < d; ++c) o[c] = w.out[c] * inv;
   }
 }
+
+struct Job {  // one call's tensors, as raw pointers and strides
+  const float *q, *k_new, *v_new;
+  const void *k_cache, *v_cache;
+  const bool* mask;
+  const int64_t *slot, *len;
+  float* out;
+  int64_t q_s[3], kn_s[3], vn_s[3], kc_s[3], vc_s[3], mask_s[3], out_s[2];
+  int64_t hq, group, t_len, d;
+};
+
+// Tasks [begin, end): task = request * Hq + query head.
+template <class V, int D, typename CacheT>
+inline void run_tasks(const Job& j, int64_t begin, int64_t end) {
+  thread_local Scratch w;
+  const auto* kc = static_cast<const CacheT*>(j.k_cache);
+  const auto* vc = static_cast<const CacheT*>(j.v_cache);
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t r = task / j.hq, h = task % j.hq, g = h / j.group, sl = j.slot[r];
+    attend_head<V, D, CacheT>(j.q + r * j.q_s[0] + h * j.q_s[2], j.q_s[1],
+                              Rows<CacheT>{kc + sl * j.kc_s[0] + g * j.kc_s[1], j.kc_s[2]},
+                              Rows<CacheT>{vc + sl * j.vc_s[0] + g * j.vc_s[1], j.vc_s[2]}, j.len[r],
+                              Rows<float>{j.k_new + r * j.kn_s[0] + g * j.kn_s[2], j.kn_s[1]},
+                              Rows<float>{j.v_new + r * j.vn_s[0] + g * j.vn_s[2], j.vn_s[1]},
+                              j.mask + r * j.mask_s[0], j.mask_s[1], j.mask_s[2], j.t_len, j.d,
+                              j.out + r * j.out_s[0] + h * j.d, j.out_s[1], w);
+  }
+}
+
+template <class V, typename CacheT>
+__attribute__((flatten)) void avx2_tasks(const Job& j, int64_t begin, int64_t end) {
+  if (j.d == 64) return run_tasks<V, 64, CacheT>(j, begin, end);
+  if (j.d == 128) return run_tasks<V, 128, CacheT>(j, begin, end);
+  run_tasks<V, 0, CacheT>(j, begin, end);
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+
+// 512-bit vectors: 16 lanes (head sizes a multiple of 16).
+struct Avx512 {
+  using F = __m512;
+  static constexpr int kWidth = 16;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F splat(float v) { return _mm512_set1_ps(v); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F load(const at::BFloat16* p) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F floor(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F pow2(F n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+  static F zero_where_minus_inf(F p, F x) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, splat(-INFINITY), _CMP_NEQ_UQ), p);
+  }
+  static __m256 fold(F a) { return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)); }
+  static float max_lanes(F a) { return _mm512_reduce_max_ps(a); }
+};
+
+template <typename CacheT>
+__attribute__((flatten)) void avx512_tasks(const Job& j, int64_t begin, int64_t end) {
+  if (j.d == 64) return run_tasks<Avx512, 64, CacheT>(j, begin, end);
+  if (j.d == 128) return run_tasks<Avx512, 128, CacheT>(j, begin, end);
+  run_tasks<Avx512, 0, CacheT>(j, begin, end);
+}
+
+#pragma GCC pop_options
+
+// 512-bit vectors where the CPU has AVX-512 (F, BW, VL, DQ) and SPECSERVE_ATTENTION_ISA is not "avx2".
+bool use_avx512() {
+  static const bool yes = [] {
+    const char* cap = std::getenv("SPECSERVE_ATTENTION_ISA");
+    return !(cap && std::string(cap) == "avx2") && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq");
+  }();
+  return yes;
+}
+
+std::string slot_attention_isa() { return use_avx512() ? "avx512" : "avx2"; }
 
 // x itself where its last dimension is contiguous, else a contiguous copy.
 at::Tensor rows_of(const at::Tensor& x, const char* name, int64_t dims) {
@@ -197,7 +344,7 @@ at::Tensor slot_attention(const at::Tensor& q_in, const at::Tensor& k_new_in, co
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
                   (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
               "slot_attention: the caches must both be float32 or both bfloat16");
-  TORCH_CHECK(d % kLanes == 0 && hkv > 0 && hq % hkv == 0, "slot_attention: head_dim ", d,
+  TORCH_CHECK(d % 8 == 0 && hkv > 0 && hq % hkv == 0, "slot_attention: head_dim ", d,
               " must be a multiple of 8 and Hq ", hq, " a multiple of Hkv ", hkv);
   TORCH_CHECK(k_new.sizes() == v_new.sizes() && k_new.size(0) == b && k_new.size(1) == t_len && k_new.size(3) == d,
               "slot_attention: k_new and v_new must be (B, T, Hkv, D) like q");
@@ -216,31 +363,21 @@ at::Tensor slot_attention(const at::Tensor& q_in, const at::Tensor& k_new_in, co
                 " out of range");
   }
   at::Tensor out = at::empty({b, t_len, hq * d}, q.options());
-  const int64_t group = hq / hkv;
-  auto run = [&](auto cache_tag) {
-    using CacheT = decltype(cache_tag);
-    const CacheT* kc = k_cache.data_ptr<CacheT>();
-    const CacheT* vc = v_cache.data_ptr<CacheT>();
-    const bool* mask = new_mask.data_ptr<bool>();
-    at::parallel_for(0, b * hq, 1, [&](int64_t begin, int64_t end) {
-      thread_local Scratch w;
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t r = task / hq, h = task % hq, g = h / group, sl = slot_p[r];
-        attend_head(q.data_ptr<float>() + r * q.stride(0) + h * q.stride(2), q.stride(1),
-                    Rows<CacheT>{kc + sl * k_cache.stride(0) + g * k_cache.stride(1), k_cache.stride(2)},
-                    Rows<CacheT>{vc + sl * v_cache.stride(0) + g * v_cache.stride(1), v_cache.stride(2)}, len_p[r],
-                    Rows<float>{k_new.data_ptr<float>() + r * k_new.stride(0) + g * k_new.stride(2), k_new.stride(1)},
-                    Rows<float>{v_new.data_ptr<float>() + r * v_new.stride(0) + g * v_new.stride(2), v_new.stride(1)},
-                    mask + r * new_mask.stride(0), new_mask.stride(1), new_mask.stride(2), t_len, d,
-                    out.data_ptr<float>() + r * out.stride(0) + h * d, out.stride(1), w);
-      }
-    });
-  };
-  if (k_cache.scalar_type() == at::kFloat) {
-    run(float{});
-  } else {
-    run(at::BFloat16{});
-  }
+  Job j{q.data_ptr<float>(), k_new.data_ptr<float>(), v_new.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
+        new_mask.data_ptr<bool>(), slot_p, len_p, out.data_ptr<float>(),
+        {q.stride(0), q.stride(1), q.stride(2)}, {k_new.stride(0), k_new.stride(1), k_new.stride(2)},
+        {v_new.stride(0), v_new.stride(1), v_new.stride(2)}, {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
+        {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)},
+        {new_mask.stride(0), new_mask.stride(1), new_mask.stride(2)}, {out.stride(0), out.stride(1)},
+        hq, hq / hkv, t_len, d};
+  const bool bf16 = k_cache.scalar_type() == at::kBFloat16, wide = use_avx512() && d % 16 == 0;
+  at::parallel_for(0, b * hq, 1, [&](int64_t begin, int64_t end) {
+    if (wide) {
+      bf16 ? avx512_tasks<at::BFloat16>(j, begin, end) : avx512_tasks<float>(j, begin, end);
+    } else {
+      bf16 ? avx2_tasks<Avx2, at::BFloat16>(j, begin, end) : avx2_tasks<Avx2, float>(j, begin, end);
+    }
+  });
   return out;
 }
 
@@ -249,6 +386,7 @@ at::Tensor slot_attention(const at::Tensor& q_in, const at::Tensor& k_new_in, co
 TORCH_LIBRARY_FRAGMENT(specserve, m) {
   m.def("slot_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor k_cache, Tensor v_cache, Tensor slots, "
         "Tensor cache_lens, Tensor new_mask) -> Tensor");
+  m.def("slot_attention_isa() -> str", &slot_attention_isa);
 }
 
 TORCH_LIBRARY_IMPL(specserve, CPU, m) { m.impl("slot_attention", slot_attention); }
