@@ -26,7 +26,9 @@ from specserve.runtime.compiled import (
     CORRUPT_SUFFIX,
     STALE_AFTER_DAYS,
     CompiledTarget,
+    ReadOnlyForward,
     can_compile,
+    choose_step_attention,
     choose_step_matmul,
     load_or_compile,
     prefix_keys,
@@ -216,6 +218,39 @@ def test_the_step_matmul_is_the_kernel_only_for_float32_where_it_runs(tmp_path):
     assert choose_step_matmul(linear, tmp_path) == kernel
     assert choose_step_matmul(linear, tmp_path, "inductor") == "inductor"
     assert choose_step_matmul(linear.to(torch.bfloat16), tmp_path) == "inductor"
+
+
+def test_the_step_attention_is_the_in_place_kernel_where_it_runs(tiny_target_dir, tmp_path):
+    model = load_llama(tiny_target_dir, torch.float32)
+    kernel = "in_place" if slot_attention.load() else "sdpa"
+    assert choose_step_attention(_cache(model), tmp_path) == kernel
+    assert choose_step_attention(_cache(model), tmp_path, "sdpa") == "sdpa"
+    half = KVCache(model.cfg, 2, 32, torch.float16, "cpu")
+    assert choose_step_attention(half, tmp_path) == "sdpa"
+
+
+@pytest.mark.skipif(not slot_attention.load(), reason="the in-place attention kernel does not run here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_attention_computes_the_step_as_sdpa_does(tiny_target_dir, dtype):
+    """The step program's forward, eagerly, with the in-place kernel and with SDPA over gathered keys: a
+    tree of 4 tokens after cached prefixes of different lengths, in slots out of order; bf16 models too
+    (their cache bf16, the kernel's new tokens widened to float32)."""
+    model = load_llama(tiny_target_dir, dtype).eval()
+    cache = KVCache(model.cfg, 3, 128, dtype, "cpu")
+    model.init_rope(cache.max_len)
+    cache.data.normal_(generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 4), generator=g)
+    lens = torch.tensor([37, 5])
+    positions = lens[:, None] + torch.tensor([0, 1, 1, 2])
+    args = (tokens, positions, torch.tensor([2, 0]), lens, _tree_mask(2), prefix_keys(cache, 48))
+    with torch.inference_mode():
+        sdpa = ReadOnlyForward(model, AUX, with_logits=True)(*args)
+        in_place = ReadOnlyForward(model, AUX, with_logits=True, in_place=True)(*args)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.05, rtol=0.05)
+    for a, b in zip(sdpa, in_place, strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(b.float(), a.float(), **tol)
 
 
 def test_packages_unused_for_weeks_are_removed(tmp_path):

@@ -250,8 +250,9 @@ def slot_attend(kv: torch.Tensor, slots: torch.Tensor, cache_lens: torch.Tensor,
     def attend(attn: Attention, x: torch.Tensor) -> torch.Tensor:
         q, k, v = attn.project(x, cos, sin)  # q (B, Hq, T, D); k, v (B, T, Hkv, D)
         new_kv.append(torch.stack([k, v], dim=2))
-        return attn.o_proj(slot_attention.slot_attention(q.transpose(1, 2), k, v, kv[0], kv[1], slots, cache_lens,
-                                                         new_mask))
+        out = slot_attention.slot_attention(q.transpose(1, 2).float(), k.float(), v.float(), kv[0], kv[1], slots,
+                                            cache_lens, new_mask)  # the op's new tokens are float32
+        return attn.o_proj(out.to(x.dtype))
 
     return attend
 
@@ -322,8 +323,10 @@ class ReadOnlyForward(nn.Module):
 
 def choose_step_attention(cache: KVCache, cache_dir: Path, requested: str = "auto") -> str:
     """The step program's attention: "in_place" (the CPU op reading each slot's prefix where it lies,
-    built into `cache_dir`) where it runs and `requested` is "auto", else "sdpa" (over gathered keys)."""
-    if requested == "auto" and cache.data.device.type == "cpu" and slot_attention.load(cache_dir / "kernels"):
+    built into `cache_dir`) where it runs, the cache is float32 or bfloat16 and `requested` is "auto",
+    else "sdpa" (over gathered keys)."""
+    if (requested == "auto" and cache.data.device.type == "cpu" and cache.data.dtype in (torch.float32, torch.bfloat16)
+            and slot_attention.load(cache_dir / "kernels")):
         return "in_place"
     return "sdpa"
 
