@@ -21,7 +21,7 @@ The op is a torch custom op (`torch.ops.specserve.slot_attention`) with a shape 
 plain torch (the tests' reference). This module does nothing on CUDA (`tree_attention` serves it)
 or on CPUs without AVX2 and FMA (`supported`); it does not write the cache. Measured on a 2-core Zen 5 in a
 135M model's compiled step at a 300-token context (`bench/cpu_step.py --load-format gguf --attention
-sdpa,auto`): the forward 4.64 -> 3.61 ms at 1 token, 9.70 -> 8.62 ms at 8.
+sdpa,auto`): the forward 5.08 -> 3.86 ms at 1 token, 10.33 -> 8.69 ms at 8.
 """
 
 from __future__ import annotations
