@@ -7,7 +7,7 @@ start-up timing runs: building it compiles each program into the compile cache, 
 there, and the process exits. An engine the server builds afterwards from the same
 config loads every program from the cache. `eager_config` is the engine that serves meanwhile.
 A stored program that does not load is set aside and compiled again by this process
-(`runtime.compiled.load_or_compile`, once); where the target's programs still did not build, the
+(`runtime.compile_cache.load_or_compile`, once); where the target's programs still did not build, the
 process fails, and the server keeps its eager engine rather than compiling them on its own
 serving thread.
 
@@ -30,7 +30,7 @@ from dataclasses import replace
 
 from specserve.config import EngineConfig, engine_config
 from specserve.engine.engine import Engine
-from specserve.runtime.compiled import can_compile
+from specserve.runtime.compile_cache import can_compile
 
 log = logging.getLogger(__name__)
 

@@ -23,15 +23,12 @@ from torch import nn
 from specserve.models.attention import TORCH_ATTENTION, TRITON_ATTENTION
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import KeyMask, LlamaModel, scattered_attention_inputs
+from specserve.runtime.compile_cache import PREFILL_CONFIGS, compiled_or_none, load_or_compile, program_key
 from specserve.runtime.compiled import (
     KEY_ALIGN,
-    PREFILL_CONFIGS,
     aligned_keys,
-    compiled_or_none,
-    load_or_compile,
     prefix_keys,
     prefix_then_new,
-    program_key,
     readonly_attend,
     scattered_call,
 )

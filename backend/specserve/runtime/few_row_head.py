@@ -21,14 +21,8 @@ import torch
 from torch import nn
 
 from specserve.models.kv_cache import KVCache
-from specserve.runtime.compiled import (
-    STEP_CONFIGS,
-    STEP_ROWS,
-    CompiledHead,
-    choose_step_matmul,
-    load_or_compile,
-    program_key,
-)
+from specserve.runtime.compile_cache import load_or_compile, program_key
+from specserve.runtime.compiled import STEP_CONFIGS, STEP_ROWS, CompiledHead, choose_step_matmul
 from specserve_kernels import few_row_gemm
 
 FEW_ROWS = STEP_ROWS  # forwards of at most this many rows (batch x tokens) run the few-row program

@@ -22,7 +22,8 @@ from specserve.models.attention import TORCH_ATTENTION, TRITON_ATTENTION
 from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import KeyMask, scattered_attention_inputs
-from specserve.runtime.compiled import CompiledHead, compiled_or_none
+from specserve.runtime.compile_cache import compiled_or_none
+from specserve.runtime.compiled import CompiledHead
 from specserve.runtime.cuda_graph import DraftGraphs
 from specserve.runtime.few_row_head import FEW_ROWS, FewRowHead
 from specserve.runtime.plan import RuntimePlan

@@ -21,7 +21,7 @@ import torch
 
 from specserve.config import EngineConfig
 from specserve.models.attention import resolve_attention
-from specserve.runtime.compiled import can_compile
+from specserve.runtime.compile_cache import can_compile
 from specserve.runtime.cuda_graph import default_batch_sizes
 
 

@@ -25,7 +25,8 @@ from specserve.models.attention import TORCH_ATTENTION, AttentionBackend, make_a
 from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, LlamaModel
-from specserve.runtime.compiled import CompiledTarget, compiled_or_none
+from specserve.runtime.compile_cache import compiled_or_none
+from specserve.runtime.compiled import CompiledTarget
 from specserve.runtime.cuda_graph import GraphRunner, default_batch_sizes
 from specserve.runtime.paths import PathChooser
 from specserve.runtime.plan import RuntimePlan
