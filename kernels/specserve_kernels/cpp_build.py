@@ -1,14 +1,15 @@
 """C++ sources built into this process with torch's extension builder (g++, ninja): once per
 source and torch version under a build root, later calls and processes loading what was built.
 
-Shared by the few-row matmul kernel (`few_row_gemm`) and the runtime's GIL-free program call
-(`specserve.runtime.unlocked`). This module does not decide whether a build is wanted or what to
-do when it fails: `build` raises, the caller falls back.
+Shared by the CPU kernels' ops (`OpLibrary`: `few_row_gemm`, `gguf_gemm`, `slot_attention`) and the
+runtime's GIL-free program call (`specserve.runtime.unlocked`). This module does not decide whether a
+build is wanted: `build` raises where it cannot build, `OpLibrary.load` says False and the caller falls back.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def has_ninja() -> bool:
@@ -71,3 +74,44 @@ def build(name: str, source: Path, build_root: Path, **options: Any) -> Any:
         (build_dir / "lock").unlink(missing_ok=True)
         return build_extension(name=name, sources=[str(source)], build_directory=str(build_dir), verbose=False,
                                **options)
+
+
+DEFAULT_BUILD_ROOT = Path.home() / ".cache/specserve/kernels"
+
+
+class OpLibrary:
+    """A C++ source of torch custom ops, built and registered at most once per process: `load` builds it (or
+    loads what an earlier build left under the build root), then runs `register_fake` (the ops' shape
+    functions). Where the machine lacks `required_flags`, g++ or ninja, or the build fails, `load` is False
+    with a warning naming `fallback`, what the caller keeps instead."""
+
+    def __init__(self, name: str, source: Path, required_flags: frozenset[str], cflags: list[str], fallback: str,
+                 register_fake: Any) -> None:
+        self.name, self.source, self.required_flags = name, source, required_flags
+        self.cflags, self.fallback, self.register_fake = cflags, fallback, register_fake
+        self._loaded: bool | None = None  # once per process, whichever build root it came from
+
+    def supported(self) -> bool:
+        return can_build_for(self.required_flags)
+
+    def source_digest(self) -> str:
+        return source_digest(self.source)
+
+    def load(self, build_root: Path | None = None) -> bool:
+        if self._loaded is None:
+            self._loaded = self.supported() and self._build(build_root or DEFAULT_BUILD_ROOT)
+        return self._loaded
+
+    def loaded(self) -> bool:
+        """Whether an earlier `load` registered the ops in this process (this never builds anything)."""
+        return bool(self._loaded)
+
+    def _build(self, build_root: Path) -> bool:
+        try:
+            build(self.name, self.source, build_root, extra_cflags=["-O3", *self.cflags, "-fopenmp"],
+                  extra_ldflags=["-fopenmp"], is_python_module=False)
+        except Exception as e:  # the C++ toolchain: the ops are optimisations, so the caller falls back
+            log.warning("%s not built, keeping %s (%s: %s)", self.name, self.fallback, type(e).__name__, e)
+            return False
+        self.register_fake()
+        return True

@@ -26,7 +26,6 @@ AVX2 and FMA (`supported`).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,24 +35,29 @@ from torch import nn
 
 from specserve_kernels import cpp_build
 
-log = logging.getLogger(__name__)
-
 PANEL = 16  # output columns per packed panel (two AVX2 registers)
 SOURCE = Path(__file__).with_name("cpu") / "few_row_gemm.cpp"
 REQUIRED_FLAGS = frozenset({"avx2", "fma"})
 
 
+def _register_fake() -> None:
+    @torch.library.register_fake("specserve::few_row_mm")
+    def _(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
+
+
+_LIBRARY = cpp_build.OpLibrary("specserve_few_row_gemm", SOURCE, REQUIRED_FLAGS, ["-mavx2", "-mfma"],
+                               "the default matmuls", _register_fake)
+
+
 def supported() -> bool:
     """Whether this machine can build and run the kernel: x86-64 with AVX2 and FMA, g++ and ninja."""
-    return cpp_build.can_build_for(REQUIRED_FLAGS)
+    return _LIBRARY.supported()
 
 
 def source_digest() -> str:
     """What a compiled program that calls the op depends on: the kernel's source."""
-    return cpp_build.source_digest(SOURCE)
-
-
-_loaded: bool | None = None  # a process registers the op once, whichever build directory it came from
+    return _LIBRARY.source_digest()
 
 
 def load(build_root: Path | None = None) -> bool:
@@ -61,33 +65,12 @@ def load(build_root: Path | None = None) -> bool:
     processes load the built library) and registers it; True when `torch.ops.specserve.few_row_mm`
     is usable. False, with a warning, where it is not `supported` or the build fails: callers then
     keep their other matmuls. Only the first call of a process builds or loads anything."""
-    global _loaded
-    if _loaded is None:
-        _loaded = supported() and _build(build_root)
-    return _loaded
+    return _LIBRARY.load(build_root)
 
 
 def loaded() -> bool:
     """Whether an earlier `load` registered the op in this process (this never builds anything)."""
-    return bool(_loaded)
-
-
-def _build(build_root: Path | None) -> bool:
-    try:
-        cpp_build.build("specserve_few_row_gemm", SOURCE, build_root or Path.home() / ".cache/specserve/kernels",
-                        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                        is_python_module=False)
-    except Exception as e:  # the C++ toolchain: the op is an optimisation, so fall back
-        log.warning("few-row matmul kernel not built, keeping the default matmuls (%s: %s)", type(e).__name__, e)
-        return False
-    _register_fake()
-    return True
-
-
-def _register_fake() -> None:
-    @torch.library.register_fake("specserve::few_row_mm")
-    def _(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-        return x.new_empty(x.shape[0], n)
+    return _LIBRARY.loaded()
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:

@@ -35,7 +35,6 @@ files: callers hand it a tensor's raw blocks (`gguf.GGUFReader` gives them).
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -43,8 +42,6 @@ import torch
 from torch import nn
 
 from specserve_kernels import cpp_build
-
-log = logging.getLogger(__name__)
 
 PANEL = 16  # output columns per packed panel
 BLOCK = 32  # weights per GGUF block
@@ -96,43 +93,31 @@ def default_layout(qtype: int) -> int:
     return INT_LAYOUT if int_kernel() == "avx512" and int_layout_runs(qtype) else FLOAT_LAYOUT
 
 
+def _register_fake() -> None:
+    @torch.library.register_fake("specserve::gguf_mm")
+    def _(x: torch.Tensor, packed: torch.Tensor, n: int, qtype: int, layout: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
+
+
+_LIBRARY = cpp_build.OpLibrary("specserve_gguf_gemm", SOURCE, REQUIRED_FLAGS, ["-mavx2", "-mfma", "-mf16c"],
+                               "the other weights", _register_fake)
+
+
 def supported() -> bool:
     """Whether this machine can build and run the kernel: x86-64 with AVX2, FMA and F16C, g++ and ninja."""
-    return cpp_build.can_build_for(REQUIRED_FLAGS)
+    return _LIBRARY.supported()
 
 
 def source_digest() -> str:
     """What a compiled program that calls the op depends on: the kernel's source."""
-    return cpp_build.source_digest(SOURCE)
-
-
-_loaded: bool | None = None
+    return _LIBRARY.source_digest()
 
 
 def load(build_root: Path | None = None) -> bool:
     """Builds the op (once per source and torch version under `build_root`) and registers it; True
     when `torch.ops.specserve.gguf_mm` is usable. False, with a warning, where it is not `supported`
     or the build fails. Only the first call of a process builds or loads anything."""
-    global _loaded
-    if _loaded is None:
-        _loaded = supported() and _build(build_root)
-    return _loaded
-
-
-def _build(build_root: Path | None) -> bool:
-    try:
-        cpp_build.build("specserve_gguf_gemm", SOURCE, build_root or Path.home() / ".cache/specserve/kernels",
-                        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                        is_python_module=False)
-    except Exception as e:  # the C++ toolchain: the caller keeps its other weights
-        log.warning("GGUF matmul kernel not built (%s: %s)", type(e).__name__, e)
-        return False
-
-    @torch.library.register_fake("specserve::gguf_mm")
-    def _(x: torch.Tensor, packed: torch.Tensor, n: int, qtype: int, layout: int) -> torch.Tensor:
-        return x.new_empty(x.shape[0], n)
-
-    return True
+    return _LIBRARY.load(build_root)
 
 
 def _check(raw: torch.Tensor, qtype: int) -> tuple[int, int]:

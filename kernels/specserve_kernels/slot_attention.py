@@ -26,63 +26,43 @@ sdpa,auto`): the forward 5.08 -> 3.86 ms at 1 token, 10.33 -> 8.69 ms at 8.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 
 from specserve_kernels import cpp_build
 
-log = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).with_name("cpu") / "slot_attention.cpp"
 REQUIRED_FLAGS = frozenset({"avx2", "fma"})
 
 
-def supported() -> bool:
-    """Whether this machine can build and run the op: x86-64 with AVX2 and FMA, g++ and ninja."""
-    return cpp_build.can_build_for(REQUIRED_FLAGS)
-
-
-def source_digest() -> str:
-    """What a compiled program that calls the op depends on: the kernel's source."""
-    return cpp_build.source_digest(SOURCE)
-
-
-_loaded: bool | None = None
-
-
-def load(build_root: Path | None = None) -> bool:
-    """Builds the op (once per source and torch version under `build_root`) and registers it; True when
-    `torch.ops.specserve.slot_attention` is usable. False, with a warning, where it is not `supported`
-    or the build fails. Only the first call of a process builds or loads anything."""
-    global _loaded
-    if _loaded is None:
-        _loaded = supported() and _build(build_root)
-    return _loaded
-
-
-def loaded() -> bool:
-    """Whether `load` has registered the op in this process (it builds nothing)."""
-    return bool(_loaded)
-
-
-def _build(build_root: Path | None) -> bool:
-    try:
-        cpp_build.build("specserve_slot_attention", SOURCE, build_root or Path.home() / ".cache/specserve/kernels",
-                        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                        is_python_module=False)
-    except Exception as e:  # the C++ toolchain: the caller keeps SDPA
-        log.warning("CPU slot attention kernel not built (%s: %s)", type(e).__name__, e)
-        return False
-
+def _register_fake() -> None:
     @torch.library.register_fake("specserve::slot_attention")
     def _(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
           slots: torch.Tensor, cache_lens: torch.Tensor, new_mask: torch.Tensor) -> torch.Tensor:
         b, t, hq, d = q.shape
         return q.new_empty(b, t, hq * d)
 
-    return True
+
+_LIBRARY = cpp_build.OpLibrary("specserve_slot_attention", SOURCE, REQUIRED_FLAGS, ["-mavx2", "-mfma"],
+                               "SDPA", _register_fake)
+
+
+def supported() -> bool:
+    """Whether this machine can build and run the op: x86-64 with AVX2 and FMA, g++ and ninja."""
+    return _LIBRARY.supported()
+
+
+def source_digest() -> str:
+    """What a compiled program that calls the op depends on: the kernel's source."""
+    return _LIBRARY.source_digest()
+
+
+def load(build_root: Path | None = None) -> bool:
+    """Builds the op (once per source and torch version under `build_root`) and registers it; True when
+    `torch.ops.specserve.slot_attention` is usable. False, with a warning, where it is not `supported`
+    or the build fails. Only the first call of a process builds or loads anything."""
+    return _LIBRARY.load(build_root)
 
 
 def isa() -> str:
