@@ -238,16 +238,18 @@ def switching_server(tmp_path_factory, engine_params) -> Iterator[TritonProcess]
 
 
 def test_streams_before_and_after_the_switch_get_only_their_own_tokens(switching_server, smollm2_dir, tokenizer, e2e):
-    """Long streams from the server's first request on, two at a time (never idle, so the switch
-    comes between two steps), run on the eager engine across the switch while 20 requests after it
-    run on the compiled one: every answer is its own prompt's, one FINAL each."""
+    """Long streams from the server's first request on, two at a time and half a stream apart (never
+    idle, so the switch comes between two steps, and one of them always has half its tokens to go),
+    run on the eager engine across the switch while 20 requests after it run on the compiled one:
+    every answer is its own prompt's, one FINAL each."""
     log = switching_server.log
     long_prompt, long_tokens = "Count to 1000.", 480  # the prompt and these fit the 512-token context
     longs: list[Stream] = []
     deadline = time.monotonic() + 900
     while SWITCHED not in log.read_text():
         assert time.monotonic() < deadline, "the model did not switch to its compiled programs"
-        while sum(not s.poll() for s in longs) < 2:
+        running = [s for s in longs if not s.poll()]
+        if len(running) < 2 and all(len(s.token_ids) >= long_tokens // 2 for s in running):
             longs.append(start_stream(switching_server.grpc_url, "llm_none", long_prompt, max_tokens=long_tokens,
                                       ignore_eos=True))
         time.sleep(0.2)
