@@ -89,9 +89,16 @@ $(GENAI_PERF):
 # llama.cpp (llama-cpp-python, built from source by pip: several minutes) in its own venv, for compare-cpu
 LLAMA_CPP_VENV := .venv-llama-cpp
 LLAMA_CPP := $(LLAMA_CPP_VENV)/bin/python
+# llama.cpp builds for this CPU (-march=native), except that on AMX CPUs its AMX matmul faults at its first
+# `ldtilecfg`: there it is built for the same AVX-512 / VNNI / BF16 without AMX. No wheel cache: a wheel
+# built on another CPU would carry that CPU's instructions.
+LLAMA_CPP_CMAKE := $(shell grep -qw amx_tile /proc/cpuinfo 2>/dev/null && echo -DGGML_NATIVE=OFF \
+  -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON \
+  -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+  -DGGML_AMX_BF16=OFF)
 $(LLAMA_CPP):
 	python3 -m venv $(LLAMA_CPP_VENV)
-	$(LLAMA_CPP_VENV)/bin/pip install -q llama-cpp-python==0.3.36
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" $(LLAMA_CPP_VENV)/bin/pip install -q --no-cache-dir llama-cpp-python==0.3.36
 
 compare-cpu: setup prepare $(LLAMA_CPP)  # specserve none (GGUF blocks, bf16) and llama.cpp, same GGUF and prompts
 	$(PY) bench/compare_cpu.py --llama-python $(LLAMA_CPP) --json results/compare_cpu.json
