@@ -9,6 +9,7 @@ import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.engine import Engine
+from specserve.tree import DraftShape
 
 
 def _engine(tiny_target_dir, algorithm="none", batch=2, **spec):
@@ -85,3 +86,25 @@ def test_every_draft_model_forward_runs_through_its_runner(tiny_target_dir):
     assert calls["hidden"] >= len(outs) + 3
     assert calls["layers_outside"] == 0
     assert calls["layers_inside"] == calls["hidden"] == drafter.num_forwards
+
+
+@pytest.mark.parametrize("drafting", [False, True])
+def test_a_prompt_waits_for_the_first_draft_while_the_chooser_decodes_plainly(tiny_target_dir, drafting):
+    """While plain decoding is the chooser's best, a prompt's prefill runs no draft-model forward
+    and the first draft's catch-up covers the whole prompt (the answers stay the target's); while a
+    draft is, the prefill caches the prompt's draft K/V as it goes."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    ref = _engine(tiny_target_dir).generate(_prompts(), params)
+    eng = _engine(tiny_target_dir, "standalone", drafter_path=str(tiny_target_dir), num_steps=3, topk=1,
+                  num_draft_tokens=4)
+    draft = eng.chooser.menu[-1]
+    eng.chooser.best = lambda batch_size: draft if drafting else DraftShape(1, 0, 1)
+    eng.chooser.choose = lambda batch_size: draft  # every step drafts
+    prefilled = []
+    on_prefill = eng.drafter.on_prefill
+    eng.drafter.on_prefill = lambda seqs, *args: (prefilled.extend(s.slot for s in seqs), on_prefill(seqs, *args))
+    outs = eng.generate(_prompts(), params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert len(prefilled) == (len(outs) if drafting else 0)  # one chunk per prompt
+    for o in outs:  # the target drafts for itself: every step accepts the whole chain, caught up or not
+        assert all(n == 4 for n in o.accept_lengths[:-1]), o.accept_lengths

@@ -90,6 +90,10 @@ class Drafter:
     # whether `propose` runs a model over the tokens a request gained since its last draft (its
     # whole prompt at first), so a draft after plain steps costs more than one after a draft
     catches_up: bool = False
+    # whether `on_prefill` only saves a later catch-up work (a standalone draft model's prompt K/V:
+    # token ids are all it needs), so the engine skips it while the chooser decodes plainly; a head
+    # needs the target's prompt features, which only the prefill forward has
+    prefill_optional: bool = False
     # draft model forwards run so far (catch-ups and beam steps; none for NGRAM): `StepProfile`
     # divides the draft phase's time by the forwards each propose ran
     num_forwards: int = 0

@@ -5,7 +5,8 @@ with no path, a self-speculative draft made of the target's first `standalone_nu
 plus its final norm and lm_head (the same modules, no extra weights). It keeps its own KV cache
 (one slot per request, like the target's) and, before drafting, catches up on every token not yet
 in that cache (the accepted tokens and the root), so no refresh after verify is needed. A prompt
-is cached chunk by chunk with its prefill (`on_prefill`); a slot's draft K/V stay after its request
+is cached chunk by chunk with its prefill (`on_prefill`) while the engine expects drafts, else by
+the catch-up of its first draft (`prefill_optional`); a slot's draft K/V stay after its request
 ends, and `copy_prefix` hands them to a request that reuses its prefix. Trees come from
 `beam.grow_trees_on_device` (topk=1 is a chain), from the root's hidden state the catch-up leaves
 in `last_hidden`, as a draft head drafts from its own. Every draft-model forward runs through
@@ -52,6 +53,7 @@ def first_layers(target: LlamaModel, k: int) -> LlamaModel:
 class StandaloneDrafter(Drafter):
     nested_trees = True  # trees come out in rank order (`DynamicTreeBuilder.build`)
     catches_up = True
+    prefill_optional = True
 
     def __init__(self, spec: SpecConfig, ctx: DraftContext) -> None:
         self.spec = spec

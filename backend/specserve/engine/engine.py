@@ -310,7 +310,8 @@ class Engine:
             done = [i for i, r in enumerate(reqs) if r.cache_len == len(r.prompt_ids)]
             if done:
                 self._first_tokens([reqs[i] for i in done], out.logits.transpose(0, 1), done)  # (K, 1, V)
-            self.drafter.on_prefill(reqs, out, packed)
+            if not self.drafter.prefill_optional or self._shape_for(len(self.running), explore=False).drafts:
+                self.drafter.on_prefill(reqs, out, packed)
         return [r for r, _ in work]
 
     def _first_tokens(self, reqs: list[Request], logits: torch.Tensor, rows: list[int]) -> None:
@@ -334,13 +335,15 @@ class Engine:
         ]
         return TreeBatch.from_trees(trees).to(self.device)
 
-    def _shape_for(self, batch_size: int) -> DraftShape:
+    def _shape_for(self, batch_size: int, explore: bool = True) -> DraftShape:
+        """The step's shape: the mode's, plain from disable_by_batch_size on, else the chooser's
+        (with `explore` False its best, read without counting a step or exploring)."""
         if self._mode.shape is not None:
             return self._mode.shape
         limit = self.spec.disable_by_batch_size
         if limit and batch_size >= limit:
             return DraftShape(1, 0, 1)
-        return self.chooser.choose(batch_size)
+        return self.chooser.choose(batch_size) if explore else self.chooser.best(batch_size)
 
     def _verify_step(self, reqs: list[Request]) -> None:
         p, clock = self.profile, self._clock
