@@ -251,6 +251,7 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         "num_prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
         "batch_size": batch_size,
+        "max_batch_size": config.max_batch_size,  # KV-cache slots: at least batch_size; more keep more prefixes
         "dtype": config.dtype,
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
         "hardware": describe(),

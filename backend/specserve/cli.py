@@ -127,13 +127,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_slots(args: argparse.Namespace) -> int:
+    """Each bench engine's KV-cache slots: --slots, else --batch-size (never fewer than the batch)."""
+    if args.slots and args.slots < args.batch_size:
+        raise ValueError(f"slots: {args.slots} is fewer than --batch-size {args.batch_size}")
+    return args.slots or args.batch_size
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from specserve.bench import format_profile, run_bench
 
     try:
         algorithms = [canonical(a) for a in args.algorithm.split(",")]  # an alias -> its method; unknown: ValueError
         report = run_bench(
-            config=_engine_config(args, algorithms[0], args.batch_size),
+            config=_engine_config(args, algorithms[0], _bench_slots(args)),
             specs=[_spec(args, a) for a in algorithms],
             dataset=args.dataset,
             num_prompts=args.num_prompts,
@@ -298,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--slots", type=int, default=0,
+                   help="each engine's KV-cache slots (max_batch_size; 0: --batch-size): slots beyond the batch keep "
+                        "finished requests' prefixes for reuse, as a served model's 8 do at any load")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers generate() baseline")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--structured", action="store_true",

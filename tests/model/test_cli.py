@@ -25,3 +25,9 @@ def test_bench_rejects_a_missing_dataset(smollm2_dir, capsys, tmp_path):
     args = ["bench", "--dataset", str(tmp_path / "none.jsonl"), "--no-hf", "--model-dir", str(smollm2_dir)]
     assert main(args) == 2
     assert "dataset" in capsys.readouterr().err
+
+
+def test_bench_rejects_fewer_slots_than_its_batch(smollm2_dir, capsys):
+    args = ["bench", "--batch-size", "4", "--slots", "2", "--no-hf", "--model-dir", str(smollm2_dir)]
+    assert main(args) == 2
+    assert "slots: 2 is fewer than --batch-size 4" in capsys.readouterr().err

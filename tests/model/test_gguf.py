@@ -84,7 +84,7 @@ def test_greedy_on_the_blocks_is_the_float32_reference_of_the_file(smollm2_dir, 
     assert all(gap < GAP for _, gap in divergences), divergences
 
 
-@pytest.mark.parametrize("algorithm", ["ngram", "eagle3", "suffix"])
+@pytest.mark.parametrize("algorithm", ["ngram", "eagle", "eagle3", "mtp", "standalone", "suffix", "hybrid"])
 def test_speculation_on_the_blocks_is_lossless(engine_factory, mtbench_prompts, gguf_none, algorithm):
     """A tree verification computes each row as a decode does (the kernel's rows are independent), so
     speculation on the 4-bit path gives its own greedy tokens (the served tree, pinned: drafts every step)."""

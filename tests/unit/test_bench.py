@@ -20,7 +20,7 @@ def test_report_has_the_contract_fields_and_the_profile(tmp_path, tiny_target_di
                        specs=[SpecConfig(algorithm="ngram", num_draft_tokens=4)], profile=True)
     assert (report["interleaved"] and report["rotated"] and report["num_prompts"] == 3
             and report["hardware"]["cores"] >= 1)
-    assert report["baseline_tokens_per_s"] > 0
+    assert report["baseline_tokens_per_s"] > 0 and (report["batch_size"], report["max_batch_size"]) == (2, 2)
     row = report["runs"]["ngram"]
     for key in ("tokens_per_s", "accept_length", "speedup", "lossless", "same_output_fraction"):
         assert key in row
