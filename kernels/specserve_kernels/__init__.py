@@ -1,7 +1,8 @@
 """Triton kernels for tree speculative decoding, each with a plain-PyTorch reference.
 
 Every launcher checks its inputs, runs the Triton kernel on CUDA tensors and the reference on CPU
-tensors (`SPECSERVE_FORCE_TRITON=1` forces the kernel, for testing under `TRITON_INTERPRET=1`).
+tensors (`verify_greedy`: the same walk over host lists, `verify_greedy_host`; `SPECSERVE_FORCE_TRITON=1`
+forces the kernel, for testing under `TRITON_INTERPRET=1`).
 
     build_tree      parents -> depth, ancestor mask, first_child / next_sibling links
     verify_greedy   accept the draft path matching the target's argmax, plus a bonus token

@@ -142,6 +142,8 @@ def compact_kv_reference(
     for slot, base, nodes, length in zip(
         slots.tolist(), cache_lens.tolist(), accepted_nodes.tolist(), accept_length.tolist(), strict=True
     ):
+        if nodes[:length] == list(range(length)):
+            continue  # a path down a chain is where it belongs already
         cache = kv[:, :, slot]  # (L, 2, H, T, D) view
         src = torch.tensor(nodes[:length], dtype=torch.int64, device=kv.device) + base
         dst = torch.arange(length, dtype=torch.int64, device=kv.device) + base

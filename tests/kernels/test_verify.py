@@ -5,6 +5,7 @@ import torch
 
 from specserve.tree import DraftTree, TreeBatch
 from specserve_kernels import verify_greedy, verify_greedy_reference, verify_sample, verify_sample_reference
+from specserve_kernels.verify_greedy import verify_greedy_host
 
 #        0 (10)            node (token)
 #       /      \
@@ -25,10 +26,12 @@ def assert_result(got, accepted: list[int], bonus: int) -> None:
     assert got.bonus_tokens.tolist() == [bonus]
 
 
-@pytest.fixture(params=["reference", "kernel"])
+@pytest.fixture(params=["reference", "host", "kernel"])
 def greedy(request):
     if request.param == "reference":
         return verify_greedy_reference
+    if request.param == "host":
+        return verify_greedy_host
     device = request.getfixturevalue("kernel_device")
     return lambda *args: verify_greedy(*(t.to(device) for t in args))
 
@@ -161,6 +164,7 @@ def test_kernels_match_reference(kernel_device, eagle_tree, batch, topk, depth, 
     target_tokens = logits.argmax(dim=-1)
     want = verify_greedy_reference(*links, target_tokens)
     assert_same_result(verify_greedy(*on_device, target_tokens.to(kernel_device)), want)
+    assert_same_result(verify_greedy_host(*links, target_tokens), want)  # what CPU tensors run
 
     probs, coins, final_coins = sampling_inputs(gen, tb, logits)
     want = verify_sample_reference(*links, probs, coins, final_coins)

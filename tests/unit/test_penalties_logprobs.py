@@ -8,7 +8,7 @@ import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.engine import Engine
-from specserve.engine.sampling import apply_penalties, token_logprobs
+from specserve.engine.sampling import apply_penalties, greedy_tokens, token_logprobs
 from specserve.tree import DraftTree
 
 
@@ -22,6 +22,19 @@ def _reference(logits: torch.Tensor, context: list[int], num_prompt: int, params
     for t in set(output):
         out[t] -= params.frequency_penalty * output.count(t) + params.presence_penalty
     return out
+
+
+def test_greedy_tokens_are_argmax_with_its_ties_and_non_finite_values():
+    """The first largest index, as argmax: ties, NaN (argmax's largest), infinities, a whole row of -inf."""
+    x = torch.randn(6, 3, 49152, generator=torch.Generator().manual_seed(0))
+    x[:, :, 100] = x[:, :, 30000] = 9.0  # a tie: the first wins
+    x[0, 0, 7] = 9.0
+    x[1, 1, 500] = x[1, 1, 40000] = float("nan")
+    x[2, 2] = float("-inf")
+    x[3, 0, 1] = x[3, 0, 2] = float("inf")
+    got = greedy_tokens(x)
+    assert torch.equal(got, x.argmax(-1))
+    assert got[0, 0] == 7 and got[0, 1] == 100 and got[1, 1] == 500 and got[2, 2] == 0 and got[3, 0] == 1
 
 
 def test_penalties_at_each_tree_node_equal_plain_decoding_at_that_point():

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from tokenizers import Tokenizer
 
+from specserve.engine.sampling import greedy_tokens
 from specserve.grammar import GrammarSpec
 from specserve.tree import DraftTree, TreeBatch
 
@@ -173,7 +174,7 @@ class GrammarMatch:
             if not self.matcher.accept_token(target):
                 self._mask(logits[node])
                 filled += 1
-                target = int(logits[node].argmax())
+                target = int(greedy_tokens(logits[node]))
                 targets[node] = target
                 if not self.matcher.accept_token(target):  # the grammar allows nothing here: never expected
                     break

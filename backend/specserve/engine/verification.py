@@ -26,6 +26,7 @@ from specserve.engine.sampling import (
     apply_penalties,
     draw_uniforms,
     forbidden_tokens,
+    greedy_tokens,
     suppress_eos,
     target_probs,
     token_logprobs,
@@ -120,7 +121,7 @@ class Verifier:
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
         links = (batch.tokens, batch.first_child, batch.next_sibling)
-        targets = logits.argmax(-1) if greedy else None
+        targets = greedy_tokens(logits) if greedy else None
         if lazy:
             start = time.perf_counter()
             for i in lazy:
