@@ -101,6 +101,15 @@ class DraftTree:
             node = child
         return self if len(toks) == n else DraftTree.from_parents(toks, parents)
 
+    def prefix(self, n: int) -> DraftTree:
+        """The tree of its first n nodes (parents come before children, so they are a tree): links to
+        the nodes left out become -1 (a node's later siblings and children come after it)."""
+        if n >= self.num_draft_tokens:
+            return self
+        cut = [torch.where(links[:n] < n, links[:n], -1) for links in (self.first_child, self.next_sibling)]
+        return DraftTree(tokens=self.tokens[:n], parents=self.parents[:n], depth=self.depth[:n],
+                         mask=self.mask[:n, :n], first_child=cut[0], next_sibling=cut[1])
+
     @classmethod
     def root_only(cls, token: int) -> DraftTree:
         """The degenerate tree of plain decoding: just the last verified token."""

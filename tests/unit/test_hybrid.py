@@ -10,8 +10,8 @@ import torch
 from specserve.config import SpecConfig
 from specserve.draft_plan import DraftPlan
 from specserve.drafters.base import Drafter
-from specserve.drafters.hybrid import GAIN_PRIOR_ROWS, HORIZON, HybridDrafter
-from specserve.drafters.suffix import SuffixDrafter
+from specserve.drafters.hybrid import HybridDrafter
+from specserve.drafters.suffix import GAIN_PRIOR_ROWS, HORIZON, SuffixDrafter
 from specserve.methods import METHODS
 from specserve.tree import DraftTree
 

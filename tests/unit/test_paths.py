@@ -252,3 +252,27 @@ def test_shapes_known_only_by_their_warm_up_time_are_explored_first_plain_decodi
         c.observe(1, picks[-1], 0.010 if picks[-1] == plain else cost[picks[-1]], [accept[picks[-1]]])
     assert [picks[i] for i in (15, 31, 47)] == [plain, two, four]
     assert not any(c.step_time[(1, s)].provisional for s in c.menu)
+
+
+def test_a_forward_of_untimed_rows_is_estimated_between_the_timed_ones():
+    """`TargetRunner.forward_seconds`, what tree sizing weighs: the path the key runs, interpolated
+    between the nearest row counts timed at the batch's bucket, nothing beyond them or off the CPU's
+    compiled program."""
+    from specserve.runtime.target import TargetRunner
+
+    runner = TargetRunner.__new__(TargetRunner)  # no model: only the paths' estimates are read
+    runner.graphs, runner.compiled, runner.buckets = None, object(), [1, 2, 4, 8]
+    runner.paths = PathChooser()
+    for rows, compiled in ((1, 0.004), (4, 0.007)):
+        runner.paths.seed((1, rows), "compiled", compiled)
+        runner.paths.seed((1, rows), "eager", 0.010)
+    assert runner.paths.estimate((1, 1)) == 0.004 and runner.paths.estimate((1, 3)) is None
+    assert runner.forward_seconds(1, 5) == pytest.approx([0.004, 0.005, 0.006, 0.007, None])
+    assert runner.forward_seconds(2, 2) == [None, None]  # bucket 2: nothing timed
+    runner.paths.observe((1, 4), "compiled", 0.012)  # a real forward replaces the start-up figure
+    assert runner.forward_seconds(1, 4)[3] == 0.010  # the path it runs now: eager's
+    runner.paths.seed((1, 2), "compiled", 0.011)  # a stalled figure above a larger count's
+    runner.paths.seed((1, 2), "eager", 0.020)
+    assert runner.forward_seconds(1, 4) == pytest.approx([0.004, 0.010, 0.010, 0.010])
+    runner.compiled = None
+    assert runner.forward_seconds(1, 2) == [None, None]

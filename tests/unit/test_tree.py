@@ -118,3 +118,13 @@ def test_a_batch_of_roots_alone_equals_the_batched_root_only_trees():
     assert got.is_root_only
     for f in fields(TreeBatch):
         assert torch.equal(getattr(got, f.name), getattr(want, f.name)), f.name
+
+
+def test_a_prefix_of_a_tree_is_the_tree_of_its_first_nodes():
+    tree = DraftTree.from_parents([9, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 2])
+    for n in range(1, 7):
+        want = DraftTree.from_parents(tree.tokens[:n].tolist(), tree.parents[:n].tolist())
+        got = tree.prefix(n)
+        for name in ("tokens", "parents", "depth", "mask", "first_child", "next_sibling"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (n, name)
+    assert tree.prefix(6) is tree and tree.prefix(10) is tree

@@ -13,7 +13,7 @@ content after its request ends: `copy_prefix` hands a new request the state of a
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -100,6 +100,10 @@ class Drafter:
     # host seconds spent inside those forwards and the draft model's output layer (its logits and
     # top-k): the rest of the draft phase is the beam's tensor ops and Python (on CUDA: launches only)
     forward_seconds: float = 0.0
+    # the engine's expected seconds of verify steps: (batch size, n) -> seconds for trees of 1, 2, ..., n
+    # nodes per request, None where it has no estimate; a drafter that knows how likely each node is
+    # sizes its trees by it
+    step_cost: Callable[[int, int], list[float | None]] | None = None
 
     @classmethod
     def build(cls, spec: SpecConfig, ctx: DraftContext) -> Drafter:

@@ -28,18 +28,12 @@ import torch
 
 from specserve.config import SpecConfig
 from specserve.drafters.base import DraftContext, Drafter, SequenceView
-from specserve.drafters.suffix import SuffixDrafter
+from specserve.drafters.suffix import HORIZON, SuffixDrafter, calibrated_gain
 from specserve.estimates import RunningAverage
 from specserve.models.llama import ForwardOutput
 from specserve.runtime.cuda_graph import DraftGraphs
 from specserve.runtime.prefill import PackedPrompts
 from specserve.tree import DraftShape, DraftTree
-
-HORIZON = 64  # samples before the estimates become moving averages
-# suffix decoding's calibration counts this many rows that turned out as scored beside the real ones:
-# an unlucky first tree (0 accepted) must not scale every later score to 0, which would keep suffix
-# from ever drafting again, and a long match still drafts after many short ones failed
-GAIN_PRIOR_ROWS = 8
 
 
 class HybridDrafter(Drafter):
@@ -89,11 +83,9 @@ class HybridDrafter(Drafter):
         return {"head": self.head_rows, "suffix": self.suffix_rows}
 
     def suffix_gain(self) -> float:
-        """Accepted tokens per unit of suffix score over its recent rows, with `GAIN_PRIOR_ROWS`
-        rows that turned out as scored (1 until it has drafted; never 0)."""
-        n = min(self.suffix_scored.samples, HORIZON)
-        accepted, scored = n * self.suffix_accepted.value, n * self.suffix_scored.value
-        return (accepted + GAIN_PRIOR_ROWS) / (max(scored, 0.0) + GAIN_PRIOR_ROWS)
+        """Accepted tokens per unit of suffix score over the rows suffix decoding drafted here
+        (`calibrated_gain`)."""
+        return calibrated_gain(self.suffix_accepted, self.suffix_scored)
 
     def plan(self, scores: Sequence[float]) -> list[bool]:
         """Per row, whether the head drafts it (all False: no head forward this step)."""

@@ -43,12 +43,25 @@ import torch
 from specserve.config import SpecConfig
 from specserve.draft_plan import DraftPlan
 from specserve.drafters.base import DraftContext, Drafter, SequenceView
+from specserve.estimates import RunningAverage
 from specserve.tree import DraftShape, DraftTree
 from specserve_kernels import suffix_store
 
 SENTINEL = -1  # ends a segment; never a token id
 MAX_CANDIDATES = 256  # the most recent positions after a k-gram that one lookup weighs
 _TOKEN_BITS = 24  # a k-gram's index key packs its token ids into one int, this many bits each
+HORIZON = 64  # rows before the calibration's averages become moving averages
+# the calibration counts this many rows that turned out as scored beside the real ones: an unlucky
+# first tree (0 accepted) must not scale every later score to 0, which would keep suffix decoding from
+# ever drafting again, and a long match still drafts after many short ones failed
+GAIN_PRIOR_ROWS = 8
+
+
+def calibrated_gain(accepted: RunningAverage, scored: RunningAverage) -> float:
+    """Accepted drafts per unit of score over the recent rows (`accepted` and `scored` averaged over
+    the same rows), with `GAIN_PRIOR_ROWS` rows that turned out as scored (1 before any; never 0)."""
+    n = min(scored.samples, HORIZON)
+    return (n * accepted.value + GAIN_PRIOR_ROWS) / (max(n * scored.value, 0.0) + GAIN_PRIOR_ROWS)
 
 
 class TokenStore:
@@ -196,20 +209,28 @@ class TokenStore:
 
 def draft_nodes(root: int, rows: np.ndarray, match_len: int, num_draft_tokens: int,
                 spec: SpecConfig) -> tuple[list[int], list[int], float]:
+    """`ranked_nodes`' tokens, parents and score."""
+    tokens, parents, _, score = ranked_nodes(root, rows, match_len, num_draft_tokens, spec)
+    return tokens, parents, score
+
+
+def ranked_nodes(root: int, rows: np.ndarray, match_len: int, num_draft_tokens: int,
+                 spec: SpecConfig) -> tuple[list[int], list[int], list[float], float]:
     """The draft tree of `rows` (one continuation per candidate, SENTINEL-padded) as its tokens and
     parents (`DraftTree.from_parents`'s inputs): the nodes that at least suffix_min_token_prob of the
     candidates pass through, at most suffix_max_spec_factor x match_len deep, most frequent first
     (ties: shallower, then the most recent candidate's), num_draft_tokens in all with the root.
     Rows come oldest candidate first.
 
-    Also its score, the tokens it expects accepted: the sum of its nodes' shares (a node's share
-    estimates the chance that the target's text passes through it).
+    Also each node's share of the candidates (the root's 1), which estimates the chance that the
+    target's text passes through it: the tree's score, the tokens it expects accepted, is their sum
+    below the root, and a prefix of the ranking is a smaller tree with the same shares.
 
     Built level by level over the distinct continuations: a node below the share is not expanded
     (its children have no more candidates than it), so rare branches cost nothing."""
     depth = min(rows.shape[1], int(spec.suffix_max_spec_factor * match_len))
     if depth < 1 or num_draft_tokens < 2 or not len(rows):
-        return [root], [-1], 0.0
+        return [root], [-1], [1.0], 0.0
     # distinct continuations, newest first (rows come oldest first), so equal counts rank by recency
     distinct: dict[tuple[int, ...], int] = {}
     for row in reversed(rows[:, :depth].tolist()):
@@ -239,30 +260,36 @@ def draft_nodes(root: int, rows: np.ndarray, match_len: int, num_draft_tokens: i
     kept = kept[: num_draft_tokens - 1]  # a parent comes before its children: count >= theirs, shallower
     new = {-1: 0, **{n: i + 1 for i, n in enumerate(kept)}}
     return ([root] + [nodes[n][0] for n in kept], [-1] + [new[nodes[n][1]] for n in kept],
-            sum(nodes[n][3] for n in kept) / total)
+            [1.0] + [nodes[n][3] / total for n in kept], sum(nodes[n][3] for n in kept) / total)
 
 
 def propose(own: TokenStore, shared: TokenStore, salt: Hashable, num_draft_tokens: int,
-            spec: SpecConfig) -> tuple[list[int], list[int], float]:
-    """One request's tree (`draft_nodes`'s tokens, parents, score): its own store (salt None) and the
-    shared store (its salt) matched against its tokens, the better scored tree kept (Arctic's rule);
-    the root alone, score 0, where neither matches."""
+            spec: SpecConfig) -> tuple[list[int], list[int], float, list[float]]:
+    """One request's tree (`ranked_nodes`' tokens, parents, then its score and shares): its own store
+    (salt None) and the shared store (its salt) matched against its tokens, the better scored tree
+    kept (Arctic's rule); the root alone, score 0, where neither matches."""
     context, root = own.buf[: own.high], own.last()
     depth = min(spec.suffix_max_depth, num_draft_tokens - 1)
-    best, best_score = ([root], [-1]), 0.0
+    best = [root], [-1], [1.0], 0.0
     if depth >= 1:
         for store, store_salt in ((own, None), (shared, salt)):
             length, at = store.match(context, spec.suffix_max_depth, store_salt)
             if length:
-                *tree, score = draft_nodes(root, store.continuations(at, depth), length, num_draft_tokens, spec)
-                if score > best_score:
-                    best, best_score = tree, score
-    return best[0], best[1], best_score
+                tree = ranked_nodes(root, store.continuations(at, depth), length, num_draft_tokens, spec)
+                if tree[3] > best[3]:
+                    best = tree
+    tokens, parents, shares, score = best
+    return tokens, parents, score, shares
 
 
 class SuffixDrafter(Drafter):
     """The Drafter for algorithm=suffix: a shared store of finished requests' text and each running
-    request's own store. A request's text enters the shared store when it is released."""
+    request's own store. A request's text enters the shared store when it is released.
+
+    Each step's trees hold at most the shape's nodes; with the engine's `step_cost`, fewer: the count
+    of nodes per tree (`tree_size`) that maximises the batch's expected tokens per second, each tree's
+    ranked nodes expected accepted by their shares scaled by how the shares have turned out so far
+    (`calibrated_gain`). A match seen by most candidates is then drafted deep, a weak one not at all."""
 
     nested_trees = True  # `draft_nodes` ranks nodes once; fewer tokens take a prefix of the ranking
 
@@ -281,6 +308,9 @@ class SuffixDrafter(Drafter):
         self._store = self._native.TokenStore if self._native else TokenStore
         self.shared = self._store(spec.suffix_cache_tokens, spec.suffix_min_match, ring=True)
         self._own: dict[str, tuple[TokenStore, Hashable]] = {}  # request id -> (its tokens, its cache salt)
+        self.accepted = RunningAverage(HORIZON)  # accepted drafts per row drafted ...
+        self.scored = RunningAverage(HORIZON)  # ... and the shares of its verified nodes
+        self._scored: dict[str, float] = {}  # request id -> its verified nodes' shares, this step
 
     @property
     def native(self) -> bool:
@@ -289,13 +319,42 @@ class SuffixDrafter(Drafter):
 
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree]:
         shape = shape or self.draft_plan.shape
-        return [self.propose_scored(s, shape.num_draft_tokens)[0] for s in seqs]
+        ranked = [self.propose_ranked(s, shape.num_draft_tokens) for s in seqs]
+        size = self.tree_size(len(seqs), [shares for _, shares, _ in ranked])
+        for s, (_, shares, _) in zip(seqs, ranked):
+            if len(shares) > 1 and size > 1:
+                self._scored[s.request_id] = sum(shares[1:size])
+        return [tree.prefix(size) for tree, _, _ in ranked]
 
-    def on_accept(self, seqs: Sequence[SequenceView], out: object, accepted: object) -> None:
+    def tree_size(self, batch_size: int, shares: Sequence[Sequence[float]]) -> int:
+        """Nodes per tree (root included) that maximise sum over rows of (1 + gain x the shares of the
+        row's first n - 1 ranked drafts) / step_cost(batch_size, n); the largest tree without a cost
+        estimate. A prefix of a ranking is a tree, and the rows' trees are padded to one size anyway."""
+        largest = max(len(row) for row in shares)
+        if self.step_cost is None or largest == 1:
+            return largest
+        gain, best, best_rate = calibrated_gain(self.accepted, self.scored), largest, 0.0
+        expected = np.zeros(largest)  # expected tokens of the batch with trees of n + 1 nodes
+        for row in shares:
+            drafts = np.cumsum(row[1:])
+            expected += 1.0 + gain * np.concatenate([[0.0], drafts, np.full(largest - len(row), drafts[-1] if
+                                                                              len(drafts) else 0.0)])
+        for n, cost in enumerate(self.step_cost(batch_size, largest), start=1):
+            if cost is not None and cost > 0 and expected[n - 1] / cost > best_rate:
+                best, best_rate = n, expected[n - 1] / cost
+        return best
+
+    def on_accept(self, seqs: Sequence[SequenceView], out: object, accepted: Sequence[torch.Tensor]) -> None:
+        for s, nodes in zip(seqs, accepted or ()):
+            scored = self._scored.pop(s.request_id, None)
+            if scored is not None:
+                self.accepted.add(len(nodes) - 1)
+                self.scored.add(scored)
         for s in seqs:  # finished requests too: their last tokens go to the shared store with them
             self._own_store(s)
 
     def release(self, request_id: str) -> None:
+        self._scored.pop(request_id, None)
         own = self._own.pop(request_id, None)
         if own is not None:
             store, salt = own
@@ -324,13 +383,19 @@ class SuffixDrafter(Drafter):
     def propose_scored(self, seq: SequenceView, num_draft_tokens: int) -> tuple[DraftTree, float]:
         """The better scored of the trees of its own store and of the shared store (Arctic's rule),
         and its score (`draft_nodes`)."""
+        tree, _, score = self.propose_ranked(seq, num_draft_tokens)
+        return tree, score
+
+    def propose_ranked(self, seq: SequenceView, num_draft_tokens: int) -> tuple[DraftTree, list[float], float]:
+        """`propose_scored`'s tree, its nodes' shares (`ranked_nodes`) and its score."""
         spec, (own, salt) = self.spec, self._own_store(seq)
         if not self._native:
-            tokens, parents, score = propose(own, self.shared, salt, num_draft_tokens, spec)
-            return DraftTree.from_parents(tokens, parents), score
+            tokens, parents, score, shares = propose(own, self.shared, salt, num_draft_tokens, spec)
+            return DraftTree.from_parents(tokens, parents), shares, score
         # the same tree, its links and mask laid out in C++ as `DraftTree.from_parents` lays them out
-        links, mask, score = self._native.propose(own, self.shared, salt, spec.suffix_max_depth, num_draft_tokens,
-                                                  spec.suffix_min_token_prob, spec.suffix_max_spec_factor)
+        links, mask, score, shares = self._native.propose(own, self.shared, salt, spec.suffix_max_depth,
+                                                          num_draft_tokens, spec.suffix_min_token_prob,
+                                                          spec.suffix_max_spec_factor)
         tokens, parents, depth, first_child, next_sibling = torch.from_numpy(links).unbind()
         return DraftTree(tokens=tokens, parents=parents, depth=depth, mask=torch.from_numpy(mask),
-                         first_child=first_child, next_sibling=next_sibling), score
+                         first_child=first_child, next_sibling=next_sibling), shares.tolist(), score

@@ -121,6 +121,7 @@ class Engine:
             self.model, self.cache, config, self.plan, aux_layers=self.drafter.aux_layers,
             num_draft_tokens=self.draft_plan.shape.num_draft_tokens,
         )
+        self.drafter.step_cost = self._step_cost
         # after the runner, which reserves the static buckets' padding slot
         self.prefix_cache = PrefixCache(self.cache, config.enable_prefix_caching, config.prefix_cache_max_tokens)
         self.prompt_counters = PromptCounters()
@@ -328,12 +329,12 @@ class Engine:
             if proposal.tokens.shape[1] <= min(rooms):
                 return proposal
             proposal = proposal.unbatch()
-        trees = [
-            t if t.num_draft_tokens <= room
-            else DraftTree.from_parents(t.tokens[:room].tolist(), t.parents[:room].tolist())
-            for t, room in zip(proposal, rooms)
-        ]
-        return TreeBatch.from_trees(trees).to(self.device)
+        return TreeBatch.from_trees([t.prefix(room) for t, room in zip(proposal, rooms)]).to(self.device)
+
+    def _step_cost(self, batch_size: int, max_rows: int) -> list[float | None]:
+        """Verify steps' expected seconds (`Drafter.step_cost`): their forwards', and the rest of a step's mean."""
+        rest = self.profile.overhead_seconds()
+        return [None if f is None else f + rest for f in self.runner.forward_seconds(batch_size, max_rows)]
 
     def _shape_for(self, batch_size: int, explore: bool = True) -> DraftShape:
         """The step's shape: the mode's, plain from disable_by_batch_size on, else the chooser's

@@ -44,6 +44,10 @@ class StepProfile:
     device_wait: float = 0.0
     grammar: float = 0.0
 
+    def overhead_seconds(self) -> float:
+        """A verify step's mean seconds besides the target's forward (0 before the first step)."""
+        return (self.total - self.forward) / self.steps if self.steps else 0.0
+
     def per_step_ms(self) -> dict[str, float]:
         """Milliseconds per step of each phase, bookkeeping = total - the timed phases; the draft
         phase also per drafting step and per draft forward."""

@@ -98,6 +98,11 @@ class PathChooser:
             return unmeasured[0]
         return min(self.PATHS, key=lambda p: avgs[p].value)
 
+    def estimate(self, key: tuple[int, int]) -> float | None:
+        """The seconds a forward of `key` is expected to take on the path it runs (None: not timed yet)."""
+        avg = self._averages(key)[self.best(key)] if key in self.times else None
+        return avg.value if avg is not None and avg.count else None
+
     def explore_period(self, key: tuple[int, int]) -> int:
         """Steps between two forwards of the slower path: `explore_every`, times the slowdown (rounded
         up, at most `max_slowdown`) once that exceeds `explore_within`, so a far slower path costs as

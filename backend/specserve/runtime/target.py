@@ -80,6 +80,27 @@ class TargetRunner:
         """The batch-size bucket a step of `batch_size` requests counts under."""
         return self.buckets[min(bisect.bisect_left(self.buckets, batch_size), len(self.buckets) - 1)]
 
+    def forward_seconds(self, batch_size: int, max_rows: int) -> list[float | None]:
+        """The expected seconds of a CPU step forward of 1, 2, ..., max_rows tokens per request at this
+        batch size, on the path each runs: from the row counts measured at its batch bucket, each taken
+        as at most any larger count's (more rows never cost less: a figure above that is a stall's),
+        and interpolated between the nearest ones. None beyond them, and all None where no compiled
+        program's paths are timed (a GPU's graphs, an eager-only CPU)."""
+        if self.graphs is not None or self.compiled is None:
+            return [None] * max_rows
+        bucket = self.bucket(batch_size)
+        measured = sorted((t, e) for (b, t) in self.paths.times
+                          if b == bucket and (e := self.paths.estimate((b, t))) is not None)
+        known: list[tuple[int, float]] = []  # (rows, seconds), rows descending
+        for t, e in reversed(measured):
+            known.append((t, min(e, known[-1][1]) if known else e))
+        known.reverse()
+        out: list[float | None] = [None] * max_rows
+        for (t0, e0), (t1, e1) in zip(known, known[1:] + [known[-1]] if known else []):
+            for rows in range(t0, min(t1, max_rows) + 1):
+                out[rows - 1] = e0 + (e1 - e0) * (rows - t0) / (t1 - t0) if t1 > t0 else e0
+        return out
+
     # ---- forwards -------------------------------------------------------------------------------
 
     def prefill(self, packed: PackedPrompts) -> ForwardOutput:

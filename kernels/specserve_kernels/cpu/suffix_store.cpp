@@ -308,6 +308,7 @@ class TokenStore {
 
 struct Tree {
   std::vector<int64_t> tokens, parents;
+  std::vector<double> shares;  // per node, the share of the rows through it (the root's 1)
   double score = 0.0;
 };
 
@@ -321,6 +322,7 @@ Tree draft_nodes(int64_t root, const int32_t* rows, int64_t nrows, int64_t ncols
   Tree tree;
   tree.tokens.push_back(root);
   tree.parents.push_back(-1);
+  tree.shares.push_back(1.0);
   double limit = max_spec_factor * static_cast<double>(match_len);
   int64_t depth = limit >= static_cast<double>(ncols) ? ncols : static_cast<int64_t>(limit);
   if (depth < 1 || num_draft_tokens < 2 || nrows == 0) return tree;
@@ -408,6 +410,7 @@ Tree draft_nodes(int64_t root, const int32_t* rows, int64_t nrows, int64_t ncols
     index[kept[i]] = i + 1;
     tree.tokens.push_back(node.token);
     tree.parents.push_back(node.parent < 0 ? 0 : index[node.parent]);
+    tree.shares.push_back(static_cast<double>(node.count) / static_cast<double>(nrows));
     total += node.count;
   }
   tree.score = static_cast<double>(total) / static_cast<double>(nrows);
@@ -424,7 +427,8 @@ py::tuple as_tuple(const Tree& tree) {
 }
 
 // a tree as DraftTree.from_parents lays it out: links (5, n) int64 (tokens, parents, depth, first_child,
-// next_sibling; -1 = none) and mask (n, n) bool, mask[i, j] iff j is i or an ancestor of i
+// next_sibling; -1 = none) and mask (n, n) bool, mask[i, j] iff j is i or an ancestor of i; then its score
+// and its nodes' shares (n,) float64
 py::tuple tree_arrays(const Tree& tree) {
   auto n = static_cast<py::ssize_t>(tree.tokens.size());
   py::array_t<int64_t> links({py::ssize_t{5}, n});
@@ -448,7 +452,9 @@ py::tuple tree_arrays(const Tree& tree) {
     }
     m[i * n + i] = true;
   }
-  return py::make_tuple(links, mask, tree.score);
+  py::array_t<double> shares(n);
+  std::memcpy(shares.mutable_data(), tree.shares.data(), static_cast<size_t>(n) * sizeof(double));
+  return py::make_tuple(links, mask, tree.score, shares);
 }
 
 template <class T>
@@ -458,9 +464,9 @@ py::array_t<T> as_array(const std::vector<T>& v) {
   return out;
 }
 
-// One request's drafting step (SuffixDrafter.propose_scored's tree): its own store (salt None) and
+// One request's drafting step (SuffixDrafter.propose_ranked's tree): its own store (salt None) and
 // the shared store (its salt) matched against the own store's tokens, the better scored tree kept, as
-// `tree_arrays` and its score.
+// `tree_arrays`: links, mask, score and each node's share.
 py::tuple propose(TokenStore& own, TokenStore& shared, py::handle salt, int64_t max_depth, int64_t num_draft_tokens,
                   double min_token_prob, double max_spec_factor) {
   thread_local std::vector<int32_t> copy, rows;
@@ -477,6 +483,7 @@ py::tuple propose(TokenStore& own, TokenStore& shared, py::handle salt, int64_t 
   Tree best;
   best.tokens.push_back(root);
   best.parents.push_back(-1);
+  best.shares.push_back(1.0);
   if (depth >= 1) {
     py::handle none(Py_None);
     for (int which = 0; which < 2; ++which) {
