@@ -146,14 +146,16 @@ def verify_greedy(
     Returns
     -------
     VerifyResult
-        CUDA input runs the Triton kernel, CPU input `verify_greedy_host` (see `use_triton`).
+        CUDA input runs the Triton kernel, CPU input `verify_greedy_host`, any other (the meta
+        device's) the reference (see `use_triton`).
     """
     bsz, n = check_walk_inputs(draft_tokens, first_child, next_sibling)
     check_tensor("target_tokens", target_tokens, torch.int64, 2)
     check_shape("target_tokens", target_tokens, (bsz, n))
     check_same_device(draft_tokens=draft_tokens, target_tokens=target_tokens)
     if not use_triton(draft_tokens) or bsz == 0:
-        return verify_greedy_host(draft_tokens, first_child, next_sibling, target_tokens)
+        walk = verify_greedy_host if draft_tokens.device.type == "cpu" else verify_greedy_reference
+        return walk(draft_tokens, first_child, next_sibling, target_tokens)
 
     out = empty_result(bsz, n, draft_tokens.device)
     _verify_greedy_kernel[(bsz,)](
