@@ -201,20 +201,17 @@ def test_knobs_are_checked():
 
 
 def test_trees_are_sized_by_their_shares_against_the_step_cost():
-    """With the engine's step cost, a step drafts the nodes per tree that maximise expected tokens per
-    second: deep where most candidates agree, nothing where they scatter; without one, the shape's."""
+    """A drafting step takes the nodes per tree that maximise expected tokens per second: deep where
+    most candidates agree, nothing where they scatter."""
     d = drafter(suffix_min_token_prob=0.0)
-    cost = {1: 5.0, 2: 6.0, 3: 6.5, 4: 7.0, 5: 10.0, 6: 10.5, 7: 11.0, 8: 11.5}
-    d.step_cost = lambda batch_size, n: [cost.get(rows) for rows in range(1, n + 1)]
+    cost = [5.0, 6.0, 6.5, 7.0, 10.0, 10.5, 11.0, 11.5]  # seconds with 1, 2, ... nodes per tree
     sure = [1.0, 0.95, 0.95, 0.9, 0.9, 0.9, 0.85, 0.8]
-    assert d.tree_size(1, [sure]) == 8  # (1 + 6.25) / 11.5 = 0.63 beats 4 nodes' (1 + 2.8) / 7 = 0.54
-    assert d.tree_size(1, [[1.0, 0.1, 0.05]]) == 1  # (1 + 0.1) / 6 < 1 / 5: plain decoding
-    assert d.tree_size(1, [[1.0, 0.9, 0.6, 0.5, 0.1]]) == 4  # (1 + 2.0) / 7 beats (1 + 1.5) / 6.5
-    assert d.tree_size(2, [[1.0, 0.1], sure]) == 8  # one size for the batch: the rows' sum decides
-    d.step_cost = lambda batch_size, n: [None] * n  # no estimate: the shape's size
-    assert d.tree_size(1, [[1.0, 0.1, 0.05]]) == 3
-    d.step_cost = None
-    assert d.tree_size(1, [[1.0, 0.1, 0.05], [1.0]]) == 3
+    assert d.tree_size([sure], cost) == 8  # (1 + 6.25) / 11.5 = 0.63 beats 4 nodes' (1 + 2.8) / 7 = 0.54
+    assert d.tree_size([[1.0, 0.1, 0.05]], cost) == 1  # (1 + 0.1) / 6 < 1 / 5: plain decoding
+    assert d.tree_size([[1.0, 0.9, 0.6, 0.5, 0.1]], cost) == 4  # (1 + 2.0) / 7 beats (1 + 1.5) / 6.5
+    assert d.tree_size([[1.0, 0.1], sure], cost) == 8  # one size for the batch: the rows' sum decides
+    assert d.tree_size([sure], cost[:4] + [None] * 4) == 4  # no estimate beyond 4 nodes
+    assert d.tree_size([[1.0, 0.1, 0.05]], [None] * 8) == 3  # none at all: the largest
 
 
 def test_sized_trees_are_prefixes_and_the_gain_follows_what_was_accepted():
@@ -224,15 +221,17 @@ def test_sized_trees_are_prefixes_and_the_gain_follows_what_was_accepted():
     seq = Seq("new", [50, 1, 2])
     full, shares, _ = d.propose_ranked(seq, 6)
     assert full.tokens.tolist() == [2, 3, 4, 5, 6, 7] and shares == [1.0] * 6
+    assert d.propose([seq], DraftShape(3, 2, 1))[0].tokens.tolist() == [2, 3, 4]  # no step cost: the budget
     cost = {1: 5.0, 2: 6.0, 3: 6.5, 4: 7.0}  # 5+ nodes: no estimate
     d.step_cost = lambda batch_size, n: [cost.get(rows) for rows in range(1, n + 1)]
-    (tree,) = d.propose([seq], DraftShape(5, 1, 6))
+    assert d.draft_plan.shape.num_draft_tokens >= 6
+    (tree,) = d.propose([seq], DraftShape(2, 1, 1))  # drafting: the chooser's budget no longer bounds it
     assert tree.tokens.tolist() == [2, 3, 4, 5]  # 4 nodes: (1 + 3) / 7 beats (1 + 2) / 6.5
     assert tree.first_child.tolist() == [1, 2, 3, -1] and tree.next_sibling.tolist() == [-1] * 4
     assert tree.mask.shape == (4, 4) and tree.depth.tolist() == [0, 1, 2, 3]
     d.on_accept([seq], None, [np.array([0])])  # none of its 3 drafts accepted
     assert d.accepted.value == 0 and d.scored.value == 3.0
     for _ in range(20):  # the shares keep turning out too high: it stops drafting
-        d.propose([seq], DraftShape(5, 1, 6))
+        d.propose([seq], DraftShape(6, 5, 1))
         d.on_accept([seq], None, [np.array([0])])
-    assert d.tree_size(1, [shares]) == 1
+    assert d.tree_size([shares], [cost.get(n) for n in range(1, 7)]) == 1

@@ -286,10 +286,12 @@ class SuffixDrafter(Drafter):
     """The Drafter for algorithm=suffix: a shared store of finished requests' text and each running
     request's own store. A request's text enters the shared store when it is released.
 
-    Each step's trees hold at most the shape's nodes; with the engine's `step_cost`, fewer: the count
-    of nodes per tree (`tree_size`) that maximises the batch's expected tokens per second, each tree's
+    With the engine's `step_cost`, a drafting step's trees take the count of nodes per tree (`tree_size`,
+    up to the configured shape's) that maximises the batch's expected tokens per second, each tree's
     ranked nodes expected accepted by their shares scaled by how the shares have turned out so far
-    (`calibrated_gain`). A match seen by most candidates is then drafted deep, a weak one not at all."""
+    (`calibrated_gain`): a match seen by most candidates is drafted deep, a weak one not at all. The
+    chooser's shape then only says whether the step drafts; without cost estimates (a GPU's graphs,
+    an eager-only CPU) its budget bounds the trees."""
 
     nested_trees = True  # `draft_nodes` ranks nodes once; fewer tokens take a prefix of the ranking
 
@@ -319,27 +321,30 @@ class SuffixDrafter(Drafter):
 
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree]:
         shape = shape or self.draft_plan.shape
-        ranked = [self.propose_ranked(s, shape.num_draft_tokens) for s in seqs]
-        size = self.tree_size(len(seqs), [shares for _, shares, _ in ranked])
+        largest = self.draft_plan.shape.num_draft_tokens
+        costs = self.step_cost(len(seqs), largest) if self.step_cost is not None else [None] * largest
+        if all(c is None for c in costs):  # nothing to weigh: the chooser's budget
+            return [self.propose_ranked(s, shape.num_draft_tokens)[0] for s in seqs]
+        ranked = [self.propose_ranked(s, largest) for s in seqs]
+        size = self.tree_size([shares for _, shares, _ in ranked], costs)
         for s, (_, shares, _) in zip(seqs, ranked):
             if len(shares) > 1 and size > 1:
                 self._scored[s.request_id] = sum(shares[1:size])
         return [tree.prefix(size) for tree, _, _ in ranked]
 
-    def tree_size(self, batch_size: int, shares: Sequence[Sequence[float]]) -> int:
+    def tree_size(self, shares: Sequence[Sequence[float]], costs: Sequence[float | None]) -> int:
         """Nodes per tree (root included) that maximise sum over rows of (1 + gain x the shares of the
-        row's first n - 1 ranked drafts) / step_cost(batch_size, n); the largest tree without a cost
-        estimate. A prefix of a ranking is a tree, and the rows' trees are padded to one size anyway."""
-        largest = max(len(row) for row in shares)
-        if self.step_cost is None or largest == 1:
-            return largest
+        row's first n - 1 ranked drafts) / costs[n - 1], the step's seconds with n nodes per tree (None:
+        not estimated); the largest tree when none is. A prefix of a ranking is a tree, and the rows'
+        trees are padded to one size anyway."""
+        largest = min(max(len(row) for row in shares), len(costs))
         gain, best, best_rate = calibrated_gain(self.accepted, self.scored), largest, 0.0
         expected = np.zeros(largest)  # expected tokens of the batch with trees of n + 1 nodes
         for row in shares:
-            drafts = np.cumsum(row[1:])
-            expected += 1.0 + gain * np.concatenate([[0.0], drafts, np.full(largest - len(row), drafts[-1] if
+            drafts = np.cumsum(row[1:largest])
+            expected += 1.0 + gain * np.concatenate([[0.0], drafts, np.full(largest - 1 - len(drafts), drafts[-1] if
                                                                               len(drafts) else 0.0)])
-        for n, cost in enumerate(self.step_cost(batch_size, largest), start=1):
+        for n, cost in enumerate(costs[:largest], start=1):
             if cost is not None and cost > 0 and expected[n - 1] / cost > best_rate:
                 best, best_rate = n, expected[n - 1] / cost
         return best
