@@ -339,14 +339,13 @@ class SuffixDrafter(Drafter):
         trees are padded to one size anyway."""
         largest = min(max(len(row) for row in shares), len(costs))
         gain, best, best_rate = calibrated_gain(self.accepted, self.scored), largest, 0.0
-        expected = np.zeros(largest)  # expected tokens of the batch with trees of n + 1 nodes
+        drafted = np.zeros(largest)  # the batch's summed shares of the drafts in trees of n + 1 nodes
         for row in shares:
-            drafts = np.cumsum(row[1:largest])
-            expected += 1.0 + gain * np.concatenate([[0.0], drafts, np.full(largest - 1 - len(drafts), drafts[-1] if
-                                                                              len(drafts) else 0.0)])
+            drafted += np.cumsum(np.pad(row[:largest], (0, largest - min(len(row), largest)))) - 1.0  # root: 1
         for n, cost in enumerate(costs[:largest], start=1):
-            if cost is not None and cost > 0 and expected[n - 1] / cost > best_rate:
-                best, best_rate = n, expected[n - 1] / cost
+            rate = (len(shares) + gain * drafted[n - 1]) / cost if cost else 0.0
+            if rate > best_rate:
+                best, best_rate = n, rate
         return best
 
     def on_accept(self, seqs: Sequence[SequenceView], out: object, accepted: Sequence[torch.Tensor]) -> None:
