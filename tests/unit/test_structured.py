@@ -14,7 +14,7 @@ import xgrammar as xgr
 import specserve_kernels as K
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.engine import Engine
-from specserve.engine.grammar import GrammarCompiler, choice_ebnf, without_forbidden
+from specserve.engine.grammar import GrammarCompiler, choice_ebnf, paying_forced, without_forbidden
 from specserve.engine.sampling import forbidden_tokens, forbidden_tokens_on_device
 from specserve.grammar import GrammarSpec, from_trtllm, from_vllm
 from specserve.serving.contract import RequestError, RequestLimits
@@ -348,6 +348,26 @@ def test_forced_text_stays_within_the_step_programs_rows(tiny_target_dir, monkey
     monkeypatch.setattr(engine.runner, "few_rows", lambda batch_size, share=1.0: rows)
     outs = engine.generate(PROMPTS, [SamplingParams(max_tokens=20, structured_output=g) for g in GRAMMARS])
     assert max(n for o in outs for n in o.accept_lengths) == rows
+
+
+def test_forced_text_is_cut_where_its_rows_do_not_pay():
+    """The depth with the most tokens per expected second of the step; unknown seconds keep it all."""
+    assert paying_forced([[5], [], [], []], [10.0, 16.0]) == [[], [], [], []]  # 5 tokens in 16 < 4 in 10
+    assert paying_forced([[5, 6, 7]], [7.0, 7.9, 9.1, 9.8]) == [[5, 6, 7]]  # batch 1: every forced token pays
+    assert paying_forced([[1, 2, 3], [4], [5, 6]], [10.0, 11.0, 12.0, 30.0]) == [[1, 2], [4], [5, 6]]
+    assert paying_forced([[1], [2]], [10.0, None]) == [[1], [2]]  # depth 1 not measured yet: the step measures it
+    assert paying_forced([[1], []], [None, None]) == [[1], []]  # no timed paths (a GPU)
+    assert paying_forced([[], []], [10.0]) == [[], []]
+
+
+@pytest.mark.parametrize(("costs", "forced_taken"), [([0.01] * 64, True), ([0.01 * (1 + d) for d in range(64)], False)])
+def test_the_engine_verifies_forced_text_only_where_it_pays(tiny_target_dir, monkeypatch, costs, forced_taken):
+    """A step's forced text is cut by `paying_forced` against the step's expected seconds: flat ones
+    take it all, seconds that grow with every token a request take none (3 rows, never all forced)."""
+    engine = _engine(tiny_target_dir, "none", 3)
+    monkeypatch.setattr(engine, "_step_cost", lambda batch_size, max_rows: costs[:max_rows])
+    outs = engine.generate(PROMPTS, [SamplingParams(max_tokens=20, structured_output=g) for g in GRAMMARS])
+    assert (max(n for o in outs for n in o.accept_lengths) > 1) == forced_taken
 
 
 def test_a_grammar_output_validates_and_masked_logprobs(tiny_target_dir):

@@ -256,8 +256,7 @@ class Engine:
 
     def _expire(self) -> list[RequestOutput]:
         """End the requests older than request_timeout_s, waiting or running."""
-        timeout = self.config.request_timeout_s
-        if not timeout:
+        if not (timeout := self.config.request_timeout_s):
             return []
         now, error = time.monotonic(), f"request timed out after {timeout:g} s (request_timeout_s)"
         return [self._end(req, FINISH_TIMEOUT, error) for req in [r for r in (*self.waiting, *self.running)
@@ -355,7 +354,8 @@ class Engine:
             forced_start = time.perf_counter()
             rows = self.runner.few_rows(len(reqs), FORCED_ROWS_SHARE)  # forced text costs rows like drafts
             limit = self.draft_plan.max_nodes - 1 if rows is None else min(self.draft_plan.max_nodes, rows) - 1
-            forced = forced_tokens([r.grammar for r in reqs], self.tokenizer, limit)
+            costs = self._step_cost(len(reqs), limit + 1)  # and fewer where they do not pay (`paying_forced`)
+            forced = forced_tokens([r.grammar for r in reqs], self.tokenizer, limit, costs)
             p.grammar += time.perf_counter() - forced_start
             if shape.drafts and all(len(f) >= FORCED_TOKENS_FOR_NO_DRAFT for f in forced):
                 shape = DraftShape(1, 0, 1)  # the grammars draft this step (`FORCED_TOKENS_FOR_NO_DRAFT`)
