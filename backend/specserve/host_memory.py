@@ -15,8 +15,15 @@ heap, and freed memory stays there for the next step until more than `TRIM_THRES
 its top. A process then holds its high-water mark of step buffers instead of returning it.
 
 It changes nothing where the C library is not glibc, or where the user set glibc's own variables
-(`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `GLIBC_TUNABLES=glibc.malloc.*`), and knows
-nothing about models or devices.
+(`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `GLIBC_TUNABLES=glibc.malloc.*`).
+
+`back_with_huge_pages` asks Linux to back the process's large anonymous mappings (the weights and
+compiled programs' constants a CPU decode streams every step) with 2 MiB pages, now: a decode step
+reads every weight once, and on 4 KiB pages the same weights ran 124-140 tok/s against 152-161 on 2 MiB
+ones (docs/cpu.md). It does nothing where transparent huge pages are off (`never`) or the kernel
+lacks `MADV_COLLAPSE` (before Linux 6.1: then khugepaged merges the advised pages in its own time).
+
+This module knows nothing about models or devices.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import ctypes
 import functools
 import logging
 import os
+from collections.abc import Iterable
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -51,3 +60,47 @@ def keep_freed_memory() -> bool:
         log.info("malloc: blocks up to %d MiB from the heap, freed memory kept up to %d MiB (glibc mallopt)",
                  MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20)
     return ok
+
+
+MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # Linux's madvise advice values
+HUGE_PAGE = 2 * 2**20
+MIN_MAPPING = 8 * 2**20  # smaller mappings are left as they are
+_advised: set[tuple[int, int]] = set()  # ranges this process advised already
+
+
+def large_anonymous_ranges(maps_lines: Iterable[str], min_bytes: int = MIN_MAPPING) -> list[tuple[int, int]]:
+    """The whole 2 MiB pages inside each writable anonymous mapping (no file, not the heap or stack)
+    of at least `min_bytes`, from /proc/<pid>/maps lines: (start, end) addresses."""
+    ranges = []
+    for line in maps_lines:
+        fields = line.split()
+        if len(fields) != 5 or not fields[1].startswith("rw"):  # a sixth field names a file or [heap]
+            continue
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        start, end = -(-lo // HUGE_PAGE) * HUGE_PAGE, hi // HUGE_PAGE * HUGE_PAGE
+        if hi - lo >= min_bytes and end > start:
+            ranges.append((start, end))
+    return ranges
+
+
+def back_with_huge_pages(maps: Path = Path("/proc/self/maps")) -> int:
+    """Advise this process's large anonymous mappings to 2 MiB pages (`MADV_HUGEPAGE`) and collapse
+    them now (`MADV_COLLAPSE`), each range once per process; the bytes collapsed. 0 off Linux, where
+    transparent huge pages are `never`, or where the kernel refuses (errors are not raised)."""
+    try:
+        text = maps.read_text()
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    collapsed = 0
+    for start, end in large_anonymous_ranges(text.splitlines()):
+        if (start, end) in _advised:
+            continue
+        _advised.add((start, end))
+        if madvise(start, end - start, MADV_HUGEPAGE) == 0 and madvise(start, end - start, MADV_COLLAPSE) == 0:
+            collapsed += end - start
+    if collapsed:
+        log.info("host memory: %d MiB of weights and programs on 2 MiB pages", collapsed >> 20)
+    return collapsed

@@ -21,6 +21,7 @@ import torch
 
 from specserve.config import EngineConfig
 from specserve.estimates import time_interleaved
+from specserve.host_memory import back_with_huge_pages
 from specserve.models.attention import TORCH_ATTENTION, AttentionBackend, make_attention_backend
 from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.kv_cache import KVCache
@@ -67,6 +68,8 @@ class TargetRunner:
             ))
         if pack_for_inference(model, keep_weights=("lm_head",)):  # drafters share the lm_head
             log.info("target: bf16 linear weights prepacked for oneDNN (CPU)")
+        if self.compiled is not None:  # a decode streams every weight and program constant: 2 MiB pages
+            back_with_huge_pages()
         self.paths = PathChooser(pinned=config.compiled_steps == "always")
 
     def make_backend(self, graph_batch_size: int | None = None, graph_num_tokens: int = 1) -> AttentionBackend:
