@@ -48,6 +48,6 @@ def test_a_large_tensor_ends_on_huge_pages_where_the_kernel_collapses():
     before = anon_huge_kib(*span)
     collapsed = back_with_huge_pages()
     if collapsed == 0:
-        pytest.skip("this kernel does not collapse on request (MADV_COLLAPSE: Linux 6.1+)")
+        pytest.skip("nothing collapsed: MADV_COLLAPSE needs Linux 6.1+ and free 2 MiB pages")
     assert anon_huge_kib(*span) >= max(before, 48 * 1024)  # all its whole 2 MiB pages but the ends
     assert torch.equal(weights, torch.ones_like(weights))  # the contents moved with the pages
