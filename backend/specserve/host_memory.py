@@ -83,23 +83,38 @@ def large_anonymous_ranges(maps_lines: Iterable[str], min_bytes: int = MIN_MAPPI
     return ranges
 
 
+def _madvise():
+    """libc's `madvise` with its argument types, or None off Linux / glibc-compatible C libraries."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
+def collapse(start: int, end: int) -> bool:
+    """Advise [start, end) (whole 2 MiB pages) to huge pages and collapse it now; whether the kernel
+    did (it refuses without `MADV_COLLAPSE`, where THP is `never`, or with no free 2 MiB pages)."""
+    madvise = _madvise()
+    if madvise is None:
+        return False
+    return madvise(start, end - start, MADV_HUGEPAGE) == 0 and madvise(start, end - start, MADV_COLLAPSE) == 0
+
+
 def back_with_huge_pages(maps: Path = Path("/proc/self/maps")) -> int:
-    """Advise this process's large anonymous mappings to 2 MiB pages (`MADV_HUGEPAGE`) and collapse
-    them now (`MADV_COLLAPSE`), each range once per process; the bytes collapsed. 0 off Linux, where
-    transparent huge pages are `never`, or where the kernel refuses (errors are not raised)."""
+    """`collapse` this process's large anonymous mappings, each range once per process; the bytes
+    collapsed. 0 off Linux or where the kernel refuses (errors are not raised)."""
     try:
         text = maps.read_text()
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
+    except OSError:
         return 0
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     collapsed = 0
     for start, end in large_anonymous_ranges(text.splitlines()):
         if (start, end) in _advised:
             continue
         _advised.add((start, end))
-        if madvise(start, end - start, MADV_HUGEPAGE) == 0 and madvise(start, end - start, MADV_COLLAPSE) == 0:
+        if collapse(start, end):
             collapsed += end - start
     if collapsed:
         log.info("host memory: %d MiB of weights and programs on 2 MiB pages", collapsed >> 20)
