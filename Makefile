@@ -46,8 +46,9 @@ serve: setup prepare
 lint: setup
 	$(VENV)/bin/ruff check backend kernels client tests bench
 
+# malloc's memory on 2 MiB pages as `specserve serve` gives its processes (`host_memory.huge_page_env`)
 test: setup prepare lint
-	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
+	GLIBC_TUNABLES=$${GLIBC_TUNABLES:+$$GLIBC_TUNABLES:}glibc.malloc.hugetlb=1 $(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 BENCH := $(VENV)/bin/specserve bench --num-prompts 20 --max-new-tokens 128
 ALL_SPEC := ngram,eagle,eagle3,mtp,standalone,suffix

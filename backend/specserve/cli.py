@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import MISSING, replace
@@ -375,7 +376,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reexec_with_huge_pages() -> None:
+    """Starts this command again with malloc's memory on 2 MiB pages (`host_memory.huge_page_env`),
+    as `specserve serve` starts tritonserver, unless its environment has them or chose otherwise."""
+    from specserve.host_memory import huge_page_env
+
+    env = huge_page_env(dict(os.environ))
+    if sys.platform == "linux" and env != dict(os.environ):
+        os.execve(sys.executable, [sys.executable, "-m", "specserve.cli", *sys.argv[1:]], env)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the command itself, not a caller's function call
+        _reexec_with_huge_pages()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -17,11 +17,16 @@ its top. A process then holds its high-water mark of step buffers instead of ret
 It changes nothing where the C library is not glibc, or where the user set glibc's own variables
 (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `GLIBC_TUNABLES=glibc.malloc.*`).
 
-`back_with_huge_pages` asks Linux to back the process's large anonymous mappings (the weights and
-compiled programs' constants a CPU decode streams every step) with 2 MiB pages, now: a decode step
-reads every weight once, and `none` decoded about 10 % faster and steadier on them (docs/cpu.md).
-It does nothing where transparent huge pages are off (`never`) or the kernel lacks `MADV_COLLAPSE`
-(before Linux 6.1: then khugepaged merges the advised pages in its own time).
+A decode step reads every weight once, and `none` decoded about 10 % faster and steadier with
+the process's memory on 2 MiB pages (docs/cpu.md). Two ways get it there:
+
+- `huge_page_env` gives a process started from here glibc's `glibc.malloc.hugetlb=1`: malloc then
+  advises its own mappings and heap to transparent huge pages as it makes them, at no cost (what
+  `specserve serve` does for tritonserver and its Python stubs);
+- in a process started without it, `back_with_huge_pages` advises the large anonymous mappings made
+  so far and collapses them now (`MADV_COLLAPSE`, Linux 6.1+: ~0.3 s per 100 MB at start-up).
+
+Neither does anything where transparent huge pages are off (`never`).
 
 This module knows nothing about models or devices.
 """
@@ -42,12 +47,15 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 * 2**20  # glibc's largest mmap threshold on 64-bit
 TRIM_THRESHOLD = 512 * 2**20
 USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+USER_TUNABLES = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold")
+HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb=1"
 
 
 @functools.cache
 def keep_freed_memory() -> bool:
     """Fix glibc's mmap and trim thresholds for this process (once); whether they are now ours."""
-    if any(v in os.environ for v in USER_VARIABLES) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+    if any(v in os.environ for v in USER_VARIABLES) or any(t in os.environ.get("GLIBC_TUNABLES", "")
+                                                            for t in USER_TUNABLES):
         log.info("malloc: the environment sets glibc's thresholds; leaving them as they are")
         return False
     try:
@@ -102,9 +110,26 @@ def collapse(start: int, end: int) -> bool:
     return madvise(start, end - start, MADV_HUGEPAGE) == 0 and madvise(start, end - start, MADV_COLLAPSE) == 0
 
 
+def huge_page_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a process whose malloc puts its memory on huge pages as it maps it: glibc's
+    `hugetlb` tunable added to GLIBC_TUNABLES, unless that sets `glibc.malloc.hugetlb` already."""
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb" in tunables:
+        return env
+    return env | {"GLIBC_TUNABLES": f"{tunables}:{HUGE_PAGE_TUNABLE}" if tunables else HUGE_PAGE_TUNABLE}
+
+
+def malloc_advises_huge_pages() -> bool:
+    """Whether this process started with glibc's `hugetlb=1` tunable (`huge_page_env`)."""
+    return HUGE_PAGE_TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":")
+
+
 def back_with_huge_pages(maps: Path = Path("/proc/self/maps")) -> int:
     """`collapse` this process's large anonymous mappings, each range once per process; the bytes
-    collapsed. 0 off Linux or where the kernel refuses (errors are not raised)."""
+    collapsed. 0 off Linux, where the kernel refuses (errors are not raised), or where malloc
+    advises its mappings itself (`malloc_advises_huge_pages`: they are on huge pages already)."""
+    if malloc_advises_huge_pages():
+        return 0
     try:
         text = maps.read_text()
     except OSError:

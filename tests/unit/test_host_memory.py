@@ -40,7 +40,8 @@ print(json.dumps({"applied": applied, "faults": faults}))
 
 
 def _child(mode: str, env: dict[str, str] | None = None) -> dict:
-    env = {k: v for k, v in (env or os.environ).items() if not k.startswith("MALLOC_")}
+    # glibc's defaults, page faults counted in 4 KiB pages
+    env = {k: v for k, v in (env or os.environ).items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -66,3 +67,49 @@ def test_the_environment_s_own_settings_are_left_alone(monkeypatch):
         assert host_memory.keep_freed_memory() is False
     finally:
         host_memory.keep_freed_memory.cache_clear()
+
+
+def test_a_threshold_tunable_is_the_environment_s_own_and_the_huge_page_one_is_not(monkeypatch):
+    for tunables, ours in [("glibc.malloc.trim_threshold=0", False), ("glibc.malloc.hugetlb=1", True)]:
+        host_memory.keep_freed_memory.cache_clear()
+        monkeypatch.setenv("GLIBC_TUNABLES", tunables)
+        try:
+            assert host_memory.keep_freed_memory() is ours
+        finally:
+            host_memory.keep_freed_memory.cache_clear()
+
+
+def test_child_processes_get_malloc_s_huge_pages_unless_the_environment_chose():
+    assert host_memory.huge_page_env({"A": "1"}) == {"A": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    mixed = host_memory.huge_page_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert mixed["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    chosen = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+    assert host_memory.huge_page_env(chosen) == chosen
+
+
+def test_a_process_whose_malloc_advises_huge_pages_collapses_nothing(monkeypatch, tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f0000000000-7f0001000000 rw-p 00000000 00:00 0\n")
+    calls = []
+    monkeypatch.setattr(host_memory, "collapse", lambda start, end: calls.append((start, end)) or True)
+    monkeypatch.setattr(host_memory, "_advised", set())
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    assert host_memory.back_with_huge_pages(maps) == 0 and calls == []
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    assert host_memory.back_with_huge_pages(maps) == 16 * 2**20 and len(calls) == 1
+
+
+def test_the_command_starts_again_with_malloc_s_huge_pages_once(monkeypatch):
+    from specserve import cli
+
+    started = []
+    monkeypatch.setattr(cli.os, "execve", lambda path, args, env: started.append((args, env)))
+    monkeypatch.setattr(cli.sys, "argv", ["specserve", "bench", "--algorithm", "ngram"])
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    cli._reexec_with_huge_pages()
+    [(args, env)] = started
+    assert args[1:] == ["-m", "specserve.cli", "bench", "--algorithm", "ngram"]
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    monkeypatch.setenv("GLIBC_TUNABLES", env["GLIBC_TUNABLES"])  # the new process: nothing to do
+    cli._reexec_with_huge_pages()
+    assert len(started) == 1

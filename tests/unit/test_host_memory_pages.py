@@ -56,6 +56,7 @@ def test_the_process_pass_advises_each_range_once(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr("specserve.host_memory.collapse", lambda start, end: calls.append((start, end)) or True)
     monkeypatch.setattr("specserve.host_memory._advised", set())
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)  # malloc does not advise huge pages itself
     maps = tmp_path / "maps"
     maps.write_text(MAPS)
     first, second = back_with_huge_pages(maps), back_with_huge_pages(maps)

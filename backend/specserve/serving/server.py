@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
+from specserve.host_memory import huge_page_env
 from specserve.methods import renamed
 from specserve.prepare import repo_root
 from specserve.serving.drain import DRAIN_FILE_ENV, request_drain, wait_drained
@@ -235,7 +236,7 @@ class TritonProcess:
         self._drain_dir = tempfile.TemporaryDirectory(prefix="specserve-drain-")
         self.proc = subprocess.Popen(
             self.command(install),
-            env={**os.environ, **install.env, DRAIN_FILE_ENV: str(self.drain_file)},
+            env=huge_page_env({**os.environ, **install.env, DRAIN_FILE_ENV: str(self.drain_file)}),
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,  # its own process group: stop() can kill the stubs too
