@@ -7,6 +7,7 @@ import re
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
@@ -59,3 +60,25 @@ def wait_for(condition, timeout_s: float) -> bool:
             return True
         time.sleep(0.2)
     return condition()
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (read from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Its children, theirs, and so on."""
+    found, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        found += kids
+        todo += kids
+    return found

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from serving_helpers import children, descendants
 from tritonclient.utils import InferenceServerException
 
 from specserve.prepare import repo_root
@@ -128,26 +129,6 @@ def _make_serve(params: dict[str, str], tmp: Path) -> list[str]:
 STARTERS = {"specserve serve": _specserve_serve, "make serve": _make_serve}
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            pass
-    return found
-
-
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        children = _children(todo.pop())
-        found += children
-        todo += children
-    return found
-
-
 def _alive(pid: int) -> bool:
     """Running (a zombie whose parent is gone counts as ended)."""
     try:
@@ -189,8 +170,8 @@ def test_nothing_outlives_the_command(starter: str, sig: signal.Signals, params:
     tree: list[int] = []
     try:
         tritonserver = _wait_ready(proc, said)
-        tree = _descendants(proc.pid)
-        assert tritonserver in tree and _children(tritonserver), "tritonserver and its stubs should run"
+        tree = descendants(proc.pid)
+        assert tritonserver in tree and children(tritonserver), "tritonserver and its stubs should run"
         os.kill(proc.pid, sig)
         deadline = time.monotonic() + GONE_WITHIN_S
         while any(_alive(pid) for pid in tree) and time.monotonic() < deadline:
