@@ -14,8 +14,9 @@ page faults and zeroing).
 heap, and freed memory stays there for the next step until more than `TRIM_THRESHOLD` is free at
 its top. A process then holds its high-water mark of step buffers instead of returning it.
 
-It changes nothing where the C library is not glibc, or where the user set glibc's own variables
-(`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `GLIBC_TUNABLES=glibc.malloc.*`).
+It changes nothing where the C library is not glibc, or where the user set these thresholds
+(`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, or their `GLIBC_TUNABLES` names
+`glibc.malloc.mmap_threshold` / `glibc.malloc.trim_threshold`).
 
 A decode step reads every weight once, and `none` decoded about 10 % faster and steadier with
 the process's memory on 2 MiB pages (docs/cpu.md). Two ways get it there:
