@@ -1,9 +1,10 @@
 """End-to-end, in the style of Triton's L0_decoupled / L0_backend_python and vLLM's abort tests:
 no stream ever gets another's tokens (the same client request id on two streams, the requests
 served before and after the switch to compiled programs), an abort after the end changes nothing,
-a model unloads and reloads cleanly while idle, SIGTERM to `specserve serve` with streams in flight
-ends each with one FINAL and the server with 0. SIGTERM to a tritonserver started without the
-launcher still cuts open streams at its exit timeout (a Triton limit, see the xfail)."""
+the models' processes run with malloc's 2 MiB pages, a model unloads and reloads cleanly while
+idle, SIGTERM to `specserve serve` with streams in flight ends each with one FINAL and the server
+with 0. SIGTERM to a tritonserver started without the launcher still cuts open streams at its exit
+timeout (a Triton limit, see the xfail)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import Any
 
 import pytest
 import tritonclient.grpc as grpcclient
+from serving_helpers import descendants
 
 from specserve.config import EngineConfig, SamplingParams
 from specserve.engine import precompile
@@ -140,6 +142,23 @@ def test_a_cancel_after_the_final_changes_nothing(none_server, tokenizer, refere
     assert (stream.error, stream.token_ids) == (None, ref)
     again = start_stream(none_server.grpc_url, "llm_none", PROMPTS[2], max_tokens=8).finish()
     assert (again.error, again.finals, again.token_ids) == (None, 1, ref)
+
+
+def test_the_model_processes_run_with_malloc_s_huge_pages(none_server):
+    """The server's Python stubs run with glibc's `hugetlb` tunable (`host_memory.huge_page_env`) and,
+    where transparent huge pages are on, hold memory on 2 MiB pages."""
+    stubs = [pid for pid in descendants(none_server.proc.pid)
+             if b"triton_python_backend_stub" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert stubs, "the models' stubs should run"
+    for pid in stubs:
+        env = dict(e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in e)
+        assert b"glibc.malloc.hugetlb=1" in env.get(b"GLIBC_TUNABLES", b"").split(b":")
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.is_file() or "[never]" in thp.read_text():
+        pytest.skip("no transparent huge pages here")
+    huge_kib = [sum(int(line.split()[1]) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+                    if line.startswith("AnonHugePages:")) for pid in stubs]
+    assert max(huge_kib) > 0, huge_kib  # the models' weights at least (a small stub's heap may fit 4 KiB pages)
 
 
 def test_a_model_unloads_and_reloads_while_idle(none_server):

@@ -10,14 +10,12 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from serving_helpers import (
     TIMEOUT_S,
-    descendants,
     finished,
     metric,
     quick_request_works,
@@ -464,8 +462,6 @@ def test_structured_outputs_in_both_backends_forms(server, tokenizer, reference_
     """vLLM's `structured_outputs` to llm_<variant> and TensorRT-LLM's guided-decoding tensors to
     ensemble_<variant>: the same greedy JSON, valid against its schema, as the in-process engine's
     plain decoding under the schema."""
-    import json
-
     import jsonschema
 
     from specserve.grammar import GrammarSpec
@@ -486,8 +482,6 @@ def test_structured_outputs_in_both_backends_forms(server, tokenizer, reference_
 
 
 def test_structured_output_errors_end_only_their_request(server):
-    import json
-
     for model, kwargs, error in [
         ("llm_none", {"sampling_parameters": json.dumps({"structured_outputs": {"regex": "(unclosed"}})},
          "structured_output: the regex does not compile"),
@@ -502,20 +496,3 @@ def test_structured_output_errors_end_only_their_request(server):
     g = collect(grpc_stream(server.grpc_url, "llm_none", PROMPT, max_tokens=8, apply_chat_template=True,
                             sampling_parameters=choice, timeout_s=TIMEOUT_S))
     assert g.text in ("Paris", "Lyon") and g.finish_reason == "stop"
-
-
-def test_the_model_processes_run_with_malloc_s_huge_pages(server):
-    """The server's Python stubs run with glibc's `hugetlb` tunable (`host_memory.huge_page_env`) and,
-    where transparent huge pages are on, hold memory on 2 MiB pages."""
-    stubs = [pid for pid in descendants(server.proc.pid)
-             if b"triton_python_backend_stub" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    assert stubs, "the models' stubs should run"
-    for pid in stubs:
-        env = dict(e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in e)
-        assert b"glibc.malloc.hugetlb=1" in env.get(b"GLIBC_TUNABLES", b"").split(b":")
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not thp.is_file() or "[never]" in thp.read_text():
-        pytest.skip("no transparent huge pages here")
-    huge_kib = [sum(int(line.split()[1]) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
-                    if line.startswith("AnonHugePages:")) for pid in stubs]
-    assert max(huge_kib) > 0, huge_kib  # the models' weights at least (a small stub's heap may fit 4 KiB pages)
