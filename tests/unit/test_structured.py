@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 import torch
 import xgrammar as xgr
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import specserve_kernels as K
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.engine import Engine
 from specserve.engine.grammar import GrammarCompiler, choice_ebnf, paying_forced, without_forbidden
-from specserve.engine.sampling import forbidden_tokens, forbidden_tokens_on_device
+from specserve.engine.sampling import forbidden_tokens, forbidden_tokens_on_device, greedy_tokens, masked_greedy_token
 from specserve.grammar import GrammarSpec, from_trtllm, from_vllm
 from specserve.serving.contract import RequestError, RequestLimits
 from specserve.serving.parsing import decode_request_config, encode_request_config, parse_request
@@ -271,6 +273,31 @@ def test_greedy_targets_stop_where_the_grammar_ends(compiler, smollm2_dir):
     assert got.accepted_nodes[0, :2].tolist() == [0, 1]
     assert match.allowed_nodes(tokens, parents) == [0, 1]  # nothing below the stop token is verified
     assert not match.terminated and match.accept(2), "the walk left the matcher where it was"
+
+
+@settings(max_examples=300, deadline=None)
+@given(vocab=st.integers(1, 200), words=st.integers(1, 8), seed=st.integers(0, 2**31 - 1),
+       density=st.sampled_from([0.0, 0.02, 0.5, 1.0]), levels=st.sampled_from([0, 3]), dead=st.booleans())
+def test_the_masked_greedy_token_is_the_argmax_of_the_masked_logits(vocab, words, seed, density, levels, dead):
+    """Against masking the whole vocabulary and taking `greedy_tokens`: sparse and dense masks, equal
+    maxima (few distinct values), -inf logits, a vocabulary that is not whole words, bits past it."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(vocab, generator=g) if not levels else torch.randint(levels, (vocab,), generator=g).float()
+    if dead:
+        logits[torch.rand(vocab, generator=g) < 0.5] = float("-inf")
+    width = max(words, -(-vocab // 32))
+    bits = torch.rand(width * 32, generator=g) < density
+    bitmask = torch.from_numpy(np.packbits(bits.numpy(), bitorder="little").view(np.int32).copy())
+    allowed = bits[:vocab]
+    got = masked_greedy_token(logits, bitmask)
+    if not allowed.any():
+        assert got == 0
+        return
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    want = int(greedy_tokens(masked))
+    if masked[want] == float("-inf"):  # every allowed one at -inf: the first allowed
+        want = int(allowed.nonzero()[0])
+    assert got == want
 
 
 def test_the_device_unpacking_equals_the_host_one():

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from tokenizers import Tokenizer
 
-from specserve.engine.sampling import greedy_tokens
+from specserve.engine.sampling import masked_greedy_token
 from specserve.grammar import GrammarSpec
 from specserve.tree import DraftTree, TreeBatch
 
@@ -164,7 +164,7 @@ class GrammarMatch:
         """Greedy verification's masked argmax along the path it will accept, masking only where
         needed: the unmasked argmax (`targets[node]`) stands wherever the grammar allows it (the
         mask removes tokens, so an allowed maximum is the masked one too); elsewhere the node's
-        mask is filled and its logits (V,) masked in place and argmaxed again. Walks from the root
+        mask is filled and the largest allowed logit taken (`masked_greedy_token`). Walks from the root
         through the child whose token is the node's target, as `verify_greedy` will; nodes off that
         path keep unmasked targets, which nothing reads. logits (N, V), targets (N,) on the host;
         returns the number of masks filled. The matcher is left as it was."""
@@ -172,9 +172,8 @@ class GrammarMatch:
         while True:
             target = int(targets[node])
             if not self.matcher.accept_token(target):
-                self._mask(logits[node])
+                target = masked_greedy_token(logits[node], self._next_bitmask())
                 filled += 1
-                target = int(greedy_tokens(logits[node]))
                 targets[node] = target
                 if not self.matcher.accept_token(target):  # the grammar allows nothing here: never expected
                     break
@@ -190,13 +189,11 @@ class GrammarMatch:
         self.matcher.rollback(walked)
         return filled
 
-    def _mask(self, logits: torch.Tensor) -> None:
-        """In place: -inf at the tokens the grammar forbids next. logits (V,) on the host."""
-        import xgrammar as xgr
-
+    def _next_bitmask(self) -> torch.Tensor:
+        """(ceil(vocab / 32),) int32 on the host: bit t set when the grammar allows token t next."""
         bitmask = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)
         self.matcher.fill_next_token_bitmask(bitmask)
-        xgr.apply_token_bitmask_inplace(logits[None], bitmask, vocab_size=logits.shape[-1])
+        return bitmask[0]
 
     def forced(self, encode: Callable[[str], list[int]], limit: int) -> list[int]:
         """Up to `limit` tokens spelling the text the grammar forces from here (xgrammar's jump-forward

@@ -21,6 +21,33 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(-1).indices
 
 
+def masked_greedy_token(logits: torch.Tensor, bitmask: torch.Tensor) -> int:
+    """The token `greedy_tokens` picks once every token a grammar forbids is at -inf: the first
+    largest allowed index (the first allowed one where all allowed are -inf). logits (V,) float32 and
+    bitmask (W,) int32 (bit t of word t // 32 set: token t allowed; tokens past it forbidden) on the
+    host; 0 where nothing is allowed. Reads only the 32-token words that allow something, in numpy on one thread:
+    a grammar that allows a few hundred tokens costs microseconds, where masking the whole
+    vocabulary and taking its maximum costs 0.15-0.35 ms at 49k tokens on a 2-core CPU."""
+    values = logits.float().numpy()
+    v = values.shape[0]
+    words = bitmask.numpy()[: -(-v // 32)]
+    live = np.flatnonzero(words)
+    if not len(live):
+        return 0
+    if 4 * len(live) > len(words):  # dense: one pass over the vocabulary
+        allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[:v].view(bool)
+        best = int(np.argmax(np.where(allowed, values, -np.inf)))
+        return best if allowed[best] else int(np.argmax(allowed))
+    index = live[:, None] * 32 + np.arange(32)  # (m, 32): the tokens of each live word, ascending
+    allowed = np.unpackbits(words[live].view(np.uint8), bitorder="little").reshape(-1, 32).view(bool)
+    allowed &= index < v
+    candidates = np.where(allowed, values.take(np.minimum(index, v - 1)), -np.inf)
+    best = int(np.argmax(candidates))  # row-major: the first of equal maxima has the lowest token index
+    if not allowed.flat[best]:  # every allowed token at -inf: the first allowed one
+        best = int(np.argmax(allowed))
+    return int(index.flat[best])
+
+
 def suppress_eos(logits: torch.Tensor, depth: torch.Tensor, eos_ids: tuple[int, ...], tokens_short: int,
                  forbidden: torch.Tensor | None = None) -> None:
     """In place: forbid EOS at nodes that would emit an output token before `min_tokens` is reached,
