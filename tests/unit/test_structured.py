@@ -280,15 +280,16 @@ def test_greedy_targets_stop_where_the_grammar_ends(compiler, smollm2_dir):
        density=st.sampled_from([0.0, 0.02, 0.5, 1.0]), levels=st.sampled_from([0, 3]), dead=st.booleans())
 def test_the_masked_greedy_token_is_the_argmax_of_the_masked_logits(vocab, words, seed, density, levels, dead):
     """Against masking the whole vocabulary and taking `greedy_tokens`: sparse and dense masks, equal
-    maxima (few distinct values), -inf logits, a vocabulary that is not whole words, bits past it."""
+    maxima (few distinct values), -inf logits, a vocabulary that is not whole words, bits past it, and
+    a bitmask narrower than the vocabulary (the tokens past it forbidden)."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(vocab, generator=g) if not levels else torch.randint(levels, (vocab,), generator=g).float()
     if dead:
         logits[torch.rand(vocab, generator=g) < 0.5] = float("-inf")
-    width = max(words, -(-vocab // 32))
+    width = words if words <= 2 else max(words, -(-vocab // 32))  # 1-2 words: narrower than most vocabularies
     bits = torch.rand(width * 32, generator=g) < density
     bitmask = torch.from_numpy(np.packbits(bits.numpy(), bitorder="little").view(np.int32).copy())
-    allowed = bits[:vocab]
+    allowed = torch.cat([bits, torch.zeros(max(0, vocab - len(bits)), dtype=torch.bool)])[:vocab]
     got = masked_greedy_token(logits, bitmask)
     if not allowed.any():
         assert got == 0

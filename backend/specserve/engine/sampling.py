@@ -25,9 +25,9 @@ def masked_greedy_token(logits: torch.Tensor, bitmask: torch.Tensor) -> int:
     """The token `greedy_tokens` picks once every token a grammar forbids is at -inf: the first
     largest allowed index (the first allowed one where all allowed are -inf). logits (V,) float32 and
     bitmask (W,) int32 (bit t of word t // 32 set: token t allowed; tokens past it forbidden) on the
-    host; 0 where nothing is allowed. Reads only the 32-token words that allow something, in numpy on one thread:
-    a grammar that allows a few hundred tokens costs microseconds, where masking the whole
-    vocabulary and taking its maximum costs 0.15-0.35 ms at 49k tokens on a 2-core CPU."""
+    host; 0 where nothing is allowed. In numpy on one thread, the logits left as they are; where few
+    32-token words allow anything, only those are read (a grammar that allows a few hundred tokens
+    costs microseconds)."""
     values = logits.float().numpy()
     v = values.shape[0]
     words = bitmask.numpy()[: -(-v // 32)]
@@ -35,7 +35,7 @@ def masked_greedy_token(logits: torch.Tensor, bitmask: torch.Tensor) -> int:
     if not len(live):
         return 0
     if 4 * len(live) > len(words):  # dense: one pass over the vocabulary
-        allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[:v].view(bool)
+        allowed = np.unpackbits(words.view(np.uint8), bitorder="little", count=v).view(bool)
         best = int(np.argmax(np.where(allowed, values, -np.inf)))
         return best if allowed[best] else int(np.argmax(allowed))
     index = live[:, None] * 32 + np.arange(32)  # (m, 32): the tokens of each live word, ascending
