@@ -323,6 +323,25 @@ def test_forced_tokens_spell_the_jump_forward_string(compiler, smollm2_dir):
     assert match.forced(encode, limit=16) == []  # inside the name's string: nothing is forced
 
 
+def test_forced_text_is_drafted_as_the_request_spelled_it_before(compiler, smollm2_dir):
+    """A model under a grammar may spell forced text its own way; the next time the same text is
+    forced, the request drafts the spelling it emitted last."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    encode = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
+    match = compiler.match(GrammarSpec("ebnf", 'root ::= "items" ("x" | "y") "items" ("x" | "y") "items"'))
+    assert match.forced(encode, limit=8) == encode("items") == [tok.token_to_id("items")]
+    own = [tok.token_to_id(t) for t in ("i", "te", "ms")]  # the model's own spelling of the forced text
+    for t in [*own, tok.token_to_id("x")]:
+        assert match.accept(t)
+    assert match.forced(encode, limit=8) == own
+    assert match.forced(encode, limit=2) == own[:2]
+    for t in [tok.token_to_id("items"), tok.token_to_id("y")]:  # spelled as encoded: that spelling is kept
+        assert match.accept(t)
+    assert match.forced(encode, limit=8) == encode("items")
+
+
 # ---- engines -----------------------------------------------------------------------------------
 
 

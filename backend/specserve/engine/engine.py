@@ -148,7 +148,7 @@ class Engine:
 
     def grammar_match(self, params: SamplingParams) -> GrammarMatch | None:
         """A fresh matcher for the request's grammar (None without one), or ValueError. Thread-safe."""
-        return None if params.structured_output is None else self.grammars.match(params.structured_output)
+        return None if (spec := params.structured_output) is None else self.grammars.match(spec, params.cache_salt)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
                     grammar: GrammarMatch | None = None) -> str:

@@ -15,6 +15,7 @@ import concurrent.futures
 import json
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,6 +30,8 @@ from specserve.tree import DraftTree, TreeBatch
 if TYPE_CHECKING:
     import xgrammar as xgr
 
+Spellings = OrderedDict  # forced text (bytes) -> the tokens the model spelled it with last, most recent last
+
 COMPILE_THREADS = 2  # a slow grammar holds one; the next request's compiles on the other
 # a step whose every row's grammar forces at least this many tokens drafts only those (the drafter's
 # tree would spend its nodes where the grammar already knows the answer)
@@ -37,6 +40,11 @@ FORCED_TOKENS_FOR_NO_DRAFT = 2
 # costs there (2-core Zen 4, GGUF integer kernel: 8 requests with one forced token each, 16 rows, ran
 # 0.96x plain decoding under the schemas of bench/structured.jsonl; one request with up to 15, 1.39x)
 FORCED_ROWS_SHARE = 0.5
+# forced texts whose spelling the engine remembers per cache salt (`GrammarMatch.forced`), the salts it
+# remembers them for, and the forced texts a request follows at once
+SPELLINGS_PER_SALT = 1024
+SPELLING_SALTS = 64
+PENDING_SPELLINGS = 8
 
 
 class GrammarCompiler:
@@ -48,6 +56,8 @@ class GrammarCompiler:
         self.tokenizer_file, self.vocab_size, self.stop_ids = f"{model_dir}/tokenizer.json", vocab_size, list(stop_ids)
         self.max_bytes, self.timeout_s, self.cache_bytes = max_bytes, timeout_s, cache_bytes
         self._compiler: xgr.GrammarCompiler | None = None
+        self._decoded_vocab: list[bytes] = []
+        self._spellings: OrderedDict[str | None, Spellings] = OrderedDict()  # per cache salt, most recent last
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
 
@@ -61,6 +71,7 @@ class GrammarCompiler:
                 tokenizer = PreTrainedTokenizerFast(tokenizer_file=self.tokenizer_file)
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_ids)
+                self._decoded_vocab = info.decoded_vocab  # each token's bytes
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self.cache_bytes)
             return self._compiler
 
@@ -81,9 +92,16 @@ class GrammarCompiler:
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors on a bad schema, regex or grammar
             raise ValueError(f"structured_output: the {spec.kind} does not compile: {compile_error(e)}") from None
 
-    def match(self, spec: GrammarSpec) -> GrammarMatch:
-        """A fresh matcher at the start of `spec`'s grammar."""
-        return GrammarMatch(self.compile(spec), self.vocab_size)
+    def match(self, spec: GrammarSpec, cache_salt: str | None = None) -> GrammarMatch:
+        """A fresh matcher at the start of `spec`'s grammar, sharing the spellings of forced text that
+        the requests of its `cache_salt` taught (requests of other salts never see them)."""
+        compiled = self.compile(spec)
+        with self._lock:
+            spellings = self._spellings.pop(cache_salt, None)
+            self._spellings[cache_salt] = spellings = spellings if spellings is not None else OrderedDict()
+            if len(self._spellings) > SPELLING_SALTS:
+                self._spellings.popitem(last=False)
+        return GrammarMatch(compiled, self.vocab_size, self._decoded_vocab, spellings)
 
 
 def _compile(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGrammar:
@@ -114,11 +132,19 @@ class GrammarMatch:
     """One request's position in its grammar (xgrammar's `GrammarMatcher`), advanced by the tokens
     it emits; the root of a draft tree is the last token it accepted."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int, decoded_vocab: Sequence[bytes] = (),
+                 spellings: Spellings | None = None) -> None:
+        """decoded_vocab: each token's bytes (xgrammar's `TokenizerInfo.decoded_vocab`), to learn how the
+        model spells the texts the grammar forces (none learned without it) into `spellings` (shared by
+        the requests of one cache salt; this request's own when None)."""
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
+        self._vocab = decoded_vocab
+        self._spellings: Spellings = spellings if spellings is not None else OrderedDict()
+        # forced texts offered as drafts, with the tokens emitted since and their bytes
+        self._pending: list[tuple[bytes, list[int], bytes]] = []
 
     @property
     def terminated(self) -> bool:
@@ -127,7 +153,27 @@ class GrammarMatch:
 
     def accept(self, token: int) -> bool:
         """Advance over an emitted token; False (state unchanged) when the grammar forbids it."""
-        return self.matcher.accept_token(token)
+        if not self.matcher.accept_token(token):
+            return False
+        if self._pending:
+            self._learn(token)
+        return True
+
+    def _learn(self, token: int) -> None:
+        """An emitted token extends each forced text's pending spelling: a spelling that covers its
+        text (or runs past it: `},` for `}`) is remembered, one that strays from it is dropped."""
+        piece = self._vocab[token] if 0 <= token < len(self._vocab) else b""
+        pending = []
+        for text, tokens, spelled in self._pending:
+            tokens, spelled = [*tokens, token], spelled + piece
+            if spelled.startswith(text):
+                self._spellings[text] = tokens
+                self._spellings.move_to_end(text)
+                if len(self._spellings) > SPELLINGS_PER_SALT:
+                    self._spellings.popitem(last=False)
+            elif text.startswith(spelled):
+                pending.append((text, tokens, spelled))
+        self._pending = pending
 
     def bitmask(self, tokens: torch.Tensor, first_child: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
         """(N, ceil(vocab / 32)) int32 on the host, bit t of row i set when the grammar allows token t
@@ -197,16 +243,25 @@ class GrammarMatch:
 
     def forced(self, encode: Callable[[str], list[int]], limit: int) -> list[int]:
         """Up to `limit` tokens spelling the text the grammar forces from here (xgrammar's jump-forward
-        string, tokenized by `encode`), as far as the grammar accepts them; the matcher is left as it
-        was. Drafts that cost no drafter: verification still decides whether the target agrees."""
+        string), as far as the grammar accepts them; the matcher is left as it was. Drafts that cost no
+        drafter: verification still decides whether the target agrees. The spelling is the one the
+        model emitted for the same text last (in a request of this cache salt), else `encode`'s: a
+        model under a grammar often spells forced text its own way (`"`, `i`, `te`, `ms` for `"items`),
+        and a key that objects and requests repeat is then drafted as the model writes it."""
         text = self.matcher.find_jump_forward_string()
+        if not text or limit <= 0:
+            return []
+        key = text.encode("utf-8")
+        spelling = self._spellings.get(key)
         forced: list[int] = []
-        for token in encode(text)[:limit] if text else []:
+        for token in (spelling if spelling is not None else encode(text))[:limit]:
             if not self.matcher.accept_token(token):
                 break
             forced.append(token)
         if forced:
             self.matcher.rollback(len(forced))
+            if self._vocab and all(key != text for text, _, _ in self._pending):
+                self._pending = [*self._pending[-(PENDING_SPELLINGS - 1):], (key, [], b"")]
         return forced
 
 

@@ -41,6 +41,8 @@ def masked_greedy_token(logits: torch.Tensor, bitmask: torch.Tensor) -> int:
     index = live[:, None] * 32 + np.arange(32)  # (m, 32): the tokens of each live word, ascending
     allowed = np.unpackbits(words[live].view(np.uint8), bitorder="little").reshape(-1, 32).view(bool)
     allowed &= index < v
+    if not allowed.any():  # only bits past the vocabulary
+        return 0
     candidates = np.where(allowed, values.take(np.minimum(index, v - 1)), -np.inf)
     best = int(np.argmax(candidates))  # row-major: the first of equal maxima has the lowest token index
     if not allowed.flat[best]:  # every allowed token at -inf: the first allowed one
