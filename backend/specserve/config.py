@@ -120,7 +120,7 @@ class SamplingParams:
     (multiplies negative) logits of every token already in the prompt or the output;
     frequency_penalty subtracts per occurrence in the output, presence_penalty once per token
     that occurred in the output. cache_salt (vLLM's name): requests with different salts never
-    share cached prompt prefixes.
+    share cached prompt prefixes, nor drafts learned from each other's text.
 
     Every field's type is checked, strictly: an int field takes an int (not a bool), a float field
     an int or a finite float (not a bool; stored as a float), so no request can build parameters
