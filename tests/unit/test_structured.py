@@ -325,7 +325,8 @@ def test_forced_tokens_spell_the_jump_forward_string(compiler, smollm2_dir):
 
 def test_forced_text_is_drafted_as_the_request_spelled_it_before(compiler, smollm2_dir):
     """A model under a grammar may spell forced text its own way; the next time the same text is
-    forced, the request drafts the spelling it emitted last."""
+    forced, in this request or a later one of its cache salt, it is drafted as the model spelled it
+    last; a request of another salt drafts the tokenizer's spelling."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
@@ -337,6 +338,9 @@ def test_forced_text_is_drafted_as_the_request_spelled_it_before(compiler, smoll
         assert match.accept(t)
     assert match.forced(encode, limit=8) == own
     assert match.forced(encode, limit=2) == own[:2]
+    grammar = GrammarSpec("ebnf", 'root ::= "items" ("x" | "y") "items" ("x" | "y") "items"')
+    assert compiler.match(grammar).forced(encode, limit=8) == own  # a later request of the same (no) salt
+    assert compiler.match(grammar, cache_salt="tenant-b").forced(encode, limit=8) == encode("items")
     for t in [tok.token_to_id("items"), tok.token_to_id("y")]:  # spelled as encoded: that spelling is kept
         assert match.accept(t)
     assert match.forced(encode, limit=8) == encode("items")
