@@ -5,7 +5,8 @@ in a worker thread of its own bounded by a timeout and a size (so a client canno
 engine), and caches the results (xgrammar's own cache, bounded in bytes). `GrammarMatch` is one
 request's position in its grammar: it masks the logits of every node of a draft tree (each node as
 if the path to it had been emitted, `traverse_draft_tree`), names the tokens the grammar forces
-next (`with_forced_paths` drafts them), and advances over the tokens the request emits. Nothing
+next (`with_forced_paths` drafts them), spelled as the model spelled the same text before in a
+request of its cache salt, and advances over the tokens the request emits. Nothing
 here runs a model or decides acceptance: the verifier masks with it, the engine advances it.
 """
 
