@@ -261,7 +261,7 @@ class GrammarMatch:
             forced.append(token)
         if forced:
             self.matcher.rollback(len(forced))
-            if self._vocab and all(key != text for text, _, _ in self._pending):
+            if self._vocab and all(key != pending for pending, _, _ in self._pending):
                 self._pending = [*self._pending[-(PENDING_SPELLINGS - 1):], (key, [], b"")]
         return forced
 
