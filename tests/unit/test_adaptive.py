@@ -13,7 +13,7 @@ from specserve.draft_plan import shape_menu
 from specserve.engine.adaptive import ShapeChooser
 from specserve.engine.engine import Engine
 from specserve.runtime.paths import PathChooser
-from specserve.tree import DraftShape
+from specserve.tree import DraftShape, DraftTree
 
 
 def test_menu_is_the_configured_tree_at_smaller_budgets():
@@ -186,6 +186,37 @@ def test_a_drafter_without_catch_up_has_every_draft_timed(tiny_target_dir):
                                                                  observe(bs, shape, seconds, *a, **kw))
     eng.generate([list(range(10, 70))], SamplingParams(max_tokens=len(plan) + 1, ignore_eos=True))
     assert len(seen) >= 3 and all(seconds is not None for seconds in seen)  # step 3 drafted after a plain one
+
+
+def test_a_step_whose_drafter_finds_nothing_counts_as_plain_decoding(tiny_target_dir):
+    """NGRAM drafts only after a suffix seen before: a step without one verifies the root alone, so it
+    stands for plain decoding's time, and says nothing of the draft shape's acceptance."""
+    eng = _engine(tiny_target_dir, "ngram", 1)
+    draft = eng.chooser.menu[-1]
+    seen = []
+    observe = eng.chooser.observe
+    eng.chooser.choose = lambda batch_size: draft
+    eng.chooser.observe = lambda bs, shape, *a, **kw: (seen.append(shape), observe(bs, shape, *a, **kw))
+    eng.drafter.propose = lambda seqs, shape=None: [DraftTree.root_only(s.token_ids[-1]) for s in seqs]
+    eng.generate([list(range(10, 70))], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(seen) == 3 and all(shape == eng.chooser.menu[0] for shape in seen)
+    assert eng.chooser.accept[draft].count == 0
+
+
+def test_an_explored_draft_that_did_not_run_is_tried_at_the_next_step():
+    """An exploration whose step decoded plainly (nothing to draft, or a grammar's forced text took
+    the step) is tried again until it drafts: otherwise a drafter that drafts only now and then would
+    almost never be measured."""
+    c = ShapeChooser(shape_menu(3, 1, 4), batch_buckets=(1,), explore_every=4, min_samples=1, drafts_catch_up=False)
+    for shape in c.menu:
+        c.observe(1, shape, 0.010 * shape.num_draft_tokens, [1.8])
+    plain = c.menu[0]
+    picks = []
+    for i in range(33):
+        picks.append(c.choose(1))
+        ran = picks[-1] if i not in (15, 16) else plain  # the first exploration's first two steps drafted nothing
+        c.observe(1, ran, 0.010 * ran.num_draft_tokens, [1.8] if ran.drafts else [1])
+    assert [i for i, shape in enumerate(picks) if shape != plain] == [15, 16, 17, 31]
 
 
 def test_a_draft_must_beat_plain_decoding_by_the_margin():

@@ -46,10 +46,13 @@ class ShapeChooser:
     the runner-up, in turn, and plain decoding whenever a draft is best (every 4 x `explore_every`
     steps while plain decoding is best; a drafter that catches up on skipped tokens then drafts for
     two steps, and only the second one's time stands for the shape; other shapes estimated below
-    `explore_within` of the best are not tried). For such a drafter each exploration from plain
-    decoding also pays a catch-up over every token skipped since the last one (about a hundredth of
-    a step per token on a 2-core CPU), so while explorations keep leaving plain decoding best, the
-    period doubles, up to `max_backoff` times; it is back to 4 x `explore_every` once a draft is best.
+    `explore_within` of the best are not tried). An explored draft that did not run (its step
+    decoded plainly: the drafter found nothing to draft, or a grammar's forced text took the step)
+    is tried again at the next step, so an exploration always measures the shape. For a drafter
+    that catches up, each exploration from plain decoding also pays a catch-up over every token
+    skipped since the last one (about a hundredth of a step per token on a 2-core CPU), so while
+    explorations keep leaving plain decoding best, the period doubles, up to `max_backoff` times; it
+    is back to 4 x `explore_every` once a draft is best.
     Warm-up timings ran on a synthetic prompt, perhaps while the machine was busy: they make a shape
     measured, but they are provisional. A shape's first real step time replaces its warm-up figure
     (it is never averaged with it), and a neighbour or runner-up whose time is still only its warm-up
@@ -77,6 +80,7 @@ class ShapeChooser:
         self._steps = 0
         self._explored = 0
         self._again: DraftShape | None = None  # an explored draft's second step (see `choose`)
+        self._exploring: DraftShape | None = None  # the draft this step explores, until it runs
 
     def bucket(self, batch_size: int) -> int:
         i = bisect.bisect_left(self.buckets, batch_size)
@@ -146,7 +150,8 @@ class ShapeChooser:
                 # drafted twice: the first catches up on the plain steps, the second is timed
                 self._again = explored
                 self._backoff = min(2 * self._backoff, self.max_backoff)
-            shape = explored
+            shape = again = explored
+        self._exploring = shape if again is not None and shape.drafts else None  # an exploration or its retry
         self.chosen[shape] += 1
         return shape
 
@@ -206,6 +211,9 @@ class ShapeChooser:
         drafter's trees are nested (a smaller tree is a prefix of this one): a request would
         then have accepted, with num_draft_tokens n, the root and its accepted nodes below n, so every
         smaller drafting shape's acceptance is measured on this step too."""
+        exploring, self._exploring = self._exploring, None
+        if exploring is not None and not shape.drafts and not warm_up:  # the explored draft did not run
+            self._again = exploring
         if shape not in self.accept:
             return
         if seconds is not None:

@@ -12,9 +12,9 @@ Each `step()`:
 
 `algorithm=none` is the degenerate tree (root only), so plain decoding is the same code path. Each step's
 tree shape comes from `adaptive.ShapeChooser` over the `DraftPlan`'s menu, costs measured first by
-`Engine.warm_up`: a step that would not pay for its draft decodes plainly. `verification.Verifier` decides
-what a step accepts; `profile.StepProfile` accumulates where step time goes. The engine knows
-nothing about Triton; `loop.py` runs it on a thread, `triton_model.py` serves it.
+`Engine.warm_up`: a step that would not pay for its draft, or whose drafter finds nothing, decodes plainly.
+`verification.Verifier` decides what a step accepts; `profile.StepProfile` accumulates where step time
+goes. The engine knows nothing about Triton; `loop.py` runs it, `triton_model.py` serves it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from tokenizers import Tokenizer
@@ -320,10 +321,9 @@ class Engine:
         for r, tokens, lp in zip(reqs, v.emitted, v.logprobs):
             self._append_tokens(r, tokens, lp)
 
-    def _fit_trees(self, reqs: list[Request], proposal: list[DraftTree] | TreeBatch) -> TreeBatch:
-        """Trim each tree to the context its request has left (nodes are parent-ordered, so a
+    def _fit_trees(self, proposal: list[DraftTree] | TreeBatch, rooms: list[int]) -> TreeBatch:
+        """Trim each tree to the nodes its request has room for (nodes are parent-ordered, so a
         prefix is a tree) and batch them on the device. A drafter's on-device batch passes as is."""
-        rooms = [min(self.config.max_seq_len - r.cache_len, self.draft_plan.max_nodes) for r in reqs]
         if isinstance(proposal, TreeBatch):
             if proposal.tokens.shape[1] <= min(rooms):
                 return proposal
@@ -346,7 +346,8 @@ class Engine:
         return self.chooser.choose(batch_size) if explore else self.chooser.best(batch_size)
 
     def _verify_step(self, reqs: list[Request]) -> None:
-        p, clock = self.profile, self._clock
+        p = self.profile
+        clock = partial(step_clock, p, self.device, self.config.profile)  # host time of the profile's phases
         start = t0 = clock()
         shape = self._shape_for(len(reqs))
         forced = None
@@ -362,19 +363,21 @@ class Engine:
         # a draft after plain steps (or a request's first, over its whole prompt) catches the drafter
         # up on the tokens it skipped: the cost of switching, not of the shape's steady state
         catching_up = shape.drafts and self.drafter.catches_up and not all(r.drafted_last_step for r in reqs)
+        rooms = [min(self.config.max_seq_len - r.cache_len, self.draft_plan.max_nodes) for r in reqs]  # tree nodes
         if shape.drafts:
             forwards, model_seconds = self.drafter.num_forwards, self.drafter.forward_seconds
             proposal: list[DraftTree] | TreeBatch = self.drafter.propose(reqs, shape)
             p.drafting_steps += 1
             p.draft_forwards += self.drafter.num_forwards - forwards
             p.draft_model += self.drafter.forward_seconds - model_seconds
-            batch = self._fit_trees(reqs, proposal)
+            batch = self._fit_trees(proposal, rooms)
+            if batch.is_root_only:  # the drafter found nothing to draft: the step decodes plainly
+                shape = DraftShape(1, 0, 1)
         else:  # plain decoding this step; a drafter catches up on what it missed when it drafts again
             batch = TreeBatch.root_only(to_device([r.token_ids[-1] for r in reqs], self.device))
         shaped = None
         if any(r.grammar is not None for r in reqs):
             grammar_start = time.perf_counter()
-            rooms = [min(self.config.max_seq_len - r.cache_len, self.draft_plan.max_nodes) for r in reqs]
             shaped = shape_trees(batch, [r.grammar for r in reqs], forced, rooms)
             batch = shaped.batch.to(self.device) if shaped.changed else batch
             p.grammar += time.perf_counter() - grammar_start
@@ -426,10 +429,6 @@ class Engine:
             if shape.drafts and self.drafter.nested_trees and len(self.chooser.menu) > 1:
                 nested = accepted
             self.chooser.observe(len(reqs), shape, seconds, lengths, nested, warm_up=self._mode.warm_up)
-
-    def _clock(self) -> float:
-        """Host time for the profile's phases (`profile.step_clock`)."""
-        return step_clock(self.profile, self.device, self.config.profile)
 
     def _append_tokens(self, req: Request, tokens: list[int],
                        logprobs: list[dict[int, tuple[float, int]]] | None = None) -> None:
