@@ -10,7 +10,7 @@ import pytest
 from specserve.config import SpecConfig
 from specserve.draft_plan import DraftPlan
 from specserve.drafters.ngram import NgramDrafter, NgramTrie
-from specserve.tree import DraftTree
+from specserve.tree import DraftShape, DraftTree
 
 
 @dataclass
@@ -151,6 +151,25 @@ def test_random_streams_give_valid_bounded_trees(match_type, num_draft_tokens):
         check_tree_shape(tree, tokens, num_draft_tokens)
         sizes.add(tree.num_draft_tokens)
     assert max(sizes) == num_draft_tokens  # a small vocabulary fills the budget
+
+
+@pytest.mark.parametrize("match_type", ["BFS", "PROB"])
+def test_the_tree_of_fewer_tokens_is_the_first_nodes_of_a_larger_one(match_type):
+    """`nested_trees`: one step's tree of n tokens also tells what every smaller shape would have won."""
+    rng = random.Random(7)
+    spec = ngram_spec(ngram_match_type=match_type, ngram_branch_length=8, ngram_max_match_window=5,
+                      ngram_max_bfs_breadth=4)
+    drafter = NgramDrafter(DraftPlan.of(spec))
+    assert drafter.nested_trees
+    tokens: list[int] = []
+    for _ in range(40):
+        tokens += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+        (large,) = drafter.propose([Seq("r", tokens)], DraftShape(12, 11, 1))
+        for n in range(1, 12):
+            (small,) = drafter.propose([Seq("r", tokens)], DraftShape(n, n - 1, 1))
+            assert small.tokens.tolist() == large.tokens[:n].tolist()[: small.num_draft_tokens]
+            assert small.parents.tolist() == large.parents[: small.num_draft_tokens].tolist()
+            assert small.num_draft_tokens == min(n, large.num_draft_tokens)
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 1000])

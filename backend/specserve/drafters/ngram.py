@@ -261,10 +261,14 @@ class NgramDrafter(Drafter):
     """The Drafter for algorithm=ngram: one NgramTrie per request over its prompt + generated tokens.
 
     propose() first inserts the tokens appended since the last call, so on_accept has nothing to do.
+    Its trees are nested: the fills add nodes in one order whatever the budget, so the tree of n
+    tokens is the first n of any larger one's.
     A finished request's trie stays with its slot: the next request admitted into that slot whose
     reused prefix covers every token the trie saw (a second turn) continues it instead of building
     a trie over its whole prompt again.
     """
+
+    nested_trees = True
 
     @classmethod
     def build(cls, spec: SpecConfig, ctx: DraftContext) -> Drafter:

@@ -43,10 +43,12 @@ class ShapeChooser:
     at batch 4 on a small CPU a draft step costs 1.3-4x a plain one, and measuring every shape's
     acceptance there cost more than drafting ever won. Every `explore_every`-th step runs another
     shape instead, so the estimates around the best one stay current: its neighbours on the menu and
-    the runner-up, in turn, and plain decoding whenever a draft is best (every 4 x `explore_every`
-    steps while plain decoding is best; a drafter that catches up on skipped tokens then drafts for
-    two steps, and only the second one's time stands for the shape; other shapes estimated below
-    `explore_within` of the best are not tried). An explored draft that did not run (its step
+    the runner-up, in turn, and plain decoding whenever a draft is best (while plain decoding is
+    best, every 4 x `explore_every` steps for a drafter with a model to run, every `explore_every`
+    for one that drafts from the tokens alone, whose draft costs only the rows it adds to a
+    verification; a drafter that catches up on skipped tokens then drafts for two steps, and only
+    the second one's time stands for the shape; other shapes estimated below `explore_within` of
+    the best are not tried). An explored draft that did not run (its step
     decoded plainly: the drafter found nothing to draft, or a grammar's forced text took the step)
     is tried again at the next step, so an exploration always measures the shape. For a drafter
     that catches up, each exploration from plain decoding also pays a catch-up over every token
@@ -139,8 +141,8 @@ class ShapeChooser:
         shape = again or self.best(batch_size)
         if again is None and shape.drafts:
             self._backoff = 1
-        # plain decoding explores 4x less often: a draft it tries costs a whole draft step
-        period = self.explore_every * (1 if shape.drafts else 4 * self._backoff)
+        # plain decoding explores 4x less often where a draft it tries costs a draft model's forwards
+        period = self.explore_every * (1 if shape.drafts or not self.drafts_catch_up else 4 * self._backoff)
         if self._steps >= period:
             self._steps = 0
             candidates = self._explore_candidates(batch_size, shape)
