@@ -48,13 +48,13 @@ class ShapeChooser:
     for one that drafts from the tokens alone, whose draft costs only the rows it adds to a
     verification; a drafter that catches up on skipped tokens then drafts for two steps, and only
     the second one's time stands for the shape; other shapes estimated below `explore_within` of
-    the best are not tried). An explored draft that did not run (its step
-    decoded plainly: the drafter found nothing to draft, or a grammar's forced text took the step)
-    is tried again at the next step, so an exploration always measures the shape. For a drafter
-    that catches up, each exploration from plain decoding also pays a catch-up over every token
-    skipped since the last one (about a hundredth of a step per token on a 2-core CPU), so while
-    explorations keep leaving plain decoding best, the period doubles, up to `max_backoff` times; it
-    is back to 4 x `explore_every` once a draft is best.
+    the best are not tried). An explored draft that did not run (its step decoded plainly: the
+    drafter found nothing to draft, or a grammar's forced text took the step) is tried again at the
+    next step, so an exploration always measures the shape. For a drafter that catches up, each
+    exploration from plain decoding also pays a catch-up over every token skipped since the last one
+    (about a hundredth of a step per token on a 2-core CPU), so while explorations keep leaving plain
+    decoding best, the period doubles, up to `max_backoff` times; it is back to 4 x `explore_every`
+    once a draft is best.
     Warm-up timings ran on a synthetic prompt, perhaps while the machine was busy: they make a shape
     measured, but they are provisional. A shape's first real step time replaces its warm-up figure
     (it is never averaged with it), and a neighbour or runner-up whose time is still only its warm-up
