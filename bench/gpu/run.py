@@ -34,6 +34,7 @@ from specserve.models.attention import make_attention_backend, resolve_attention
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel
 from specserve.runtime.cuda_graph import GraphRunner
+from specserve.runtime.plan import RuntimePlan
 
 log = logging.getLogger("bench.gpu")
 
@@ -93,6 +94,7 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
         for name, p in model.named_parameters():
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 p.fill_(1.0)
+    model.use_fused_kernels(RuntimePlan.fused_on(device))  # the small ops as the engine runs them there
     return model.eval()
 
 

@@ -56,9 +56,14 @@ class RuntimePlan:
             compile_cache_dir=config.compile_cache_path if compile_cpu else None,
             step_matmul=config.step_matmul,
             step_attention="auto" if config.attention_backend == "auto" else "sdpa",
-            fused_kernels=device.type in ("cuda", "meta"),
+            fused_kernels=cls.fused_on(device),
             attention=resolve_attention(config.attention_backend, device, config.torch_dtype),
         )
+
+    @staticmethod
+    def fused_on(device: torch.device) -> bool:
+        """Whether the target's layers run fused Triton kernels on `device` (a GPU, or "meta" for it)."""
+        return device.type in ("cuda", "meta")
 
     @property
     def spare_slots(self) -> int:
