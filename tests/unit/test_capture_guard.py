@@ -80,8 +80,24 @@ def test_a_scalar_written_through_a_device_index_fails(tiny_target_dir, drafter_
     draft = engine.drafter.runner.graphs.captured_functions()[1]
     check_capturable(draft, "meta")
     monkeypatch.setattr(beam, "own_entries", marks_by_index_write)
-    with pytest.raises(CaptureUnsafe, match="scalar written through a tensor index"):
+    with pytest.raises(CaptureUnsafe, match="number written into a tensor"):
         check_capturable(draft, "meta")
+
+
+def test_a_number_assigned_to_a_slice_fails():
+    """The fault that failed every head's draft capture on an H200 (`all_parents[:, 1:3] = 0` in the
+    beam): under CUDA the number becomes a host tensor that `fill_` reads; on "meta" it shows as
+    `scalar_tensor`. The guard names it on both; `fill_` with the number is safe."""
+    x = torch.zeros(2, 4, device="meta")
+
+    def assign() -> None:
+        x[:, 1:3] = 0
+
+    with pytest.raises(CaptureUnsafe, match="number written into a tensor"):
+        check_capturable(assign, "meta")
+    check_capturable(lambda: x[:, 1:3].fill_(0), "meta")
+    with pytest.raises(CaptureUnsafe, match="host tensor"):  # CUDA's form: fill_ from a host number
+        check_capturable(lambda: torch.ops.aten.fill_.Tensor(x[:, 1:3], torch.tensor(0.0)), "meta")
 
 
 def test_weights_that_require_grad_fail_outside_inference_mode(tiny_target_dir):

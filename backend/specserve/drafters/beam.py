@@ -112,7 +112,8 @@ def grow_trees_on_device(
     all_scores = torch.ones(b, num, dtype=torch.float64, device=dev)
     all_tokens[:, 0] = roots
     scores = probs.double()  # (B, k)
-    all_tokens[:, 1 : 1 + k], all_parents[:, 1 : 1 + k], all_scores[:, 1 : 1 + k] = tokens, 0, scores
+    all_tokens[:, 1 : 1 + k], all_scores[:, 1 : 1 + k] = tokens, scores
+    all_parents[:, 1 : 1 + k].fill_(0)  # not `= 0`: under CUDA that number is a host tensor (no capture)
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices  # (B, k): the first beam
     beam_nodes, beam_scores, beam_tokens = 1 + order, scores.gather(1, order), tokens.gather(1, order)
     parent_state = state[:, None].expand(b, k, *state.shape[1:])

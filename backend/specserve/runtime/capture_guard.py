@@ -12,8 +12,9 @@ operands, and raises `CaptureUnsafe` on what breaks a capture or a replay:
 On a machine without a GPU, the engine built on the "meta" device (shapes only, no data) runs
 the GPU code path: the runtime's captured functions under the guard with device type "meta"
 catch the same faults (a host tensor is still on "cpu"; a scalar written through a device index
-is still a 0-dim value of `index_put_`). On a GPU the runtime runs each function once under the
-guard before capturing it.
+is still a 0-dim value of `index_put_`; a number written by indexing, `t[:, 0] = 1`, which CUDA
+turns into a host tensor that `fill_` reads, shows on "meta" as `scalar_tensor`). On a GPU the
+runtime runs each function once under the guard before capturing it.
 
 `op_count` counts the ops that launch a kernel (views are free): on a GPU each costs about 1-3 us
 even when tiny, so the count of one decode step is its launch cost before any GPU is at hand.
@@ -65,6 +66,9 @@ class CaptureGuard(TorchDispatchMode):
             host = [tuple(t.shape) for t in tensors if t.device.type == "cpu"]
             raise CaptureUnsafe(f"{func}: host tensor(s) of shape {host} among device operands (a hidden copy)")
         target = kwargs.get("device")
+        if name == "scalar_tensor" and self.device_type == "meta":  # what CUDA makes a host tensor
+            raise CaptureUnsafe(f"{func}: a number written into a tensor by indexing (`t[:, 0] = 1`, `t[i] = True`): "
+                                "under CUDA its value is a host tensor; use `fill_`, `masked_fill_` or a device op")
         if name in ("index_put_", "index_put") and args[2].dim() == 0:
             raise CaptureUnsafe(f"{func}: a scalar written through a tensor index (`t[index] = True`): under CUDA "
                                 "its value is copied from the host; build the value with a device op")
