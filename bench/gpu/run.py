@@ -185,10 +185,12 @@ def graph_report(engine: object) -> dict:
 
 def bench_variants(model_dir: str, device: torch.device, algorithms: list[str], num_prompts: int,
                    max_new_tokens: int, graphs: bool, adaptive: bool = True, hf_static: bool = False,
-                   eager_too: bool = True, dump: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+                   eager_too: bool = True, dump: Callable[[list[dict]], None] = lambda rows: None,
+                   dataset: str = "mtbench") -> list[dict]:
     """Per algorithm: tokens/s and accept length at batch 1, bf16, graphs on and off (CUDA), with the
     algorithm's pinned shape and (adaptive) its adaptive one; `hf_static`: HF generate() with its
-    static cache as the baseline. `dump(rows)` after each row (a timeout keeps what ran)."""
+    static cache as the baseline. `dump(rows)` after each row (a timeout keeps what ran). `dataset`:
+    the prompts' source (`specserve.prompts.load_questions`)."""
     from tokenizers import Tokenizer
 
     from specserve.bench import run_engine
@@ -198,7 +200,7 @@ def bench_variants(model_dir: str, device: torch.device, algorithms: list[str], 
 
     tok = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
     prompts = [tok.encode(render_chat(model_dir, q), add_special_tokens=False).ids
-               for q in load_questions("mtbench", num_prompts)]
+               for q in load_questions(dataset, num_prompts)]
     # a GPU runs CUDA graphs; the CPU's compiled programs are not this script's subject (on a CPU, its tests)
     base = EngineConfig(model_dir=model_dir, max_batch_size=1, max_seq_len=2048, device=str(device), cpu_compile=False)
     rows = []
@@ -315,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", default=None, help="for the variants part (default: the prepared SmolLM2)")
     p.add_argument("--algorithms", default="none,ngram,eagle,eagle3,mtp,standalone")
     p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--dataset", default="mtbench", help="variants: mtbench, or a JSONL of prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--skip-steps", action="store_true")
     p.add_argument("--skip-variants", action="store_true")
@@ -354,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
 
             report["variants"] = bench_variants(model_dir, device, args.algorithms.split(","), args.num_prompts,
                                                 args.max_new_tokens, graphs, not args.no_adaptive, args.hf_static,
-                                                not args.graphs_only, dump)
+                                                not args.graphs_only, dump, args.dataset)
         else:
             log.warning("variants: no model at %s (prepare it, or pass --model-dir); skipped", model_dir)
     if args.json:

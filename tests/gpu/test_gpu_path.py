@@ -39,12 +39,12 @@ def assert_captured(engine: Engine, drafts: bool = False) -> None:
 
 
 @pytest.fixture(scope="module")
-def prompts(gpu_model_dir) -> list[list[int]]:
+def prompts(gpu_model_dir, gpu_dataset) -> list[list[int]]:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(gpu_model_dir / "tokenizer.json"))
     return [tok.encode(render_chat(str(gpu_model_dir), q), add_special_tokens=False).ids
-            for q in load_questions("mtbench", 6)]
+            for q in load_questions(gpu_dataset, 6)]
 
 
 @pytest.mark.parametrize("algorithm", ["none", "ngram"])

@@ -102,6 +102,7 @@ def test_check_rehearsal_leaves_its_files_in_out(tmp_path):
     assert parts == ["random-model", "kernels", "gpu-tests", "steps-smollm2", "steps-llama8b", "variants", "hf-static"]
     assert all(": rc=0," in line for line in summary if ": rc=" in line), summary
     assert any(line.startswith("capture failures: 0 (") and "variants.json 0" in line for line in summary), summary
+    assert any(line in ("prompts: mtbench", "prompts: bench/chat_heldout.jsonl") for line in summary), summary
     rows = json.loads((out / "variants.json").read_text())["variants"]
     assert rows and all(r["capture_failures"] == 0 and r["cuda_graph"] is False for r in rows)
 
