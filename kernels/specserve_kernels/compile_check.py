@@ -206,15 +206,23 @@ def _uncapped_tiles(rows: int, head_dim: int, dtype: torch.dtype) -> Tiles:
 
 
 FAULTS = {  # faults the check must catch, put back on demand (`--inject`) to show that it does
-    "uncapped-tile": ("_tiles", _uncapped_tiles),  # shared memory grows with T: a long catch-up fails
-    "interpreter-dot": ("interpreting", lambda: True),  # bfloat16 through the float32 dot: spills
+    # shared memory grows with T: a long catch-up fails
+    "uncapped-tile": ("specserve_kernels.tree_attention", "_tiles", _uncapped_tiles),
+    # bfloat16 through the float32 dot: spills
+    "interpreter-dot": ("specserve_kernels.tree_attention", "interpreting", lambda: True),
+    # RoPE's two products summed by one bfloat16 fma: not the eager forward's roundings
+    "rope-fma": ("specserve_kernels.fused_layer", "ROPE_FP_FUSION", True),
 }
+# kernels whose bfloat16 results equal the eager ops' bit for bit: the roundings (bf16 arithmetic
+# instructions) eager makes. RoPE: x * c, r * s, their sum (sm_80 writes each as an fma with 0 or 1).
+ROUNDS_AS_EAGER = {"_rope_kv_write_kernel": 3}
+BF16_OPS = re.compile(r"\b(?:mul|add|sub|fma)(?:\.rn)?\.bf16\b")
 
 
 def inject(fault: str) -> None:
-    """Put `fault` (a FAULTS name) back into `tree_attention` for this process."""
-    name, replacement = FAULTS[fault]
-    setattr(importlib.import_module("specserve_kernels.tree_attention"), name, replacement)
+    """Put `fault` (a FAULTS name) back for this process."""
+    module, name, replacement = FAULTS[fault]
+    setattr(importlib.import_module(module), name, replacement)
 
 
 def _tree_mask(b: int, n: int) -> torch.Tensor:
@@ -308,6 +316,10 @@ def compile_variant(variant: Variant, arch: int) -> dict:
     row.update(resource_usage(compiled.asm["cubin"]))
     if row["shared"] > SHARED_LIMIT[arch]:
         row["faults"].append(f"shared memory {row['shared']} B > sm_{arch}'s {SHARED_LIMIT[arch]} B")
+    roundings = len(BF16_OPS.findall(compiled.asm["ptx"]))
+    if 0 < roundings < ROUNDS_AS_EAGER.get(variant.kernel, 0):
+        row["faults"].append(f"{roundings} bfloat16 roundings where the eager ops make "
+                             f"{ROUNDS_AS_EAGER[variant.kernel]} (a fused multiply-add)")
     if row["spill"] and variant.strict:
         row["faults"].append(f"{row['spill']} B of register spills in a bfloat16 decode / verify launch")
     return row

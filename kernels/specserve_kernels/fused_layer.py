@@ -75,6 +75,11 @@ def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor, weight: torch.T
 # ---- rope_kv_write -------------------------------------------------------------------------------
 
 
+# Off: with fusion, sm_90's compiler turns x * c + r * s into mul.bf16 + fma.bf16 (one rounding fewer
+# than eager's, a bf16 ulp apart); `compile_check` fails a bf16 fma here.
+ROPE_FP_FUSION = False
+
+
 @triton.jit(do_not_specialize=["T", "stride_slot_row", "stride_pos_row"])  # T, the new tokens, varies per launch
 def _rope_kv_write_kernel(
     qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, pos_ptr, q_out_ptr,
@@ -145,6 +150,7 @@ def _rope_kv_write_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
         qkv, cos2, sin2, k_cache, v_cache, slots, pos, q,
         t, qkv.stride(1), cos2.stride(0), slots.stride(0), pos.stride(0), *k_cache.stride(),
         HQ=num_heads, HKV=num_kv_heads, D=d, BLOCK_D=triton.next_power_of_2(d),
+        enable_fp_fusion=ROPE_FP_FUSION,
     )
     return q
 

@@ -79,3 +79,12 @@ def test_the_check_fails_a_spilling_decode_kernel(tmp_path):
     assert rc == 1, output
     assert len(report["failures"]) == 1
     assert "_tree_attention_split_kernel" in report["failures"][0] and "register spills" in report["failures"][0]
+
+
+def test_the_check_fails_a_rope_that_fuses_its_multiply_add(tmp_path):
+    """Fusion put back into the RoPE kernel: sm_90 sums its two bf16 products with one fma (found
+    on an H200, a bf16 ulp off the eager forward), and the check fails it."""
+    rc, output, report = _check(tmp_path, "--arch", "90", "--inject", "rope-fma",
+                                "--select", "SmolLM2-135M bfloat16 decode B=1")
+    assert rc == 1, output
+    assert report["failures"] and all("_rope_kv_write_kernel" in f and "multiply-add" in f for f in report["failures"])
