@@ -76,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     def through_runner() -> object:
         return runner.forward(tokens, positions, slots, lens, mask, host)
 
-    def eager() -> object:
-        return runner._run(bucket)
+    eager = runner.captured_functions()[(bs, t)]  # the static forward a graph captures, run eagerly
 
     print(f"{args.shape} ({cfg.num_layers} layers), batch {bs} x {t} tokens, context {args.context}, "
           f"{attention} attention, {device}")
