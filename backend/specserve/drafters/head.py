@@ -142,6 +142,10 @@ class HeadDrafter(Drafter):
                 self.features[s.slot, s.cache_len - n : s.cache_len] = feats[i, :1] if n == 1 else feats[i, a]
             return
         t = max(len(a) for a in accepted)
+        if t == 1:  # a plain step: each row's root feature to its position; one copy in, one write
+            slots, positions = to_device([[s.slot for s in seqs], [s.cache_len - 1 for s in seqs]], self.device)
+            self.features[slots, positions] = self._features(out)[:, 0]
+            return
         index = torch.zeros(len(seqs), t, dtype=torch.int64, device=self.device)
         for i, a in enumerate(accepted):
             index[i, : len(a)] = a
