@@ -26,7 +26,8 @@ start=$(date +%s)
 
 part() {  # part NAME SECONDS CMD...: run, log, record its exit status and the time so far
   local name=$1 limit=$2; shift 2
-  case ",${ONLY:-$name}," in *",$name,"*) ;; *) return ;; esac  # ONLY=a,b: those parts alone
+  # ONLY=a,b: those parts alone, and the model they need (random-model, prepare)
+  case ",${ONLY:-$name},random-model,prepare," in *",$name,"*) ;; *) return ;; esac
   echo "== $name ($*)" >> "$OUT/check.log"
   timeout -s INT -k 15 "$limit" "$@" >> "$OUT/check.log" 2>&1
   local rc=$?
