@@ -85,6 +85,53 @@ def test_static_forward_equals_eager_forward(tiny_target_dir):
     torch.testing.assert_close(static_cache[:, :, 3], before[:, :, 3])  # slot 3: no request, untouched
 
 
+def _chain_mask(rows: int, n: int) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril().expand(rows, n, n)
+
+
+def test_a_full_bucket_after_a_padded_one_and_back_equals_eager(tiny_target_dir):
+    """A batch that fills its bucket skips the padding defaults: nothing left from a padded call
+    reaches it, and a padded call after it pads again (4-row x 8-token bucket, chains)."""
+    eng = _engine(tiny_target_dir, "static", "ngram", batch=4, num_draft_tokens=8)
+    model, cache, runner = eng.model, eng.cache, eng.runner.graphs
+    g = torch.Generator().manual_seed(1)
+    cache.data.normal_(generator=g)
+    for rows, n in ((3, 5), (4, 8), (2, 3), (4, 8)):
+        slots, lens = torch.arange(rows), torch.randint(1, 60, (rows,), generator=g)
+        tokens = torch.randint(0, VOCAB, (rows, n), generator=g)
+        positions = lens[:, None] + torch.arange(n)
+        mask = _chain_mask(rows, n)
+        before = cache.data.clone()
+        static = runner.forward(tokens, positions, slots, lens, mask, lens.tolist())
+        cache.data.copy_(before)
+        eager = model(tokens, model.attention_inputs(positions, slots, lens, mask, cache, lens.tolist(),
+                                                     slots.tolist()), cache)
+        torch.testing.assert_close(static.logits, eager.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_full_decode_bucket_copies_in_its_inputs_alone(tiny_target_dir, monkeypatch):
+    """A batch of 1 in the (1, 1) bucket: four copies (tokens, cache lengths, positions, slots)
+    before the forward, no padding defaults and no mask."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    eng = _engine(tiny_target_dir, "static", batch=4)
+    runner = eng.runner.graphs
+    monkeypatch.setattr(runner, "_run", lambda bk: bk.output)
+    runner.buckets[(1, 1)].output = ForwardOutput(torch.zeros(1, 1, 8), torch.zeros(1, 1, 4), None)
+    ops: list[str] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if not func.is_view:
+                ops.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    one = torch.tensor([[5]]), torch.tensor([[7]]), torch.tensor([0]), torch.tensor([7])
+    with Ops():
+        runner.forward(*one, None, [7])
+    assert ops == ["copy_"] * 4, ops
+
+
 @pytest.mark.parametrize(("algorithm", "kw"), [("none", {}), ("ngram", {"num_draft_tokens": 6})])
 def test_static_engine_is_lossless_with_continuous_batching(tiny_target_dir, algorithm, kw):
     """6 prompts through 4 slots: requests join and leave, so batches of 1-4 rows hit buckets

@@ -58,6 +58,7 @@ class _Bucket:
     slots: torch.Tensor
     cache_lens: torch.Tensor
     new_mask: torch.Tensor
+    default_mask: torch.Tensor  # (bs, T, T): each padding token sees itself alone
     backend: AttentionBackend
     graph: torch.cuda.CUDAGraph | None = None
     output: ForwardOutput | None = None
@@ -128,16 +129,20 @@ class GraphRunner:
         assert key is not None, f"no bucket for batch {b} x {n} tokens; check bucket_for first"
         bk = self.buckets[key]
         bs, t = key
-        # pad on the host side of the copy: defaults first, then the real block
-        bk.tokens.zero_()
+        # a batch that fills its bucket overwrites every buffer; a smaller one pads: defaults first
+        padded = b < bs or n < t
+        if padded:
+            bk.tokens.zero_()
+            bk.cache_lens.zero_()
+            bk.slots.fill_(self.padding_slot)
         bk.tokens[:b, :n] = tokens
-        bk.cache_lens.zero_()
         bk.cache_lens[:b] = cache_lens
-        bk.positions.copy_(bk.cache_lens[:, None].expand(bs, t))
+        if padded:
+            bk.positions.copy_(bk.cache_lens[:, None].expand(bs, t))
         bk.positions[:b, :n] = positions
-        bk.slots.fill_(self.padding_slot)
         bk.slots[:b] = slots
-        bk.new_mask.copy_(torch.eye(t, dtype=torch.bool, device=self.device).expand(bs, t, t))
+        if padded or (new_mask is None and t > 1):  # (a 1-token bucket's mask is always all True)
+            bk.new_mask.copy_(bk.default_mask)
         if new_mask is not None:
             bk.new_mask[:b, :n, :n] = new_mask
         if bk.backend.needs_prepare:
@@ -161,6 +166,7 @@ class GraphRunner:
             slots=torch.full((bs,), self.padding_slot, **i64),
             cache_lens=torch.zeros(bs, **i64),
             new_mask=torch.eye(t, dtype=torch.bool, device=self.device).repeat(bs, 1, 1),
+            default_mask=torch.eye(t, dtype=torch.bool, device=self.device).repeat(bs, 1, 1),
             backend=backend,
         )
 
