@@ -148,6 +148,16 @@ class TreeBatch:
         """The batch on `device`, each tensor copied through the pinned staging ring (`staging`)."""
         return TreeBatch(*(to_device(getattr(self, f.name), device) for f in fields(self)))
 
+    def prefix(self, n: int) -> TreeBatch:
+        """Every tree's first n nodes, on its device with no host read (as `DraftTree.prefix`: links
+        to the nodes left out become -1)."""
+        if n >= self.tokens.shape[1]:
+            return self
+        first_child, next_sibling = (torch.where(links[:, :n] < n, links[:, :n], -1)
+                                     for links in (self.first_child, self.next_sibling))
+        return TreeBatch(self.tokens[:, :n], self.parents[:, :n], self.depth[:, :n], self.mask[:, :n, :n],
+                         first_child, next_sibling, self.num_draft_tokens.clamp(max=n))
+
     def unbatch(self) -> list[DraftTree]:
         """The B trees on the host, padding cut off."""
         host = self.to(torch.device("cpu"))

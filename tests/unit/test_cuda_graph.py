@@ -198,6 +198,47 @@ def test_device_beam_builds_the_host_drafts_trees(tmp_path, tiny_target_dir, alg
     assert set(compared) == {3, 1} and set(above) == {5}
 
 
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3", "standalone"])
+def test_an_adaptive_menus_shapes_come_from_the_captured_beam(tmp_path, tiny_target_dir, monkeypatch, algorithm):
+    """Every drafting shape of the adaptive menu (the method's default shape, not pinned) is served
+    by the draft graph of the largest (static buckets, as captured on a GPU), as its first nodes,
+    and they are the host builder's tree for that shape: no shape drafts eagerly at a batch a
+    bucket holds."""
+    from test_eagle import write_checkpoint
+
+    spec = (dict(standalone_num_layers=2) if algorithm == "standalone"
+            else dict(drafter_path=str(write_checkpoint(tmp_path / algorithm, algorithm))))
+    eng = _engine(tiny_target_dir, "static", algorithm, batch=4, **spec)
+    eng = _engine(tiny_target_dir, "static", algorithm, batch=4, **spec)
+    drafter, graphs = eng.drafter, eng.drafter.runner.graphs
+    shapes = [s for s in eng.draft_plan.menu if s.drafts]
+    assert len(shapes) > 2 and all(graphs.serves(s) for s in shapes)
+    served, eager = graphs.__call__, []
+
+    def bucket_or_eager(*args):  # noqa: ANN002, ANN202
+        batch = served(*args)
+        if batch is None:
+            eager.append(args[0])
+        return batch
+
+    monkeypatch.setattr(drafter.runner, "draft", bucket_or_eager)
+    propose, checked = drafter.propose, []
+
+    def every_shape(seqs, shape):  # noqa: ANN001, ANN202
+        for s in shapes:
+            proposal = propose(seqs, s)
+            host = TreeBatch.from_trees(drafter.draft_on_host(seqs, s))
+            assert proposal.tokens.shape == (len(seqs), s.num_draft_tokens)
+            for name in ("tokens", "parents", "depth", "mask", "first_child", "next_sibling", "num_draft_tokens"):
+                assert torch.equal(getattr(proposal, name), getattr(host, name)), (s, name)
+            checked.append(s)
+        return propose(seqs, shape)
+
+    drafter.propose = every_shape
+    eng.generate(_prompts(3), SamplingParams(max_tokens=10, ignore_eos=True))
+    assert set(checked) == set(shapes) and eager == []
+
+
 @pytest.mark.parametrize("algorithm", ["ngram", "eagle3"])
 def test_the_gpu_step_is_lossless_on_cpu(tmp_path, tiny_target_dir, monkeypatch, algorithm):
     """The GPU engine's code path, kernels included, on CPU: static buckets, the Triton attention

@@ -128,3 +128,16 @@ def test_a_prefix_of_a_tree_is_the_tree_of_its_first_nodes():
         for name in ("tokens", "parents", "depth", "mask", "first_child", "next_sibling"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (n, name)
     assert tree.prefix(6) is tree and tree.prefix(10) is tree
+
+
+def test_a_batchs_prefix_is_the_batch_of_its_trees_prefixes():
+    """`TreeBatch.prefix` (on the device, no host read) equals batching each tree's `prefix`."""
+    trees = [DraftTree.from_parents([9, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 2]),
+             DraftTree.from_parents([7, 6, 5, 4, 3, 2], [-1, 0, 1, 2, 0, 4])]
+    batch = TreeBatch.from_trees(trees)
+    for n in range(1, 7):
+        want = TreeBatch.from_trees([t.prefix(n) for t in trees])
+        got = batch.prefix(n)
+        for f in fields(TreeBatch):
+            assert torch.equal(getattr(got, f.name), getattr(want, f.name)), (n, f.name)
+    assert batch.prefix(6) is batch

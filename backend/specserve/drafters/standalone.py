@@ -112,6 +112,8 @@ class StandaloneDrafter(Drafter):
         forward for the batch; the root's final-norm hidden goes to `last_hidden`."""
         host_slots = [s.slot for s in seqs]
         starts = [self.cached[s.slot] for s in seqs]
+        if all(start == len(s.token_ids) for s, start in zip(seqs, starts)):
+            return  # caught up already (a second draft of the same step)
         news = [s.token_ids[start:] for s, start in zip(seqs, starts)]  # uncached tokens, root last
         b, t = len(seqs), max(len(n) for n in news)
         tokens = to_device([n + [0] * (t - len(n)) for n in news], self.device)  # (B, T)

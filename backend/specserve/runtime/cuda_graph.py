@@ -34,7 +34,7 @@ from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, LlamaModel
 from specserve.runtime.capture_guard import check_capturable
 from specserve.staging import to_device
-from specserve.tree import TreeBatch
+from specserve.tree import DraftShape, TreeBatch
 
 T = TypeVar("T")
 
@@ -275,15 +275,16 @@ class DraftGraphs:
     """A drafter's whole multi-step draft of one tree shape, one CUDA graph per batch-size bucket.
 
     `draft(slots, base, roots)` must run on tensors only, with shapes fixed by the batch size
-    (e.g. `beam.grow_trees_on_device` with keys over the whole cache slot); it drafts `shape`, and
-    a call for another shape is the caller's to run eagerly. Padding rows draft for
-    `padding_slot`, a drafter-cache slot no request gets, from base 0 and root token 0.
+    (e.g. `beam.grow_trees_on_device` with keys over the whole cache slot); it drafts `shape`
+    ranking its nodes (parents first, best first), so a smaller shape of the same beam is the first
+    nodes of its trees (`serves`); a call for another shape is the caller's to run eagerly. Padding
+    rows draft for `padding_slot`, a drafter-cache slot no request gets, from base 0 and root token 0.
     """
 
     def __init__(
         self,
         draft: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], TreeBatch],
-        shape: object,
+        shape: DraftShape,
         batch_sizes: Sequence[int],
         padding_slot: int,
         device: torch.device,
@@ -313,6 +314,15 @@ class DraftGraphs:
         """The batch sizes that replay a captured draft (the others draft eagerly)."""
         return sum(bk.graph is not None for bk in self.buckets.values())
 
+    def serves(self, shape: DraftShape) -> bool:
+        """The captured shape, or a smaller one of its beam (an adaptive menu's): the same topk, as
+        deep as its tree can go (steps = min(captured steps, nodes - 1)). Its tree is the captured
+        tree's first nodes: a node of depth d ranks after its d ancestors, so the best n - 1 nodes
+        lie within depth n - 1, where both beams are the same."""
+        c = self.shape
+        return shape == c or (shape.topk == c.topk and shape.num_draft_tokens <= c.num_draft_tokens
+                              and shape.num_steps == min(c.num_steps, shape.num_draft_tokens - 1))
+
     def _captured(self, bk: _DraftBucket) -> Callable[[], TreeBatch]:
         return capturable(lambda: self.draft(bk.slots, bk.base, bk.roots))
 
@@ -320,12 +330,12 @@ class DraftGraphs:
         """Per batch size, the function its graph captures (what the capture-guard tests run)."""
         return {bs: self._captured(bk) for bs, bk in self.buckets.items()}
 
-    def __call__(self, shape: object, slots: list[int], base: list[int], roots: list[int]) -> TreeBatch | None:
-        """The B = len(slots) trees, or None (draft eagerly) for another shape than the captured
-        one or when B is above the largest bucket."""
+    def __call__(self, shape: DraftShape, slots: list[int], base: list[int], roots: list[int]) -> TreeBatch | None:
+        """The B = len(slots) trees of `shape`, or None (draft eagerly) for a shape it does not
+        serve or when B is above the largest bucket."""
         b = len(slots)
         i = bisect.bisect_left(self.batch_sizes, b)
-        if shape != self.shape or i == len(self.batch_sizes):
+        if not self.serves(shape) or i == len(self.batch_sizes):
             return None
         bs = self.batch_sizes[i]
         bk = self.buckets[bs]
@@ -340,5 +350,5 @@ class DraftGraphs:
             bk.output = self.draft(bk.slots, bk.base, bk.roots)
         out = bk.output
         assert out is not None
-        return TreeBatch(*(getattr(out, f.name)[:b] for f in fields(TreeBatch)))
+        return TreeBatch(*(getattr(out, f.name)[:b] for f in fields(TreeBatch))).prefix(shape.num_draft_tokens)
 
