@@ -82,7 +82,8 @@ echo "prompts: $DATASET" >> "$OUT/summary.txt"
 # steps 18 s and 14 s, variants 71 s, HF 58 s): a cold start compiles each Triton kernel on its first
 # launch (1-4 s each) and captures every CUDA-graph bucket; HF's static cache compiles its forward
 # (about 50 s). The CPU-only kernel tests (the AVX2 few-row GEMM, the GGUF blocks, the CPU slot
-# attention, the compile check for GPUs that are not there) are left out.
+# attention, the compile check for GPUs that are not there) are left out. The profile of SmolLM2's
+# decode step (about 20 s) prints its kernel tables into check.log.
 PYTEST="$PY -m pytest -q -p no:cacheprovider -o faulthandler_timeout=60 --tb=short -rfE"
 part kernels 70 $PYTEST $COLLECT $KERNEL_TESTS --ignore=tests/kernels/test_few_row_gemm.py \
   --ignore=tests/kernels/test_gguf_gemm.py --ignore=tests/kernels/test_slot_attention.py \
@@ -92,6 +93,7 @@ part steps-smollm2 25 $PY bench/gpu/run.py --shape $SMOL --context $CONTEXT --ba
   --num-draft-tokens $SMOL_TREES --skip-variants --json "$OUT/steps_smollm2.json"
 part steps-llama8b 30 $PY bench/gpu/run.py --shape $BIG --context $CONTEXT --batch-sizes $BIG_BS \
   --num-draft-tokens $BIG_TREES --skip-variants --json "$OUT/steps_llama8b.json"
+part profile 40 $PY bench/gpu/profile_step.py --shape $SMOL --steps 10  # per-kernel device times, into check.log
 part variants 95 $PY bench/gpu/run.py --skip-steps --model-dir "$MODEL_DIR" --algorithms $ALGORITHMS \
   --num-prompts $PROMPTS --max-new-tokens $NEW_TOKENS --graphs-only --dataset "$DATASET" --json "$OUT/variants.json"
 part hf-static 80 $PY bench/gpu/run.py --skip-steps --model-dir "$MODEL_DIR" --algorithms none --no-adaptive \

@@ -99,7 +99,8 @@ def test_check_rehearsal_leaves_its_files_in_out(tmp_path):
     assert names == EXPECTED_OUT, names
     summary = (out / "summary.txt").read_text().splitlines()
     parts = [line.split(":")[0] for line in summary if ": rc=" in line]
-    assert parts == ["random-model", "kernels", "gpu-tests", "steps-smollm2", "steps-llama8b", "variants", "hf-static"]
+    assert parts == ["random-model", "kernels", "gpu-tests", "steps-smollm2", "steps-llama8b", "profile", "variants",
+                     "hf-static"]
     assert all(": rc=0," in line for line in summary if ": rc=" in line), summary
     assert any(line.startswith("capture failures: 0 (") and "variants.json 0" in line for line in summary), summary
     assert any(line in ("prompts: mtbench", "prompts: bench/chat_heldout.jsonl") for line in summary), summary
