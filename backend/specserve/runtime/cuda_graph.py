@@ -262,13 +262,23 @@ def _recover(device: torch.device) -> None:
 
 @dataclass
 class _DraftBucket:
-    """Static inputs of one batch size: slots, base, roots (bs,) int64."""
+    """Static inputs of one batch size: `inputs` (3, bs) int64, its rows slots, base, roots."""
 
-    slots: torch.Tensor
-    base: torch.Tensor
-    roots: torch.Tensor
+    inputs: torch.Tensor
     graph: torch.cuda.CUDAGraph | None = None
     output: TreeBatch | None = None
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self.inputs[0]
+
+    @property
+    def base(self) -> torch.Tensor:
+        return self.inputs[1]
+
+    @property
+    def roots(self) -> torch.Tensor:
+        return self.inputs[2]
 
 
 class DraftGraphs:
@@ -299,7 +309,8 @@ class DraftGraphs:
         before = torch.cuda.memory_allocated(device) if capture_graphs else 0
         for bs in reversed(self.batch_sizes):
             i64 = dict(dtype=torch.int64, device=device)
-            bk = _DraftBucket(torch.full((bs,), padding_slot, **i64), torch.zeros(bs, **i64), torch.zeros(bs, **i64))
+            bk = _DraftBucket(torch.stack([torch.full((bs,), padding_slot, **i64), torch.zeros(bs, **i64),
+                                           torch.zeros(bs, **i64)]))
             if capture_graphs:
                 bk.graph, bk.output = self.failures.capture(bs, self._captured(bk), device, pool)
             self.buckets[bs] = bk
@@ -340,10 +351,8 @@ class DraftGraphs:
         bs = self.batch_sizes[i]
         bk = self.buckets[bs]
         pad = bs - b
-        staged = to_device([slots + [self.padding_slot] * pad, base + [0] * pad, roots + [0] * pad], self.device)
-        bk.slots.copy_(staged[0])  # (bs,) each
-        bk.base.copy_(staged[1])
-        bk.roots.copy_(staged[2])
+        bk.inputs.copy_(to_device([slots + [self.padding_slot] * pad, base + [0] * pad, roots + [0] * pad],
+                                  self.device))  # (3, bs): one copy
         if bk.graph is not None:
             bk.graph.replay()
         else:
