@@ -160,13 +160,14 @@ class GraphRunner:
 
     def _new_bucket(self, bs: int, t: int, backend: AttentionBackend) -> _Bucket:
         i64 = dict(dtype=torch.int64, device=self.device)
+        default_mask = torch.eye(t, dtype=torch.bool, device=self.device).repeat(bs, 1, 1)
         return _Bucket(
             tokens=torch.zeros(bs, t, **i64),
             positions=torch.zeros(bs, t, **i64),
             slots=torch.full((bs,), self.padding_slot, **i64),
             cache_lens=torch.zeros(bs, **i64),
-            new_mask=torch.eye(t, dtype=torch.bool, device=self.device).repeat(bs, 1, 1),
-            default_mask=torch.eye(t, dtype=torch.bool, device=self.device).repeat(bs, 1, 1),
+            new_mask=default_mask.clone(),
+            default_mask=default_mask,
             backend=backend,
         )
 
