@@ -155,6 +155,23 @@ def dequantize(raw: torch.Tensor, qtype: int) -> torch.Tensor:
     return w.reshape(codes.shape[0], -1)
 
 
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """A float weight (n, K), K whole blocks of 32 -> its raw Q8_0 blocks (n, K / 32 * 34) uint8, as ggml's
+    reference quantizer makes them: per block d = max |w| / 127 (stored as float16) and codes
+    round(w / d), halves away from zero. Lossy (about 2^-8 of a block's largest weight): for weights
+    that may change a little, a draft head's, never the target's."""
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"gguf_gemm.quantize_q8_0: {k} inputs are not whole blocks of {BLOCK}")
+    b = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    d = b.abs().amax(dim=-1) / 127
+    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))[..., None]
+    scaled = b * inverse
+    codes = (scaled.sign() * torch.floor(scaled.abs() + 0.5)).to(torch.int8)  # C's roundf
+    scale = d.to(torch.float16)[..., None].view(torch.uint8)  # (n, blocks, 2), little-endian
+    return torch.cat([scale, codes.view(torch.uint8)], dim=-1).reshape(n, -1)
+
+
 def pack(raw: torch.Tensor, qtype: int, layout: int = FLOAT_LAYOUT) -> torch.Tensor:
     """A tensor's raw GGUF blocks (n, blocks * bytes), rows the output features -> packed
     (ceil(n / 16), blocks, `record_bytes`) uint8, in the layout `cpu/gguf_gemm.cpp` describes; padded
@@ -283,5 +300,5 @@ class GGUFLinear(nn.Module):
 
 
 __all__ = ["FLOAT_LAYOUT", "INT_LAYOUT", "GGUFLinear", "QTYPES", "Q4_0", "Q4_1", "Q8_0", "codes_and_scales",
-           "default_layout", "dequantize", "gguf_mm", "int_kernel", "int_layout_runs", "load", "pack", "record_bytes",
-           "supported", "unpack"]
+           "default_layout", "dequantize", "gguf_mm", "int_kernel", "int_layout_runs", "load", "pack", "quantize_q8_0",
+           "record_bytes", "supported", "unpack"]

@@ -17,6 +17,7 @@ from specserve.models.llama import rope_table
 from specserve.models.weights import load_llama
 from specserve.training.features import target_features
 from specserve.training.train_drafter import ttt_losses
+from specserve_kernels import gguf_gemm
 
 H, HEADS, KV, INTER, LAYERS, VOCAB, DRAFT_VOCAB = 64, 4, 2, 128, 8, 49152, 512  # as tiny_target_dir
 
@@ -182,19 +183,40 @@ def test_greedy_lossless_with_continuous_batching(tmp_path, tiny_target_dir, alg
 
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
 def test_int8_draft_logits_stay_lossless(tmp_path, tiny_target_dir, monkeypatch, algorithm):
-    """The draft logits through int8 weights (as on a CPU where that is timed faster): the drafts
-    change at most, the outputs do not."""
+    """The draft logits through int8 weights (as on a CPU where that is timed faster, the head's
+    checkpoint weights kept): the drafts change at most, the outputs do not."""
     from specserve.models import eagle_head as eagle_model
     from specserve.models.cpu_linear import Int8Linear
 
     monkeypatch.setattr(eagle_model, "fastest_logits_layer", Int8Linear)
     path = write_checkpoint(tmp_path / algorithm, algorithm)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    eng = _engine(tiny_target_dir, algorithm, batch=2, drafter_path=str(path), num_steps=3, topk=2, num_draft_tokens=6)
+    eng = _engine(tiny_target_dir, algorithm, batch=2, drafter_path=str(path), num_steps=3, topk=2, num_draft_tokens=6,
+                  draft_model_quantization="none")
     head = eng.drafter.head
     assert isinstance(head.lm_head if algorithm == "eagle3" else head.target_head.packed, Int8Linear)
     outs = eng.generate(_prompts(), params)
     assert [o.token_ids for o in outs] == [r.token_ids for r in _engine(tiny_target_dir).generate(_prompts(), params)]
+    assert all(o.num_draft_tokens > 0 for o in outs)
+
+
+@pytest.mark.skipif(not gguf_gemm.supported(), reason="the GGUF kernel needs x86-64 with AVX2, FMA and F16C")
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
+def test_q8_0_head_drafts_as_its_checkpoint_and_stays_lossless(tmp_path, tiny_target_dir, algorithm):
+    """On a float32 CPU head, auto quantizes every bias-free linear to Q8_0 blocks (none keeps the
+    checkpoint's): it drafts, and the outputs equal plain decoding's."""
+    path = write_checkpoint(tmp_path / algorithm, algorithm)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    shape = {"drafter_path": str(path), "num_steps": 3, "topk": 2, "num_draft_tokens": 6}
+    quantized = _engine(tiny_target_dir, algorithm, batch=2, **shape)
+    plain = _engine(tiny_target_dir, algorithm, batch=2, draft_model_quantization="none", **shape)
+    assert quantized.drafter.quantization == "q8_0" and plain.drafter.quantization == "none"
+    linears = [m for m in quantized.drafter.head.modules() if isinstance(m, (torch.nn.Linear, gguf_gemm.GGUFLinear))]
+    assert linears and all(isinstance(m, gguf_gemm.GGUFLinear) for m in linears)
+    assert not any(isinstance(m, gguf_gemm.GGUFLinear) for m in plain.drafter.head.modules())
+    ref = _engine(tiny_target_dir).generate(_prompts(), params)
+    outs, plain_outs = quantized.generate(_prompts(), params), plain.generate(_prompts(), params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain_outs] == [r.token_ids for r in ref]
     assert all(o.num_draft_tokens > 0 for o in outs)
 
 

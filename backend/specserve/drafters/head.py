@@ -36,6 +36,7 @@ import torch
 from specserve.config import SpecConfig
 from specserve.drafters.base import DraftContext, Drafter, SequenceView
 from specserve.drafters.beam import grow_trees, grow_trees_on_device, propose_beam
+from specserve.models.cpu_linear import draft_quantization, quantize_linears
 from specserve.models.draft_heads import HEADS, load_token_map
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, KeyMask, rope_table
@@ -61,6 +62,9 @@ class HeadDrafter(Drafter):
         self.head = HEADS[spec.algorithm].load(path, ctx.target, ctx.dtype, ctx.device)
         if spec.token_map:
             self.head.set_hot_ids(load_token_map(spec.token_map))
+        self.quantization = draft_quantization(spec.draft_model_quantization, ctx.device, ctx.dtype)
+        if self.quantization == "q8_0":
+            quantize_linears(self.head)  # before its programs are compiled: their keys read the weights
         self.aux_layers = self.head.cfg.aux_layer_ids
         layer_cfg = self.head.cfg.layer_config()
         self.cache = KVCache(layer_cfg, ctx.num_slots, ctx.max_len, ctx.dtype, ctx.device)

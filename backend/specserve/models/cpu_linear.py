@@ -12,7 +12,9 @@ logits have three candidate output layers, and `fastest_logits_layer` times them
 few-row kernel (`FewRowLinear`: the same float32 products from panels streamed once, in bf16 where
 the weights are bf16 numbers), `few_row_linear` (MKL in the faster order for a few rows), and
 `Int8Linear`, an approximation (int8 weights) for those logits alone: a draft's logits only rank
-its candidate tokens, and verification decides exactly whatever they are.
+its candidate tokens, and verification decides exactly whatever they are. For the same reason a
+float32 draft head's linear layers may run on 8-bit GGUF blocks (`quantize_linears`, the
+`draft_model_quantization` knob): half the bytes of its bf16 weights, through the GGUF kernel.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve_kernels import few_row_gemm
+from specserve_kernels import few_row_gemm, gguf_gemm
 
 FEW_ROWS = 64
 EXACT_ROWS = 16  # row counts up to this run as they are (decode, small trees): few shapes
@@ -190,3 +192,30 @@ def fastest_logits_layer(weight: torch.Tensor, rows: tuple[int, ...] = (1, 4)) -
 
     times = {name: cost(layer) for name, layer in layers.items()}
     return layers[min(times, key=times.__getitem__)]  # the first of equal times
+
+
+def draft_quantization(choice: str, device: str | torch.device, dtype: torch.dtype) -> str:
+    """The `draft_model_quantization` knob resolved for a head on `device` in `dtype`: "q8_0" or
+    "none". auto: q8_0 where the head runs in float32 on a CPU that runs the GGUF kernel (built here
+    on first use), else none. An explicit q8_0 the head cannot run is an error."""
+    if choice == "none":
+        return "none"
+    runs = torch.device(device).type == "cpu" and dtype == torch.float32 and gguf_gemm.load()
+    if choice == "q8_0" and not runs:
+        raise ValueError(f"draft_model_quantization: q8_0 runs on a CPU in float32 with the GGUF kernel "
+                         f"(AVX2, FMA, F16C); this head is {dtype} on {device}")
+    return "q8_0" if runs else "none"
+
+
+def quantize_linears(module: nn.Module) -> int:
+    """Every bias-free float32 `nn.Linear` under `module` whose inputs are whole blocks of 32 becomes
+    a `GGUFLinear` on its weight's Q8_0 blocks (`gguf_gemm.quantize_q8_0`); returns how many. For a
+    draft head only (lossy); needs `gguf_gemm.load()` first."""
+    count = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if (type(child) is nn.Linear and child.bias is None and child.weight.dtype == torch.float32
+                    and child.in_features % gguf_gemm.BLOCK == 0):
+                setattr(parent, name, gguf_gemm.GGUFLinear(gguf_gemm.quantize_q8_0(child.weight), gguf_gemm.Q8_0))
+                count += 1
+    return count
