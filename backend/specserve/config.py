@@ -36,7 +36,7 @@ COMPILED_STEPS = ("auto", "always")
 LOAD_FORMATS = ("auto", "safetensors", "gguf")
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
-DRAFT_QUANTIZATIONS = ("auto", "none", "q8_0")
+DRAFT_QUANTIZATIONS = ("auto", "unquant", "q8_0")  # SGLang's --speculative-draft-model-quantization
 DTYPES = ("bfloat16", "float32", "float16")  # torch dtypes by name (torch is imported where one is used)
 # max_num_batched_tokens by default: small on a CPU, whose forward time grows with every prompt
 # token the decoding streams wait behind; large on a GPU, whose forward time hardly grows below
@@ -249,10 +249,9 @@ class SpecConfig:
                           "configured one that measured step costs and acceptance say is fastest; setting num_steps, "
                           "topk or num_draft_tokens pins one shape")
     draft_model_quantization: str = knob("auto", choices=DRAFT_QUANTIZATIONS, help="a draft head's (EAGLE, MTP) "
-                                         "linear layers: q8_0 = 8-bit GGUF blocks, half a bf16 head's bytes (drafts "
-                                         "only rank candidates: output unchanged); none = the checkpoint's weights; "
-                                         "auto = q8_0 where the head runs in float32 on a CPU (SGLang's "
-                                         "--speculative-draft-model-quantization)")
+                                         "linears: q8_0 = 8-bit GGUF blocks (drafts only rank candidates: output "
+                                         "unchanged); unquant = the checkpoint's weights; auto = q8_0 where the head "
+                                         "runs in float32 on a CPU")
     # NGRAM: SGLang's names and defaults
     ngram_min_match_window: int = knob(2, help="shortest suffix looked up (SGLang: 1; measured on MT-bench: the "
                                        "same accept gain from a fifth of the drafts)")

@@ -41,9 +41,9 @@ def test_q8_0_blocks_are_ggml_s_and_quantize_linears_swaps_only_what_it_can():
 
 
 def test_draft_quantization_resolves_auto_and_refuses_what_cannot_run():
-    assert draft_quantization("none", "cpu", torch.float32) == "none"
-    assert draft_quantization("auto", "cpu", torch.bfloat16) == "none"
-    assert draft_quantization("auto", "cuda", torch.float32) == "none"
-    assert draft_quantization("auto", "cpu", torch.float32) == ("q8_0" if gguf_gemm.supported() else "none")
+    assert draft_quantization("unquant", "cpu", torch.float32) == "unquant"
+    assert draft_quantization("auto", "cpu", torch.bfloat16) == "unquant"
+    assert draft_quantization("auto", "cuda", torch.float32) == "unquant"
+    assert draft_quantization("auto", "cpu", torch.float32) == ("q8_0" if gguf_gemm.supported() else "unquant")
     with pytest.raises(ValueError, match="draft_model_quantization"):
         draft_quantization("q8_0", "cpu", torch.bfloat16)

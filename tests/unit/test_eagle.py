@@ -192,7 +192,7 @@ def test_int8_draft_logits_stay_lossless(tmp_path, tiny_target_dir, monkeypatch,
     path = write_checkpoint(tmp_path / algorithm, algorithm)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     eng = _engine(tiny_target_dir, algorithm, batch=2, drafter_path=str(path), num_steps=3, topk=2, num_draft_tokens=6,
-                  draft_model_quantization="none")
+                  draft_model_quantization="unquant")
     head = eng.drafter.head
     assert isinstance(head.lm_head if algorithm == "eagle3" else head.target_head.packed, Int8Linear)
     outs = eng.generate(_prompts(), params)
@@ -203,14 +203,14 @@ def test_int8_draft_logits_stay_lossless(tmp_path, tiny_target_dir, monkeypatch,
 @pytest.mark.skipif(not gguf_gemm.supported(), reason="the GGUF kernel needs x86-64 with AVX2, FMA and F16C")
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
 def test_q8_0_head_drafts_as_its_checkpoint_and_stays_lossless(tmp_path, tiny_target_dir, algorithm):
-    """On a float32 CPU head, auto quantizes every bias-free linear to Q8_0 blocks (none keeps the
+    """On a float32 CPU head, auto quantizes every bias-free linear to Q8_0 blocks (unquant keeps the
     checkpoint's): it drafts, and the outputs equal plain decoding's."""
     path = write_checkpoint(tmp_path / algorithm, algorithm)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     shape = {"drafter_path": str(path), "num_steps": 3, "topk": 2, "num_draft_tokens": 6}
     quantized = _engine(tiny_target_dir, algorithm, batch=2, **shape)
-    plain = _engine(tiny_target_dir, algorithm, batch=2, draft_model_quantization="none", **shape)
-    assert quantized.drafter.quantization == "q8_0" and plain.drafter.quantization == "none"
+    plain = _engine(tiny_target_dir, algorithm, batch=2, draft_model_quantization="unquant", **shape)
+    assert quantized.drafter.quantization == "q8_0" and plain.drafter.quantization == "unquant"
     linears = [m for m in quantized.drafter.head.modules() if isinstance(m, (torch.nn.Linear, gguf_gemm.GGUFLinear))]
     assert linears and all(isinstance(m, gguf_gemm.GGUFLinear) for m in linears)
     assert not any(isinstance(m, gguf_gemm.GGUFLinear) for m in plain.drafter.head.modules())

@@ -14,7 +14,7 @@ the weights are bf16 numbers), `few_row_linear` (MKL in the faster order for a f
 `Int8Linear`, an approximation (int8 weights) for those logits alone: a draft's logits only rank
 its candidate tokens, and verification decides exactly whatever they are. For the same reason a
 float32 draft head's linear layers may run on 8-bit GGUF blocks (`quantize_linears`, the
-`draft_model_quantization` knob): half the bytes of its bf16 weights, through the GGUF kernel.
+`draft_model_quantization` knob, SGLang's name): half the bytes of its bf16 weights, through the GGUF kernel.
 """
 
 from __future__ import annotations
@@ -196,15 +196,15 @@ def fastest_logits_layer(weight: torch.Tensor, rows: tuple[int, ...] = (1, 4)) -
 
 def draft_quantization(choice: str, device: str | torch.device, dtype: torch.dtype) -> str:
     """The `draft_model_quantization` knob resolved for a head on `device` in `dtype`: "q8_0" or
-    "none". auto: q8_0 where the head runs in float32 on a CPU that runs the GGUF kernel (built here
-    on first use), else none. An explicit q8_0 the head cannot run is an error."""
-    if choice == "none":
-        return "none"
+    "unquant". auto: q8_0 where the head runs in float32 on a CPU that runs the GGUF kernel (built
+    here on first use), else unquant. An explicit q8_0 the head cannot run is an error."""
+    if choice == "unquant":
+        return choice
     runs = torch.device(device).type == "cpu" and dtype == torch.float32 and gguf_gemm.load()
     if choice == "q8_0" and not runs:
         raise ValueError(f"draft_model_quantization: q8_0 runs on a CPU in float32 with the GGUF kernel "
                          f"(AVX2, FMA, F16C); this head is {dtype} on {device}")
-    return "q8_0" if runs else "none"
+    return "q8_0" if runs else "unquant"
 
 
 def quantize_linears(module: nn.Module) -> int:
