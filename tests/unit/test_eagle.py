@@ -202,7 +202,7 @@ def test_int8_draft_logits_stay_lossless(tmp_path, tiny_target_dir, monkeypatch,
 
 @pytest.mark.skipif(not gguf_gemm.supported(), reason="the GGUF kernel needs x86-64 with AVX2, FMA and F16C")
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
-def test_q8_0_head_drafts_as_its_checkpoint_and_stays_lossless(tmp_path, tiny_target_dir, algorithm):
+def test_q8_0_head_drafts_and_stays_lossless(tmp_path, tiny_target_dir, algorithm):
     """On a float32 CPU head, auto quantizes every bias-free linear to Q8_0 blocks (unquant keeps the
     checkpoint's): it drafts, and the outputs equal plain decoding's."""
     path = write_checkpoint(tmp_path / algorithm, algorithm)

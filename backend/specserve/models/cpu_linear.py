@@ -89,11 +89,19 @@ def pack_linears(module: nn.Module, keep_weights: tuple[str, ...] = ()) -> int:
 
     keep_weights: attribute names (e.g. "lm_head") whose plain weight other modules still read.
     """
+    return replace_linears(module, lambda name, child: PackedLinear(child.weight, child.bias,
+                                                                     keep_weight=name in keep_weights))
+
+
+def replace_linears(module: nn.Module, make: Callable[[str, nn.Linear], nn.Module | None]) -> int:
+    """Every plain `nn.Linear` under `module` (by its attribute name) replaced, in place, by what
+    `make` returns for it (None: kept); returns how many were replaced."""
     count = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child.weight, child.bias, keep_weight=name in keep_weights))
+            replacement = make(name, child) if type(child) is nn.Linear else None
+            if replacement is not None:
+                setattr(parent, name, replacement)
                 count += 1
     return count
 
@@ -211,11 +219,10 @@ def quantize_linears(module: nn.Module) -> int:
     """Every bias-free float32 `nn.Linear` under `module` whose inputs are whole blocks of 32 becomes
     a `GGUFLinear` on its weight's Q8_0 blocks (`gguf_gemm.quantize_q8_0`); returns how many. For a
     draft head only (lossy); needs `gguf_gemm.load()` first."""
-    count = 0
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if (type(child) is nn.Linear and child.bias is None and child.weight.dtype == torch.float32
-                    and child.in_features % gguf_gemm.BLOCK == 0):
-                setattr(parent, name, gguf_gemm.GGUFLinear(gguf_gemm.quantize_q8_0(child.weight), gguf_gemm.Q8_0))
-                count += 1
-    return count
+
+    def quantized(_: str, child: nn.Linear) -> nn.Module | None:
+        if child.bias is None and child.weight.dtype == torch.float32 and child.in_features % gguf_gemm.BLOCK == 0:
+            return gguf_gemm.GGUFLinear(gguf_gemm.quantize_q8_0(child.weight), gguf_gemm.Q8_0)
+        return None
+
+    return replace_linears(module, quantized)
