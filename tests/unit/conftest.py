@@ -48,3 +48,18 @@ def data_file(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "sharegpt.json"
     path.write_text(json.dumps(request.module.CONVERSATIONS))
     return path
+
+
+@pytest.fixture
+def fresh_compile_cache(tmp_path):
+    """An empty compile cache for programs whose op libraries are those already built in the default
+    cache (each kept under its source's digest and torch's version, built under a file lock): a
+    test of how programs are compiled and loaded does not also rebuild the C++ ops in a subprocess."""
+    from specserve.config import EngineConfig
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    shared = EngineConfig(model_dir="").compile_cache_path / "kernels"
+    shared.mkdir(parents=True, exist_ok=True)
+    (cache / "kernels").symlink_to(shared, target_is_directory=True)
+    return cache

@@ -23,19 +23,19 @@ def test_the_eager_and_program_configs_differ_from_the_served_one_only_where_the
     assert not precompile.wanted(EngineConfig(model_dir="m", device="cpu", cpu_compile=False))
 
 
-def test_the_process_fills_the_cache_the_served_engine_loads(tmp_path, tiny_target_dir):
+def test_the_process_fills_the_cache_the_served_engine_loads(fresh_compile_cache, tiny_target_dir):
     config = EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", max_batch_size=2,
-                          max_seq_len=128, compile_cache_dir=str(tmp_path / "cache"))
+                          max_seq_len=128, compile_cache_dir=str(fresh_compile_cache))
     proc = precompile.start(config)
     assert precompile.finished(proc) is None  # running
     proc.wait(timeout=900)
     assert precompile.finished(proc) is True
-    programs = {p.name: p.stat().st_ino for p in (tmp_path / "cache").glob("*.pt2")}  # a compile writes a new file
+    programs = {p.name: p.stat().st_ino for p in fresh_compile_cache.glob("*.pt2")}  # a compile writes a new file
     assert programs
     start = time.perf_counter()
     engine = Engine(config)
     assert engine.runner.compiled is not None
-    assert {p.name: p.stat().st_ino for p in (tmp_path / "cache").glob("*.pt2")} == programs  # loaded, not compiled
+    assert {p.name: p.stat().st_ino for p in fresh_compile_cache.glob("*.pt2")} == programs  # loaded, not compiled
     assert time.perf_counter() - start < 60
     assert engine.runner.compiled.step_runner is not None
     # a stored program that does not load is set aside and compiled again: tests/unit/test_compile_cache.py
