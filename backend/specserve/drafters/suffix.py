@@ -339,9 +339,13 @@ class SuffixDrafter(Drafter):
         trees are padded to one size anyway."""
         largest = min(max(len(row) for row in shares), len(costs))
         gain, best, best_rate = calibrated_gain(self.accepted, self.scored), largest, 0.0
-        drafted = np.zeros(largest)  # the batch's summed shares of the drafts in trees of n + 1 nodes
-        for row in shares:
-            drafted += np.cumsum(np.pad(row[:largest], (0, largest - min(len(row), largest)))) - 1.0  # root: 1
+        drafted = [0.0] * largest  # the batch's summed shares of the drafts in trees of n + 1 nodes
+        for row in shares:  # plain lists: a few dozen numbers a step, where numpy's calls cost more
+            total = -1.0  # the root's share, 1
+            for i in range(largest):
+                if i < len(row):
+                    total += row[i]
+                drafted[i] += total
         for n, cost in enumerate(costs[:largest], start=1):
             rate = (len(shares) + gain * drafted[n - 1]) / cost if cost else 0.0
             if rate > best_rate:

@@ -55,7 +55,10 @@ class PathChooser:
         self._settled: dict[tuple[int, int], str] = {}  # the last path each key settled on (for the log)
 
     def _averages(self, key: tuple[int, int]) -> dict[str, RunningAverage]:
-        return self.times.setdefault(key, {p: RunningAverage(horizon=10, robust=True) for p in self.PATHS})
+        avgs = self.times.get(key)
+        if avgs is None:  # not setdefault: its default would be built on every call (a step makes dozens)
+            avgs = self.times[key] = {p: RunningAverage(horizon=10, robust=True) for p in self.PATHS}
+        return avgs
 
     def seed(self, key: tuple[int, int], path: str, timing: float | StartupTiming) -> None:
         """A start-up timing (seconds, or a `StartupTiming` whose median counts): it stands for
@@ -93,10 +96,14 @@ class PathChooser:
         if self.pinned:
             return "compiled"
         avgs = self._averages(key)
-        unmeasured = [p for p in self.PATHS if avgs[p].count < self.min_samples]
-        if unmeasured:
-            return unmeasured[0]
-        return min(self.PATHS, key=lambda p: avgs[p].value)
+        best, best_value = self.PATHS[0], math.inf
+        for path in self.PATHS:  # the first unmeasured path, else the fastest (the first of a tie)
+            avg = avgs[path]
+            if avg.count < self.min_samples:
+                return path
+            if avg.value < best_value:
+                best, best_value = path, avg.value
+        return best
 
     def estimate(self, key: tuple[int, int]) -> float | None:
         """The seconds a forward of `key` is expected to take on the path it runs (None: not timed yet)."""

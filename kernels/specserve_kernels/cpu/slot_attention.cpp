@@ -16,9 +16,11 @@
 // tokens are its ancestors, at the positions they take once accepted, so its list is the one a decode of the same
 // token meets after they were accepted: verifying a tree computes each token as the decode would.
 //
-// Work is split per (request, query head) over ATen's threads. 512-bit vectors where the CPU has AVX-512 (only
-// functions that carry the target hold its instructions; SPECSERVE_ATTENTION_ISA=avx2 picks 256-bit ones), else
-// AVX2 + FMA. The vector width is part of how a result is computed: the two instruction sets round differently.
+// Work is split over ATen's threads per request, K/V head and a few of that head's (query head, token) pairs (up to
+// three with 512-bit vectors, whose 32 registers hold three pairs' sums): each key and value row of the prefix is
+// loaded once for all of a task's pairs, and every pair's sums run as they would alone. 512-bit vectors where the
+// CPU has AVX-512 (only functions that carry the target hold its instructions; SPECSERVE_ATTENTION_ISA=avx2 picks
+// 256-bit ones), else AVX2 + FMA. The vector width is part of how a result is computed: the two instruction sets round differently.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -29,6 +31,8 @@
 #include <cstdlib>
 #include <string>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -57,6 +61,8 @@ inline float sum_lanes(__m256 a) {
 struct Avx2 {
   using F = __m256;
   static constexpr int kWidth = 8;
+  static constexpr int kPairs = 1;  // (query head, token) pairs a task, and vectors of a value row at once: 16
+  static constexpr int kRowVectors = 8;  // registers
   static F zero() { return _mm256_setzero_ps(); }
   static F splat(float v) { return _mm256_set1_ps(v); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
@@ -106,135 +112,140 @@ struct Rows {
   const T* operator[](int64_t i) const { return base + i * stride; }
 };
 
-// scores[i] = q . key(i) for the n keys of `keys`, 8 at a time (the last block padded with row 0, not stored):
-// 8 independent FMA chains over the columns, folded to 8 lanes, then one fixed tree per key. D: the head size
-// when it is 64 or 128 (loops unrolled), else 0 and d says it.
-template <class V, int D, typename T>
-inline void dot_rows(const float* q, Rows<T> keys, int64_t n, int64_t d, float* scores) {
+// scores[i * ldq + s] = q_i . key(s) for the nq <= NP queries at q + i * d and the n keys of `keys`, 8 keys at a
+// time (the last block padded with row 0, not stored), each key's columns loaded once for every query: per
+// (query, key) one FMA chain over the columns, folded to 8 lanes, then one fixed tree (`sum_lanes8`, lane by
+// lane the same whichever 8 chains it sums). D: the head size when it is 64 or 128 (loops unrolled), else 0
+// and d says it.
+template <class V, int NP, int D, typename T>
+inline void dot_rows(const float* q, int64_t nq, int64_t ldq, Rows<T> keys, int64_t n, int64_t d, float* scores) {
   const int64_t dd = D ? D : d;
   for (int64_t s0 = 0; s0 < n; s0 += 8) {
     const T* k[8];
     for (int64_t j = 0; j < 8; ++j) k[j] = keys[s0 + j < n ? s0 + j : 0];
-    typename V::F acc[8];
+    typename V::F acc[NP][8];
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) acc[j] = V::zero();
+    for (int i = 0; i < NP; ++i)
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) acc[i][j] = V::zero();
 #pragma GCC unroll 16
     for (int64_t c = 0; c < dd; c += V::kWidth) {
-      const auto qc = V::load(q + c);
+      typename V::F qc[NP];
+#pragma GCC unroll 4
+      for (int i = 0; i < NP; ++i) qc[i] = V::load(q + (i < nq ? i : 0) * d + c);
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) acc[j] = V::fma(qc, V::load(k[j] + c), acc[j]);
+      for (int j = 0; j < 8; ++j) {
+        const auto kj = V::load(k[j] + c);
+#pragma GCC unroll 4
+        for (int i = 0; i < NP; ++i) acc[i][j] = V::fma(qc[i], kj, acc[i][j]);
+      }
     }
-    __m256 folded[8];
+#pragma GCC unroll 4
+    for (int i = 0; i < NP; ++i) {
+      if (i >= nq) break;
+      __m256 folded[8];
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) folded[j] = V::fold(acc[j]);
-    float block[8];
-    _mm256_storeu_ps(block, sum_lanes8(folded));
-    for (int64_t j = 0; j < 8 && s0 + j < n; ++j) scores[s0 + j] = block[j];
+      for (int j = 0; j < 8; ++j) folded[j] = V::fold(acc[i][j]);
+      float block[8];
+      _mm256_storeu_ps(block, sum_lanes8(folded));
+      for (int64_t j = 0; j < 8 && s0 + j < n; ++j) scores[i * ldq + s0 + j] = block[j];
+    }
   }
 }
 
-// Columns [c0, c0 + kChunk W) of sum_i p[i] row(i), kept in registers: rows at even list indices into one set
-// of accumulators and rows at odd ones into another (two FMA chains per vector, enough to hide the FMA's
-// latency), each in list order, the two added at the end.
-template <class V>
+// Columns [c0, c0 + kChunk W) of sum_i p[i] row(i) for up to NP lists p at once, kept in registers: rows at even
+// list indices into one set of accumulators and rows at odd ones into another (two FMA chains per vector, enough
+// to hide the FMA's latency), each in list order, the two added at the end. A row shared by the lists (the
+// prefix) is loaded once for all of them.
+template <class V, int NP>
 struct RowSum {
-  static constexpr int kChunk = 8;  // vectors of columns at once
-  typename V::F even[kChunk], odd[kChunk];
+  static constexpr int kChunk = V::kRowVectors;  // vectors of columns at once
+  using F = typename V::F;
+  F even[NP][kChunk], odd[NP][kChunk];
   int64_t vectors;  // in this chunk
 
   explicit RowSum(int64_t vectors_) : vectors(vectors_) {
 #pragma GCC unroll 8
-    for (int k = 0; k < kChunk; ++k) even[k] = odd[k] = V::zero();
+    for (int q = 0; q < NP; ++q)
+#pragma GCC unroll 8
+      for (int k = 0; k < kChunk; ++k) even[q][k] = odd[q][k] = V::zero();
   }
 
-  // Rows first, first + 1, ... of the list: p[i] times row_of(i) (pointing at column c0).
+  // Rows 0, 1, ..., n - 1 of the list (list indices 0, 1, ...: even, odd, ...), the same rows for the nq lists p[q]:
+  // each row's vectors loaded once into registers for all of them (with one list, straight from memory).
   template <typename T, typename RowOf>
+  inline void add_shared(const float* const* p, int64_t nq, int64_t n, RowOf row_of) {
+    if constexpr (NP == 1) {
+      add<0, T>(p[0], n, 0, row_of);
+    } else {
+      int64_t i = 0;
+      for (; i + 1 < n; i += 2) {
+        shared_row(even, p, nq, i, row_of(i));
+        shared_row(odd, p, nq, i + 1, row_of(i + 1));
+      }
+      if (i < n) shared_row(even, p, nq, i, row_of(i));
+    }
+  }
+
+  // List Q's rows at list indices first, first + 1, ...: p[i] times row_of(i).
+  template <int Q, typename T, typename RowOf>
   inline void add(const float* p, int64_t n, int64_t first, RowOf row_of) {
     int64_t i = 0;
-    if (n > 0 && first % 2) add_one<T>(odd, p[0], row_of(0)), i = 1;
+    if (n > 0 && first % 2) fma_row(odd[Q], p[0], row_of(0)), i = 1;
     for (; i + 1 < n; i += 2) {
-      add_one<T>(even, p[i], row_of(i));
-      add_one<T>(odd, p[i + 1], row_of(i + 1));
+      fma_row(even[Q], p[i], row_of(i));
+      fma_row(odd[Q], p[i + 1], row_of(i + 1));
     }
-    if (i < n) add_one<T>(even, p[i], row_of(i));
+    if (i < n) fma_row(even[Q], p[i], row_of(i));
   }
 
   template <typename T>
-  inline void add_one(typename V::F* acc, float p, const T* v) {
+  inline void shared_row(F (*acc)[kChunk], const float* const* p, int64_t nq, int64_t i, const T* row) {
+    F v[kChunk];
+#pragma GCC unroll 8
+    for (int k = 0; k < kChunk; ++k)
+      if (k < vectors) v[k] = V::load(row + k * V::kWidth);
+#pragma GCC unroll 8
+    for (int q = 0; q < NP; ++q) {
+      if (q >= nq) break;
+      const auto pv = V::splat(p[q][i]);
+#pragma GCC unroll 8
+      for (int k = 0; k < kChunk; ++k)
+        if (k < vectors) acc[q][k] = V::fma(pv, v[k], acc[q][k]);
+    }
+  }
+
+  template <typename T>
+  inline void fma_row(F* acc, float p, const T* row) {
     const auto pv = V::splat(p);
 #pragma GCC unroll 8
     for (int k = 0; k < kChunk; ++k)
-      if (k < vectors) acc[k] = V::fma(pv, V::load(v + k * V::kWidth), acc[k]);
+      if (k < vectors) acc[k] = V::fma(pv, V::load(row + k * V::kWidth), acc[k]);
   }
 
+  template <int Q>
   inline void store(float* out, float scale) const {
 #pragma GCC unroll 8
     for (int k = 0; k < kChunk; ++k)
-      if (k < vectors) V::store(out + k * V::kWidth, V::mul(V::add(even[k], odd[k]), V::splat(scale)));
+      if (k < vectors) V::store(out + k * V::kWidth, V::mul(V::add(even[Q][k], odd[Q][k]), V::splat(scale)));
   }
 };
+
+// f(std::integral_constant<int, 0>{}), ..., f(std::integral_constant<int, N - 1>{}): a loop whose index is a
+// constant in each copy of the body (register arrays stay in registers).
+template <int N, typename Fn, int... I>
+inline void unrolled(Fn&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, typename Fn>
+inline void unrolled(Fn&& f) {
+  unrolled<N>(f, std::make_integer_sequence<int, N>{});
+}
 
 struct Scratch {
-  std::vector<float> q, prefix, list;
+  std::vector<float> q, prefix, lists;
   std::vector<int64_t> visible;
 };
-
-// One request's query head: its T tokens over the prefix (prefix_len rows of kc / vc) and the new tokens.
-template <class V, int D, typename CacheT>
-inline void attend_head(const float* q0, int64_t q_stride, Rows<CacheT> kc, Rows<CacheT> vc, int64_t prefix_len,
-                        Rows<float> kn, Rows<float> vn, const bool* mask, int64_t mask_t, int64_t mask_j,
-                        int64_t t_len, int64_t d, float* out0, int64_t out_stride, Scratch& w) {
-  constexpr int64_t W = V::kWidth;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  w.q.resize(t_len * d);
-  w.prefix.resize(t_len * prefix_len);
-  w.visible.resize(t_len);
-  for (int64_t t = 0; t < t_len; ++t)
-    for (int64_t c = 0; c < d; ++c) w.q[t * d + c] = q0[t * q_stride + c] * scale;
-  // the prefix's scores for every token at once: each block of key rows is read from memory once for all T
-  for (int64_t s0 = 0; s0 < prefix_len; s0 += 64) {
-    const int64_t n = std::min<int64_t>(64, prefix_len - s0);
-    Rows<CacheT> block{kc[s0], kc.stride};
-    for (int64_t t = 0; t < t_len; ++t) dot_rows<V, D>(&w.q[t * d], block, n, d, &w.prefix[t * prefix_len + s0]);
-  }
-  for (int64_t t = 0; t < t_len; ++t) {
-    const float* q = &w.q[t * d];
-    int64_t n_new = 0;
-    for (int64_t j = 0; j < t_len; ++j)
-      if (mask[t * mask_t + j * mask_j]) w.visible[n_new++] = j;
-    const int64_t n = prefix_len + n_new;
-    float* o = out0 + t * out_stride;
-    if (n == 0) {
-      std::fill(o, o + d, 0.0f);
-      continue;
-    }
-    // the token's list of visible keys' scores, [prefix | visible new tokens], padded with -inf to whole vectors
-    const int64_t padded = (n + W - 1) / W * W;
-    w.list.resize(padded);
-    std::copy(&w.prefix[t * prefix_len], &w.prefix[t * prefix_len] + prefix_len, w.list.begin());
-    for (int64_t i = 0; i < n_new; ++i) dot_rows<V, D>(q, Rows<float>{kn[w.visible[i]], kn.stride}, 1, d, &w.list[prefix_len + i]);
-    std::fill(w.list.begin() + n, w.list.end(), -std::numeric_limits<float>::infinity());
-    auto mv = V::splat(-std::numeric_limits<float>::infinity());
-    for (int64_t i = 0; i < padded; i += W) mv = V::max(mv, V::load(&w.list[i]));
-    const auto neg_max = V::splat(-V::max_lanes(mv));
-    auto sum = V::zero();
-    for (int64_t i = 0; i < padded; i += W) {  // element i into lane i mod W
-      const auto x = V::load(&w.list[i]);
-      const auto p = V::zero_where_minus_inf(exp_nonpositive<V>(V::add(x, neg_max)), x);
-      V::store(&w.list[i], p);
-      sum = V::add(sum, p);
-    }
-    const float inv = 1.0f / sum_lanes(V::fold(sum));
-    const int64_t dd = D ? D : d;
-    for (int64_t c0 = 0; c0 < dd; c0 += RowSum<V>::kChunk * W) {  // the prefix's rows, then the new tokens'
-      RowSum<V> acc(std::min<int64_t>(RowSum<V>::kChunk, (dd - c0) / W));
-      acc.template add<CacheT>(w.list.data(), prefix_len, 0, [&](int64_t i) { return vc[i] + c0; });
-      acc.template add<float>(w.list.data() + prefix_len, n_new, prefix_len,
-                              [&](int64_t i) { return vn[w.visible[i]] + c0; });
-      acc.store(o + c0, inv);
-    }
-  }
-}
 
 struct Job {  // one call's tensors, as raw pointers and strides
   const float *q, *k_new, *v_new;
@@ -244,24 +255,114 @@ struct Job {  // one call's tensors, as raw pointers and strides
   float* out;
   int64_t q_s[3], kn_s[3], vn_s[3], kc_s[3], vc_s[3], mask_s[3], out_s[2];
   int64_t hq, group, t_len, d;
+  int64_t pairs;   // (query head, token) pairs a task, at most V::kPairs (`pairs_per_task`)
+  int64_t chunks;  // tasks per (request, K/V head): its group x T pairs, `pairs` a task
 };
 
-// Tasks [begin, end): task = request * Hq + query head.
+// One request's K/V head g, for nq <= NP of its (query head, token) pairs, from pair p0 on (pair p: token
+// p / group, query head g * group + p % group): every pair's scores over the prefix, each key row loaded once for
+// all of them; per pair its list of visible keys' scores, [prefix | visible new tokens], and its softmax; then
+// the weighted sums of the value rows, each prefix row loaded once for all of them.
+template <class V, int NP, int D, typename CacheT>
+inline void attend_pairs(const Job& j, int64_t r, int64_t g, int64_t p0, int64_t nq, Scratch& w) {
+  constexpr int64_t W = V::kWidth;
+  const int64_t d = j.d, t_len = j.t_len, sl = j.slot[r], prefix_len = j.len[r];
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const Rows<CacheT> kc{static_cast<const CacheT*>(j.k_cache) + sl * j.kc_s[0] + g * j.kc_s[1], j.kc_s[2]};
+  const Rows<CacheT> vc{static_cast<const CacheT*>(j.v_cache) + sl * j.vc_s[0] + g * j.vc_s[1], j.vc_s[2]};
+  const Rows<float> kn{j.k_new + r * j.kn_s[0] + g * j.kn_s[2], j.kn_s[1]};
+  const Rows<float> vn{j.v_new + r * j.vn_s[0] + g * j.vn_s[2], j.vn_s[1]};
+  const bool* mask = j.mask + r * j.mask_s[0];
+  int64_t tok[NP], head[NP], n_new[NP], n[NP];
+  for (int64_t i = 0; i < nq; ++i) tok[i] = (p0 + i) / j.group, head[i] = g * j.group + (p0 + i) % j.group;
+  w.q.resize(NP * d);
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t c = 0; c < d; ++c) w.q[i * d + c] = j.q[r * j.q_s[0] + tok[i] * j.q_s[1] + head[i] * j.q_s[2] + c] * scale;
+  // the prefix's scores, each block of key rows read from memory once for every pair
+  w.prefix.resize(NP * prefix_len);
+  for (int64_t s0 = 0; s0 < prefix_len; s0 += 64)
+    dot_rows<V, NP, D>(w.q.data(), nq, prefix_len, Rows<CacheT>{kc[s0], kc.stride}, std::min<int64_t>(64, prefix_len - s0),
+                       d, &w.prefix[s0]);
+  const int64_t padded = (prefix_len + t_len + W - 1) / W * W;
+  w.lists.resize(NP * padded);
+  w.visible.resize(NP * t_len);
+  float inv[NP];
+  const float* p[NP];
+  for (int64_t i = 0; i < nq; ++i) {
+    float* list = &w.lists[i * padded];
+    int64_t* visible = &w.visible[i * t_len];
+    n_new[i] = 0;
+    for (int64_t k = 0; k < t_len; ++k)
+      if (mask[tok[i] * j.mask_s[1] + k * j.mask_s[2]]) visible[n_new[i]++] = k;
+    n[i] = prefix_len + n_new[i];
+    p[i] = list;
+    inv[i] = 0.0f;
+    if (n[i] == 0) continue;
+    // the token's list of visible keys' scores, [prefix | visible new tokens], padded with -inf to whole vectors
+    const int64_t end = (n[i] + W - 1) / W * W;
+    std::copy(&w.prefix[i * prefix_len], &w.prefix[i * prefix_len] + prefix_len, list);
+    for (int64_t k = 0; k < n_new[i]; ++k)
+      dot_rows<V, 1, D>(&w.q[i * d], 1, 1, Rows<float>{kn[visible[k]], kn.stride}, 1, d, &list[prefix_len + k]);
+    std::fill(list + n[i], list + end, -std::numeric_limits<float>::infinity());
+    auto mv = V::splat(-std::numeric_limits<float>::infinity());
+    for (int64_t k = 0; k < end; k += W) mv = V::max(mv, V::load(&list[k]));
+    const auto neg_max = V::splat(-V::max_lanes(mv));
+    auto sum = V::zero();
+    for (int64_t k = 0; k < end; k += W) {  // element k into lane k mod W
+      const auto x = V::load(&list[k]);
+      const auto e = V::zero_where_minus_inf(exp_nonpositive<V>(V::add(x, neg_max)), x);
+      V::store(&list[k], e);
+      sum = V::add(sum, e);
+    }
+    inv[i] = 1.0f / sum_lanes(V::fold(sum));
+  }
+  const int64_t dd = D ? D : d;
+  for (int64_t c0 = 0; c0 < dd; c0 += RowSum<V, NP>::kChunk * W) {  // the prefix's rows, then each pair's new tokens'
+    RowSum<V, NP> acc(D ? RowSum<V, NP>::kChunk : std::min<int64_t>(RowSum<V, NP>::kChunk, (dd - c0) / W));
+    acc.template add_shared<CacheT>(p, nq, prefix_len, [&](int64_t i) { return vc[i] + c0; });
+    unrolled<NP>([&](auto q) {
+      constexpr int i = decltype(q)::value;
+      if (i >= nq) return;
+      const int64_t* visible = &w.visible[i * t_len];
+      acc.template add<i, float>(p[i] + prefix_len, n_new[i], prefix_len, [&](int64_t k) { return vn[visible[k]] + c0; });
+      float* o = j.out + r * j.out_s[0] + tok[i] * j.out_s[1] + head[i] * d;
+      if (n[i] == 0)
+        std::fill(o + c0, o + c0 + acc.vectors * W, 0.0f);
+      else
+        acc.template store<i>(o + c0, inv[i]);
+    });
+  }
+}
+
+// Tasks [begin, end): task = (request * Hkv + K/V head) * chunks + chunk, NP pairs a task.
+template <class V, int NP, int D, typename CacheT>
+inline void run_pairs(const Job& j, int64_t begin, int64_t end) {
+  thread_local Scratch w;
+  const int64_t hkv = j.hq / j.group, pairs = j.group * j.t_len;
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t c = task % j.chunks, rg = task / j.chunks, r = rg / hkv, g = rg % hkv;
+    attend_pairs<V, NP, D, CacheT>(j, r, g, c * NP, std::min<int64_t>(NP, pairs - c * NP), w);
+  }
+}
+
 template <class V, int D, typename CacheT>
 inline void run_tasks(const Job& j, int64_t begin, int64_t end) {
-  thread_local Scratch w;
-  const auto* kc = static_cast<const CacheT*>(j.k_cache);
-  const auto* vc = static_cast<const CacheT*>(j.v_cache);
-  for (int64_t task = begin; task < end; ++task) {
-    const int64_t r = task / j.hq, h = task % j.hq, g = h / j.group, sl = j.slot[r];
-    attend_head<V, D, CacheT>(j.q + r * j.q_s[0] + h * j.q_s[2], j.q_s[1],
-                              Rows<CacheT>{kc + sl * j.kc_s[0] + g * j.kc_s[1], j.kc_s[2]},
-                              Rows<CacheT>{vc + sl * j.vc_s[0] + g * j.vc_s[1], j.vc_s[2]}, j.len[r],
-                              Rows<float>{j.k_new + r * j.kn_s[0] + g * j.kn_s[2], j.kn_s[1]},
-                              Rows<float>{j.v_new + r * j.vn_s[0] + g * j.vn_s[2], j.vn_s[1]},
-                              j.mask + r * j.mask_s[0], j.mask_s[1], j.mask_s[2], j.t_len, j.d,
-                              j.out + r * j.out_s[0] + h * j.d, j.out_s[1], w);
+  if constexpr (V::kPairs >= 3) {
+    if (j.pairs == 3) return run_pairs<V, 3, D, CacheT>(j, begin, end);
+    if (j.pairs == 2) return run_pairs<V, 2, D, CacheT>(j, begin, end);
   }
+  run_pairs<V, 1, D, CacheT>(j, begin, end);
+}
+
+// Pairs a task (at most `most`): the most whose tasks split evenly over the threads, or that give every thread
+// four tasks or more, so sharing key and value rows between pairs does not leave a thread idle (a decode of one
+// request with 3 K/V heads on 2 threads: 6 tasks of 2 and 1 pairs, not 3 of 3).
+int64_t pairs_per_task(int64_t most, int64_t requests_kv_heads, int64_t pairs_per_group, int64_t threads) {
+  for (int64_t np = most; np > 1; --np) {
+    const int64_t tasks = requests_kv_heads * ((pairs_per_group + np - 1) / np);
+    if (tasks % threads == 0 || tasks >= 4 * threads) return np;
+  }
+  return 1;
 }
 
 template <class V, typename CacheT>
@@ -278,6 +379,8 @@ __attribute__((flatten)) void avx2_tasks(const Job& j, int64_t begin, int64_t en
 struct Avx512 {
   using F = __m512;
   static constexpr int kWidth = 16;
+  static constexpr int kPairs = 3;  // (query head, token) pairs a task, and vectors of a value row at once: 32
+  static constexpr int kRowVectors = 4;  // registers
   static F zero() { return _mm512_setzero_ps(); }
   static F splat(float v) { return _mm512_set1_ps(v); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
@@ -369,9 +472,11 @@ at::Tensor slot_attention(const at::Tensor& q_in, const at::Tensor& k_new_in, co
         {v_new.stride(0), v_new.stride(1), v_new.stride(2)}, {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
         {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)},
         {new_mask.stride(0), new_mask.stride(1), new_mask.stride(2)}, {out.stride(0), out.stride(1)},
-        hq, hq / hkv, t_len, d};
+        hq, hq / hkv, t_len, d, 1, 1};
   const bool bf16 = k_cache.scalar_type() == at::kBFloat16, wide = use_avx512() && d % 16 == 0;
-  at::parallel_for(0, b * hq, 1, [&](int64_t begin, int64_t end) {
+  j.pairs = pairs_per_task(wide ? Avx512::kPairs : Avx2::kPairs, b * hkv, j.group * t_len, at::get_num_threads());
+  j.chunks = (j.group * t_len + j.pairs - 1) / j.pairs;
+  at::parallel_for(0, b * hkv * j.chunks, 1, [&](int64_t begin, int64_t end) {
     if (wide) {
       bf16 ? avx512_tasks<at::BFloat16>(j, begin, end) : avx512_tasks<float>(j, begin, end);
     } else {
