@@ -1,8 +1,8 @@
 """The CPU attention that reads each request's prefix in place (`specserve_kernels.slot_attention`):
 against its plain-torch reference over random shapes, strides and masks (float32 and bfloat16 caches),
 a tree verification's tokens bit for bit as their decodes, a request's result whatever else is in the
-call, refusals with a message, the op inside an AOTInductor program, and both vector widths. Skipped
-where it cannot run."""
+call or however many threads share it, refusals with a message, the op inside an AOTInductor program, and
+both vector widths. Skipped where it cannot run."""
 
 from __future__ import annotations
 
@@ -85,6 +85,22 @@ def test_a_request_is_computed_alone_whatever_is_batched_with_it() -> None:
     for r in range(3):
         one = [x[r : r + 1] if i in (0, 1, 2, 5, 6, 7) else x for i, x in enumerate(inputs)]
         assert torch.equal(SA.slot_attention(*one)[0], together[r])
+
+
+@pytest.mark.parametrize("b, t", [(1, 1), (1, 2), (2, 1), (1, 5)])
+def test_a_token_is_computed_alike_on_any_number_of_threads(b: int, t: int) -> None:
+    """How many (query head, token) pairs share a task follows the threads and the call's size; a pair's
+    result does not (one K/V head serves three query heads, as in SmolLM2)."""
+    inputs = case(b, t, 3, 3, 64, 80, [80, 41][:b], torch.float32, seed=11)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3, 4):
+            torch.set_num_threads(n)
+            outs.append(SA.slot_attention(*inputs))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
 
 @pytest.mark.parametrize("bad, message", [
