@@ -20,7 +20,8 @@
 // three with 512-bit vectors, whose 32 registers hold three pairs' sums): each key and value row of the prefix is
 // loaded once for all of a task's pairs, and every pair's sums run as they would alone. 512-bit vectors where the
 // CPU has AVX-512 (only functions that carry the target hold its instructions; SPECSERVE_ATTENTION_ISA=avx2 picks
-// 256-bit ones), else AVX2 + FMA. The vector width is part of how a result is computed: the two instruction sets round differently.
+// 256-bit ones), else AVX2 + FMA. The vector width is part of how a result is computed: the two instruction sets
+// round differently.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -61,8 +62,8 @@ inline float sum_lanes(__m256 a) {
 struct Avx2 {
   using F = __m256;
   static constexpr int kWidth = 8;
-  static constexpr int kPairs = 1;  // (query head, token) pairs a task, and vectors of a value row at once: 16
-  static constexpr int kRowVectors = 8;  // registers
+  static constexpr int kPairs = 1;       // (query head, token) pairs sharing a task's rows (16 registers)
+  static constexpr int kRowVectors = 8;  // vectors of a value row summed at once
   static F zero() { return _mm256_setzero_ps(); }
   static F splat(float v) { return _mm256_set1_ps(v); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
@@ -276,13 +277,15 @@ inline void attend_pairs(const Job& j, int64_t r, int64_t g, int64_t p0, int64_t
   int64_t tok[NP], head[NP], n_new[NP], n[NP];
   for (int64_t i = 0; i < nq; ++i) tok[i] = (p0 + i) / j.group, head[i] = g * j.group + (p0 + i) % j.group;
   w.q.resize(NP * d);
-  for (int64_t i = 0; i < nq; ++i)
-    for (int64_t c = 0; c < d; ++c) w.q[i * d + c] = j.q[r * j.q_s[0] + tok[i] * j.q_s[1] + head[i] * j.q_s[2] + c] * scale;
+  for (int64_t i = 0; i < nq; ++i) {
+    const float* qi = j.q + r * j.q_s[0] + tok[i] * j.q_s[1] + head[i] * j.q_s[2];
+    for (int64_t c = 0; c < d; ++c) w.q[i * d + c] = qi[c] * scale;
+  }
   // the prefix's scores, each block of key rows read from memory once for every pair
   w.prefix.resize(NP * prefix_len);
   for (int64_t s0 = 0; s0 < prefix_len; s0 += 64)
-    dot_rows<V, NP, D>(w.q.data(), nq, prefix_len, Rows<CacheT>{kc[s0], kc.stride}, std::min<int64_t>(64, prefix_len - s0),
-                       d, &w.prefix[s0]);
+    dot_rows<V, NP, D>(w.q.data(), nq, prefix_len, Rows<CacheT>{kc[s0], kc.stride},
+                       std::min<int64_t>(64, prefix_len - s0), d, &w.prefix[s0]);
   const int64_t padded = (prefix_len + t_len + W - 1) / W * W;
   w.lists.resize(NP * padded);
   w.visible.resize(NP * t_len);
@@ -324,7 +327,8 @@ inline void attend_pairs(const Job& j, int64_t r, int64_t g, int64_t p0, int64_t
       constexpr int i = decltype(q)::value;
       if (i >= nq) return;
       const int64_t* visible = &w.visible[i * t_len];
-      acc.template add<i, float>(p[i] + prefix_len, n_new[i], prefix_len, [&](int64_t k) { return vn[visible[k]] + c0; });
+      acc.template add<i, float>(p[i] + prefix_len, n_new[i], prefix_len,
+                                 [&](int64_t k) { return vn[visible[k]] + c0; });
       float* o = j.out + r * j.out_s[0] + tok[i] * j.out_s[1] + head[i] * d;
       if (n[i] == 0)
         std::fill(o + c0, o + c0 + acc.vectors * W, 0.0f);
@@ -379,8 +383,8 @@ __attribute__((flatten)) void avx2_tasks(const Job& j, int64_t begin, int64_t en
 struct Avx512 {
   using F = __m512;
   static constexpr int kWidth = 16;
-  static constexpr int kPairs = 3;  // (query head, token) pairs a task, and vectors of a value row at once: 32
-  static constexpr int kRowVectors = 4;  // registers
+  static constexpr int kPairs = 3;       // (query head, token) pairs sharing a task's rows (32 registers)
+  static constexpr int kRowVectors = 4;  // vectors of a value row summed at once
   static F zero() { return _mm512_setzero_ps(); }
   static F splat(float v) { return _mm512_set1_ps(v); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
