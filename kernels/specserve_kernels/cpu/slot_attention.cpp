@@ -338,6 +338,15 @@ inline void attend_pairs(const Job& j, int64_t r, int64_t g, int64_t p0, int64_t
   }
 }
 
+// `attend_pairs` compiled for exactly nq <= NP pairs: a task's last chunk of fewer pairs computes no padding pairs.
+template <class V, int NP, int D, typename CacheT>
+inline void attend_fewer(const Job& j, int64_t r, int64_t g, int64_t p0, int64_t nq, Scratch& w) {
+  if constexpr (NP > 1) {
+    if (nq < NP) return attend_fewer<V, NP - 1, D, CacheT>(j, r, g, p0, nq, w);
+  }
+  attend_pairs<V, NP, D, CacheT>(j, r, g, p0, nq, w);
+}
+
 // Tasks [begin, end): task = (request * Hkv + K/V head) * chunks + chunk, NP pairs a task.
 template <class V, int NP, int D, typename CacheT>
 inline void run_pairs(const Job& j, int64_t begin, int64_t end) {
@@ -345,7 +354,7 @@ inline void run_pairs(const Job& j, int64_t begin, int64_t end) {
   const int64_t hkv = j.hq / j.group, pairs = j.group * j.t_len;
   for (int64_t task = begin; task < end; ++task) {
     const int64_t c = task % j.chunks, rg = task / j.chunks, r = rg / hkv, g = rg % hkv;
-    attend_pairs<V, NP, D, CacheT>(j, r, g, c * NP, std::min<int64_t>(NP, pairs - c * NP), w);
+    attend_fewer<V, NP, D, CacheT>(j, r, g, c * NP, std::min<int64_t>(NP, pairs - c * NP), w);
   }
 }
 
