@@ -2,12 +2,10 @@
 and step by expected accepted tokens per measured step cost (as Arctic Inference's hybrid picks
 between its speculator and suffix decoding).
 
-Every drafting step, suffix decoding proposes first (no model: a lookup), its trees sized against
-the measured step cost as suffix decoding alone sizes them (`SuffixDrafter.propose_sized`), and
-scores each tree with the tokens it expects accepted, scaled by how its scores have turned out so far
-(`SuffixDrafter.gain`, over the rows it drafted). The head is expected to win its own measured mean
-of accepted tokens per row, with the tree shape the engine's chooser picked. Two plans are weighed,
-in tokens per second of the step:
+Every drafting step, suffix decoding proposes first (no model: a lookup) and scores each tree with
+the tokens it expects accepted, scaled by how its scores have turned out so far (accepted / scored,
+over the rows it drafted). The head is expected to win its own measured mean of accepted tokens per
+row. Two plans are weighed, in tokens per second of the step:
 
     suffix alone:  sum(1 + s_i) / T                   T: the step's forward and verify (measured)
     with the head: sum(1 + max(s_i, h)) / (T + H)     H: the head's draft (measured), h: its mean
@@ -17,21 +15,20 @@ for every row runs no head forward at all; the head catches up on the skipped to
 drafts (it keeps the target's features of every accepted token meanwhile).
 
 The two drafters come from the method's `combines` (`methods.Method`), head first; this module
-names neither. It does not verify, and sizes no tree itself: the head's is the engine's chooser's,
-suffix decoding's its own.
+names neither. It does not verify, and it does not choose the tree size (the engine's chooser does).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
 
 from specserve.config import SpecConfig
 from specserve.drafters.base import DraftContext, Drafter, SequenceView
-from specserve.drafters.suffix import HORIZON, SuffixDrafter
+from specserve.drafters.suffix import HORIZON, SuffixDrafter, calibrated_gain
 from specserve.estimates import RunningAverage
 from specserve.models.llama import ForwardOutput
 from specserve.runtime.cuda_graph import DraftGraphs
@@ -58,11 +55,14 @@ class HybridDrafter(Drafter):
         self.aux_layers = head.aux_layers
         self.head_accepted = RunningAverage(HORIZON)  # accepted drafts per row the head drafted
         self.head_accepted.seed(1.0, 1)
+        self.suffix_accepted = RunningAverage(HORIZON)  # accepted drafts per row suffix drafted ...
+        self.suffix_scored = RunningAverage(HORIZON)  # ... and what their scores expected
         # plain means, not medians: a head that skipped steps catches up on them when it next drafts, and
         # that rarer, longer draft is part of what it costs
         self.head_seconds = RunningAverage(HORIZON)  # the head's draft (catch-up included), per step it ran
         self.rest_seconds = RunningAverage(HORIZON)  # the step after the draft, to on_accept
-        self._head_rows: set[str] = set()  # the request ids whose tree this step is the head's
+        self._by_head: dict[str, bool] = {}  # request id -> whether its last tree was the head's
+        self._scores: dict[str, float] = {}
         self._proposed_at: float | None = None
         self.head_rows = self.suffix_rows = 0  # rows each drafted so far (the bench reports the mix)
 
@@ -82,14 +82,10 @@ class HybridDrafter(Drafter):
     def mix(self) -> dict[str, int]:
         return {"head": self.head_rows, "suffix": self.suffix_rows}
 
-    @property
-    def step_cost(self) -> Callable[[int, int], list[float | None]] | None:  # type: ignore[override]
-        """The engine's step costs (`Drafter.step_cost`) size suffix decoding's trees."""
-        return self.suffix.step_cost
-
-    @step_cost.setter
-    def step_cost(self, costs: Callable[[int, int], list[float | None]] | None) -> None:
-        self.suffix.step_cost = costs
+    def suffix_gain(self) -> float:
+        """Accepted tokens per unit of suffix score over the rows suffix decoding drafted here
+        (`calibrated_gain`)."""
+        return calibrated_gain(self.suffix_accepted, self.suffix_scored)
 
     def plan(self, scores: Sequence[float]) -> list[bool]:
         """Per row, whether the head drafts it (all False: no head forward this step)."""
@@ -104,9 +100,10 @@ class HybridDrafter(Drafter):
 
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree]:
         shape = shape or self.suffix.draft_plan.shape
-        trees, scores = self.suffix.propose_sized(seqs, shape)
-        gain = self.suffix.gain()
-        use_head = self.plan([score * gain for score in scores])
+        scored = [self.suffix.propose_scored(s, shape.num_draft_tokens) for s in seqs]
+        gain = self.suffix_gain()
+        use_head = self.plan([score * gain for _, score in scored])
+        trees = [tree for tree, _ in scored]
         rows = [i for i, u in enumerate(use_head) if u]
         if rows:
             start = time.perf_counter()
@@ -115,8 +112,8 @@ class HybridDrafter(Drafter):
             self.head_seconds.add(time.perf_counter() - start)
             for i, tree in zip(rows, head_trees):
                 trees[i] = tree
-                self.suffix.withdraw(seqs[i].request_id)
-                self._head_rows.add(seqs[i].request_id)
+        for s, (_, score), u in zip(seqs, scored, use_head):
+            self._by_head[s.request_id], self._scores[s.request_id] = u, score
         self.head_rows += len(rows)
         self.suffix_rows += len(seqs) - len(rows)
         self._proposed_at = time.perf_counter()
@@ -130,10 +127,16 @@ class HybridDrafter(Drafter):
         if self._proposed_at is not None:
             self.rest_seconds.add(time.perf_counter() - self._proposed_at)
             self._proposed_at = None
-        head_rows, self._head_rows = self._head_rows, set()
         for s, nodes in zip(seqs, accepted):
-            if s.request_id in head_rows:  # suffix decoding's rows calibrate it in its own on_accept
+            by_head = self._by_head.pop(s.request_id, None)  # None: no tree this step
+            score = self._scores.pop(s.request_id, 0.0)
+            if by_head is None:
+                continue
+            if by_head:
                 self.head_accepted.add(len(nodes) - 1)
+            else:
+                self.suffix_accepted.add(len(nodes) - 1)
+                self.suffix_scored.add(score)
         self.head.on_accept(seqs, out, accepted)
         self.suffix.on_accept(seqs, out, accepted)
 
@@ -146,7 +149,8 @@ class HybridDrafter(Drafter):
         self.suffix.copy_prefix(src, dst, n)
 
     def release(self, request_id: str) -> None:
-        self._head_rows.discard(request_id)
+        self._by_head.pop(request_id, None)
+        self._scores.pop(request_id, None)
         self.head.release(request_id)
         self.suffix.release(request_id)
 

@@ -320,36 +320,17 @@ class SuffixDrafter(Drafter):
         return self._native is not None
 
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree]:
-        return self.propose_sized(seqs, shape)[0]
-
-    def propose_sized(self, seqs: Sequence[SequenceView],
-                      shape: DraftShape | None = None) -> tuple[list[DraftTree], list[float]]:
-        """The step's trees and each one's score: the shares of its drafted nodes, the tokens it
-        expects accepted before `gain` scales them. With the engine's costs every tree takes
-        `tree_size`'s nodes, up to the configured shape's; without them, the shape's budget."""
         shape = shape or self.draft_plan.shape
         largest = self.draft_plan.shape.num_draft_tokens
         costs = self.step_cost(len(seqs), largest) if self.step_cost is not None else [None] * largest
         if all(c is None for c in costs):  # nothing to weigh: the chooser's budget
-            size = shape.num_draft_tokens
-            ranked = [self.propose_ranked(s, size) for s in seqs]
-        else:
-            ranked = [self.propose_ranked(s, largest) for s in seqs]
-            size = self.tree_size([shares for _, shares, _ in ranked], costs)
-        scores = [sum(shares[1:size]) for _, shares, _ in ranked]
-        for s, (_, shares, _), score in zip(seqs, ranked, scores):
+            return [self.propose_ranked(s, shape.num_draft_tokens)[0] for s in seqs]
+        ranked = [self.propose_ranked(s, largest) for s in seqs]
+        size = self.tree_size([shares for _, shares, _ in ranked], costs)
+        for s, (_, shares, _) in zip(seqs, ranked):
             if len(shares) > 1 and size > 1:
-                self._scored[s.request_id] = score
-        return [tree.prefix(size) for tree, _, _ in ranked], scores
-
-    def gain(self) -> float:
-        """Accepted drafts per unit of score over the rows drafted so far (`calibrated_gain`)."""
-        return calibrated_gain(self.accepted, self.scored)
-
-    def withdraw(self, request_id: str) -> None:
-        """This step's tree for the request is not drafted (another drafter's took its place): its
-        outcome says nothing of this drafter's scores."""
-        self._scored.pop(request_id, None)
+                self._scored[s.request_id] = sum(shares[1:size])
+        return [tree.prefix(size) for tree, _, _ in ranked]
 
     def tree_size(self, shares: Sequence[Sequence[float]], costs: Sequence[float | None]) -> int:
         """Nodes per tree (root included) that maximise sum over rows of (1 + gain x the shares of the
@@ -357,7 +338,7 @@ class SuffixDrafter(Drafter):
         not estimated); the largest tree when none is. A prefix of a ranking is a tree, and the rows'
         trees are padded to one size anyway."""
         largest = min(max(len(row) for row in shares), len(costs))
-        gain, best, best_rate = self.gain(), largest, 0.0
+        gain, best, best_rate = calibrated_gain(self.accepted, self.scored), largest, 0.0
         drafted = [0.0] * largest  # the batch's summed shares of the drafts in trees of n + 1 nodes
         for row in shares:  # plain lists: a few dozen numbers a step, where numpy's calls cost more
             total = -1.0  # the root's share, 1
