@@ -16,8 +16,8 @@ checkout's (to compare two versions, run each in its own process, alternately).
 
 `--gguf`: SmolLM2's own GGUF blocks through the GGUF kernel (`gguf_gemm`) in both packed layouts (float
 and integer, timed alternately in one process), against the floor of their bytes and beside the same
-weights in bf16 prepacked. `SPECSERVE_GGUF_ISA=avx2` or `avx512-256` in the environment narrows the
-integer kernel.
+weights dequantized, in float32 (sgemm) and in bf16 prepacked. `SPECSERVE_GGUF_ISA=avx2` or `avx512-256`
+in the environment narrows the integer kernel.
 
     .venv/bin/python bench/cpu_linear.py [--tokens 1 4 16]
     .venv/bin/python bench/cpu_linear.py --few-rows [--tokens 1 4 8 32]
@@ -120,8 +120,9 @@ def best_seconds_alternately(fns: list, repeats: int) -> list[float]:  # noqa: A
 @torch.inference_mode()
 def gguf(args: argparse.Namespace) -> None:
     """SmolLM2's own GGUF blocks (fused qkv and gate/up, the Q8_0 lm_head) through the GGUF kernel in the float
-    and the integer layout, beside the same weights dequantized to bf16 and prepacked for oneDNN (what the bf16
-    checkpoint's engine runs)."""
+    and the integer layout, beside the same weights dequantized to float32 (`torch.mm`, MKL's sgemm: the same
+    float32 arithmetic at 4 bytes a weight) and to bf16 prepacked for oneDNN (what the bf16 checkpoint's engine
+    runs)."""
     from specserve.models.gguf import load_llama_gguf
     from specserve.prepare import prepare
     from specserve_kernels import gguf_gemm
@@ -134,8 +135,8 @@ def gguf(args: argparse.Namespace) -> None:
     models = {name: load_llama_gguf(model_dir, layout=layout) for name, layout in layouts.items()}
     blocks = {name: [m for m in model.modules() if isinstance(m, GGUFLinear)] for name, model in models.items()}
     float_blocks = blocks["float"]
-    packed = [PackedLinear(m.dequantized().bfloat16()) for m in float_blocks] if can_pack(torch.device("cpu"),
-                                                                                         torch.bfloat16) else []
+    dense = [m.dequantized().contiguous() for m in float_blocks]  # (out, in) float32
+    packed = [PackedLinear(w.bfloat16()) for w in dense] if can_pack(torch.device("cpu"), torch.bfloat16) else []
     read = read_bandwidth_gbs()
     floors = {name: sum(m.weight_nbytes for m in ms) / (read * 1e9) for name, ms in blocks.items()}
     print(f"{len(float_blocks)} matrices; read bandwidth {read:.1f} GB/s; integer kernel {gguf_gemm.int_kernel()}; "
@@ -144,6 +145,7 @@ def gguf(args: argparse.Namespace) -> None:
     for t in args.tokens:
         x = {n: torch.randn(t, n) for n in (args.hidden, args.intermediate)}
         fns = [lambda ms=ms, x=x: [m(x[m.in_features]) for m in ms] for ms in blocks.values()]
+        fns.append(lambda x=x: [torch.mm(x[w.shape[1]], w.T) for w in dense])
         if packed:
             xb = {n: v.bfloat16() for n, v in x.items()}
             fns.append(lambda xb=xb: [p(xb[p.in_features]) for p in packed])
@@ -152,6 +154,7 @@ def gguf(args: argparse.Namespace) -> None:
                                          for name, s in zip(blocks, seconds))
         if "int" in blocks:
             line += f"   int {seconds[0] / seconds[1]:.2f}x as fast"
+        line += f"   float32 sgemm {seconds[len(blocks)] * 1e3:6.2f} ms"
         if packed:
             line += f"   bf16 prepacked {seconds[-1] * 1e3:6.2f} ms"
         print(line, flush=True)
@@ -172,7 +175,8 @@ def main() -> None:
     parser.add_argument("--storage", default="float32", choices=["float32", "bfloat16"],
                         help="with --kernel: how the weights are stored (the arithmetic is float32 either way)")
     parser.add_argument("--gguf", action="store_true",
-                        help="SmolLM2's GGUF blocks through the GGUF kernel (both layouts), beside bf16 prepacked")
+                        help="SmolLM2's GGUF blocks through the GGUF kernel (both layouts), beside float32 sgemm "
+                             "and bf16 prepacked")
     parser.add_argument("--repeats", type=int, default=15, help="with --gguf: timed repeats, best kept")
     args = parser.parse_args()
     if args.gguf:
