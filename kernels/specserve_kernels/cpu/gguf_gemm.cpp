@@ -33,11 +33,14 @@
 // llama.cpp's int8 activation quantization (one digit, about 2^-8 of the block's maximum).
 //
 // Both layouts: a pass multiplies a panel by up to 4 rows; more rows take further passes over the panel, which is
-// then in L1 / L2. Every output element goes through the same operations whatever the rows multiplied with it,
-// so a row's result does not depend on how many rows are multiplied with it (a tree verification computes its
-// rows bit for bit as decodes). AVX-512 code is compiled only into functions that carry the target and run
-// where the CPU has avx512f, bw, vl and vnni (checked at run time; SPECSERVE_GGUF_ISA=avx2 or avx512-256 in the
-// environment picks a narrower kernel, for comparisons and tests).
+// then in L1 / L2. The float layout dequantizes a panel in registers for up to 4 rows; from 5 rows it dequantizes
+// the panel once into a float32 scratch panel (the same values) and multiplies it by up to 6 rows a pass, so a
+// verification or a prompt pays the dequantization once instead of once a pass. Every output element goes through
+// the same operations whatever the rows multiplied with it, so a row's result does not depend on how many rows are
+// multiplied with it (a tree verification computes its rows bit for bit as decodes). AVX-512 code is compiled
+// only into functions that carry the target and run where the CPU has avx512f, bw, vl and vnni (checked at run
+// time; SPECSERVE_GGUF_ISA=avx2 or avx512-256 in the environment picks a narrower kernel, for comparisons and
+// tests).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -49,6 +52,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -180,17 +184,126 @@ struct Q8 { static void run(const float* x, int64_t K, const uint8_t* p, float* 
 constexpr TileFn kQ4Tiles[] = {entry<Q4, 1>, entry<Q4, 2>, entry<Q4, 3>, entry<Q4, 4>};
 constexpr TileFn kQ8Tiles[] = {entry<Q8, 1>, entry<Q8, 2>, entry<Q8, 3>, entry<Q8, 4>};
 
-void multiply(const TileFn* tiles, int64_t record_bytes, const float* xp, int64_t M, int64_t K, const uint8_t* wp,
-              int64_t panels, float* op, int64_t ldo) {
-  // rows split evenly over the passes (6 rows: 3 + 3, not 4 + 2): every pass keeps enough FMA chains busy
-  const int64_t passes = (M + kMaxRowsPerPass - 1) / kMaxRowsPerPass, per_pass = (M + passes - 1) / passes;
-  const int64_t panel_bytes = (K / kBlock) * record_bytes;
+// ---- float layout, 3 rows or more: the panel dequantized once ----
+
+constexpr int64_t kScratchFromRows = 5;      // fewer rows: one pass of the tiles above
+constexpr int64_t kMaxRowsPerScratchPass = 6;  // 12 accumulators, the weight and a broadcast: 14 registers
+
+// panel -> w (K, 16) float32: each weight as the tiles above compute it (same instructions, same values)
+void dequantize_q4_panel(const uint8_t* panel, int64_t K, float* w) {
+  const __m256i nibble = _mm256_set1_epi32(0xF);
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const uint8_t* rec = panel + b * kQ4Bytes;
+    prefetch_record(rec + kPrefetchBlocks * kQ4Bytes, kQ4Bytes);
+    const __m256 d0 = half8(rec), m0 = half8(rec + 32), d1 = half8(rec + 16), m1 = half8(rec + 48);
+    const uint8_t* q = rec + 64;
+    for (int64_t t = 0; t < kBlock / 2; ++t) {
+      float* we = w + (b * kBlock + 2 * t) * kPanel;
+      const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 * t)));
+      const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 * t + 8)));
+      _mm256_storeu_ps(we, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, nibble)), d0, m0));
+      _mm256_storeu_ps(we + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, nibble)), d1, m1));
+      _mm256_storeu_ps(we + kPanel, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), d0, m0));
+      _mm256_storeu_ps(we + kPanel + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), d1, m1));
+    }
+  }
+}
+
+void dequantize_q8_panel(const uint8_t* panel, int64_t K, float* w) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const uint8_t* rec = panel + b * kQ8Bytes;
+    prefetch_record(rec + kPrefetchBlocks * kQ8Bytes, kQ8Bytes);
+    const __m256 d0 = half8(rec), d1 = half8(rec + 16);
+    const uint8_t* q = rec + 32;
+    for (int64_t t = 0; t < kBlock; ++t) {
+      float* wk = w + (b * kBlock + t) * kPanel;
+      const __m128i* q0 = reinterpret_cast<const __m128i*>(q + 16 * t);
+      const __m128i* q1 = reinterpret_cast<const __m128i*>(q + 16 * t + 8);
+      _mm256_storeu_ps(wk, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(q0))), d0));
+      _mm256_storeu_ps(wk + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(q1))), d1));
+    }
+  }
+}
+
+#define SPECSERVE_ACCS6(p) __m256 p##0 = z, p##1 = z, p##2 = z, p##3 = z, p##4 = z, p##5 = z;
+#define SPECSERVE_PANEL_FMA(p, m, k, w) \
+  if constexpr (MR > m) p##m = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * K + (k)), w, p##m);
+#define SPECSERVE_PANEL_FMAS(p, k, w)                                                           \
+  SPECSERVE_PANEL_FMA(p, 0, k, w) SPECSERVE_PANEL_FMA(p, 1, k, w) SPECSERVE_PANEL_FMA(p, 2, k, w) \
+  SPECSERVE_PANEL_FMA(p, 3, k, w) SPECSERVE_PANEL_FMA(p, 4, k, w) SPECSERVE_PANEL_FMA(p, 5, k, w)
+#define SPECSERVE_PANEL_STORE(m) \
+  if constexpr (MR > m) _mm256_storeu_ps(out + m * ldo, _mm256_add_ps(e##m, o##m));
+
+// x (MR, K) times 8 columns of a dequantized panel w (K, 16), from column 8 H on -> out (MR, 8): the tiles'
+// chains (even and odd k steps, added at the end) over the same weights, so the same bits.
+template <int MR, int H>
+void scratch_half(const float* x, int64_t K, const float* w, float* out, int64_t ldo) {
+  static_assert(MR >= 1 && MR <= kMaxRowsPerScratchPass && (H == 0 || H == 1));
+  const __m256 z = _mm256_setzero_ps();
+  SPECSERVE_ACCS6(e) SPECSERVE_ACCS6(o)
+  const float* wh = w + 8 * H;
+  for (int64_t k = 0; k < K; k += 2) {
+    const __m256 we = _mm256_loadu_ps(wh + k * kPanel);
+    SPECSERVE_PANEL_FMAS(e, k, we)
+    const __m256 wo = _mm256_loadu_ps(wh + (k + 1) * kPanel);
+    SPECSERVE_PANEL_FMAS(o, k + 1, wo)
+  }
+  SPECSERVE_PANEL_STORE(0) SPECSERVE_PANEL_STORE(1) SPECSERVE_PANEL_STORE(2)
+  SPECSERVE_PANEL_STORE(3) SPECSERVE_PANEL_STORE(4) SPECSERVE_PANEL_STORE(5)
+}
+
+#undef SPECSERVE_ACCS6
+#undef SPECSERVE_PANEL_FMA
+#undef SPECSERVE_PANEL_FMAS
+#undef SPECSERVE_PANEL_STORE
+
+using ScratchFn = void (*)(const float*, int64_t, const float*, float*, int64_t);
+
+template <int MR>
+void scratch_tile(const float* x, int64_t K, const float* w, float* out, int64_t ldo) {
+  scratch_half<MR, 0>(x, K, w, out, ldo);
+  scratch_half<MR, 1>(x, K, w, out + 8, ldo);
+}
+
+constexpr ScratchFn kScratchTiles[] = {scratch_tile<1>, scratch_tile<2>, scratch_tile<3>,
+                                       scratch_tile<4>, scratch_tile<5>, scratch_tile<6>};
+
+// rows split evenly over the passes (6 rows: 3 + 3, not 4 + 2): every pass keeps enough FMA chains busy
+inline int64_t rows_per_pass(int64_t M, int64_t most) {
+  const int64_t passes = (M + most - 1) / most;
+  return (M + passes - 1) / passes;
+}
+
+void multiply(bool q8, const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t panels, float* op,
+              int64_t ldo) {
+  const int64_t panel_bytes = (K / kBlock) * (q8 ? kQ8Bytes : kQ4Bytes);
+  if (M < kScratchFromRows) {
+    const TileFn* tiles = q8 ? kQ8Tiles : kQ4Tiles;
+    const int64_t per_pass = rows_per_pass(M, kMaxRowsPerPass);
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) {
+        const uint8_t* panel = wp + j * panel_bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
+          const int64_t rows = std::min(per_pass, M - m0);
+          tiles[rows - 1](xp + m0 * K, K, panel, op + m0 * ldo + j * kPanel, ldo);
+        }
+      }
+    });
+    return;
+  }
+  const int64_t per_pass = rows_per_pass(M, kMaxRowsPerScratchPass);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(static_cast<size_t>(K * kPanel));  // K x 16: 36 KB at K 576, in L1 / L2
     for (int64_t j = begin; j < end; ++j) {
       const uint8_t* panel = wp + j * panel_bytes;
+      if (q8) {
+        dequantize_q8_panel(panel, K, w.data());
+      } else {
+        dequantize_q4_panel(panel, K, w.data());
+      }
       for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
         const int64_t rows = std::min(per_pass, M - m0);
-        tiles[rows - 1](xp + m0 * K, K, panel, op + m0 * ldo + j * kPanel, ldo);
+        kScratchTiles[rows - 1](xp + m0 * K, K, w.data(), op + m0 * ldo + j * kPanel, ldo);
       }
     }
   });
@@ -503,7 +616,7 @@ const IntTileFn* int_tiles(int isa) {
 
 void int_multiply(const IntTileFn* tiles, int64_t record_bytes, const int8_t* digits, const BlockTerms* terms,
                   int64_t M, int64_t K, const uint8_t* wp, int64_t panels, float* op, int64_t ldo) {
-  const int64_t passes = (M + kMaxRowsPerPass - 1) / kMaxRowsPerPass, per_pass = (M + passes - 1) / passes;
+  const int64_t per_pass = rows_per_pass(M, kMaxRowsPerPass);
   const int64_t blocks = K / kBlock, panel_bytes = blocks * record_bytes;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
@@ -538,8 +651,8 @@ at::Tensor gguf_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, 
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), ldo = panels * kPanel;
   at::Tensor out = at::empty({M, ldo}, x.options());
   if (M > 0 && layout == 0) {
-    multiply(qtype == kQ8_0 ? kQ8Tiles : kQ4Tiles, record_bytes, x.data_ptr<float>(), M, K,
-             packed.data_ptr<uint8_t>(), panels, out.data_ptr<float>(), ldo);
+    multiply(qtype == kQ8_0, x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), panels, out.data_ptr<float>(),
+             ldo);
   } else if (M > 0) {
     const int64_t blocks = M * (K / kBlock);
     at::Tensor scratch = at::empty({blocks * (kDigitBytes + static_cast<int64_t>(sizeof(BlockTerms)))}, x.options().dtype(at::kByte));

@@ -1,0 +1,89 @@
+"""Two versions of the GGUF-block kernel (`cpu/gguf_gemm.cpp`) in one process, timed alternately on SmolLM2's
+121 matrices (float layout, or `--layout int`), their outputs compared bit for bit.
+
+On a 2-core VM the speed of one process differs from the next by 20-50 %, so two builds timed in their own
+processes say little; here each version is built under its own op namespace (`specserve_a`, `specserve_b`)
+and both run in one process, best of `--repeats` alternated rounds per row count.
+
+    .venv/bin/python bench/gguf_kernel_ab.py --before HEAD~1 [--after WORKTREE] [--tokens 1 4 8 16 45]
+
+`--before` / `--after`: a git revision of this repository (the file as committed there) or `WORKTREE` (the file
+as it is now). Prints one line per row count; exits 1 if the two versions' outputs differ in any bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load
+
+SOURCE = "kernels/specserve_kernels/cpu/gguf_gemm.cpp"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def source_text(rev: str) -> str:
+    if rev == "WORKTREE":
+        return (ROOT / SOURCE).read_text()
+    return subprocess.run(["git", "show", f"{rev}:{SOURCE}"], cwd=ROOT, check=True, capture_output=True,
+                          text=True).stdout
+
+
+def build(tag: str, text: str, directory: Path) -> object:
+    """Builds `text` with its ops registered under `specserve_<tag>`; returns that op namespace."""
+    text = text.replace("TORCH_LIBRARY_FRAGMENT(specserve, m)", f"TORCH_LIBRARY(specserve_{tag}, m)")
+    text = text.replace("TORCH_LIBRARY_IMPL(specserve, CPU, m)", f"TORCH_LIBRARY_IMPL(specserve_{tag}, CPU, m)")
+    path = directory / f"gguf_gemm_{tag}.cpp"
+    path.write_text(text)
+    load(f"gguf_gemm_{tag}", [str(path)], extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+         extra_ldflags=["-fopenmp"], is_python_module=False, build_directory=str(directory))
+    return getattr(torch.ops, f"specserve_{tag}")
+
+
+def main() -> int:
+    from specserve.models.gguf import load_llama_gguf
+    from specserve.prepare import prepare
+    from specserve_kernels.gguf_gemm import FLOAT_LAYOUT, INT_LAYOUT, GGUFLinear
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", required=True)
+    parser.add_argument("--after", default="WORKTREE")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 5, 8, 12, 16, 45, 128])
+    parser.add_argument("--layout", choices=["float", "int"], default="float")
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+    layout = INT_LAYOUT if args.layout == "int" else FLOAT_LAYOUT
+    with tempfile.TemporaryDirectory() as tmp:
+        ops = {name: build(name[0], source_text(rev), Path(tmp))
+               for name, rev in (("a_before", args.before), ("b_after", args.after))}
+        model = load_llama_gguf(prepare(), layout=layout)
+        linears = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+        print(f"{len(linears)} matrices, {args.layout} layout; before {args.before}, after {args.after}; "
+              f"{torch.get_num_threads()} threads", flush=True)
+        for t in args.tokens:
+            x = {n: torch.randn(t, n) for n in {m.in_features for m in linears}}
+            fns = {name: (lambda op=op, x=x: [op.gguf_mm(x[m.in_features], m.packed, m.out_features, m.qtype, m.layout)
+                                              for m in linears]) for name, op in ops.items()}
+            outs = [fn() for fn in fns.values()]
+            if not all(torch.equal(a, b) for a, b in zip(*outs)):
+                print(f"rows {t}: the two versions' outputs differ", flush=True)
+                return 1
+            best = dict.fromkeys(fns, float("inf"))
+            for _ in range(args.repeats):
+                for name, fn in fns.items():
+                    start = time.perf_counter()
+                    fn()
+                    best[name] = min(best[name], time.perf_counter() - start)
+            a, b = best.values()
+            print(f"rows {t:4d}: before {a * 1e3:8.2f} ms   after {b * 1e3:8.2f} ms   {a / b:5.2f}x   same bits",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
