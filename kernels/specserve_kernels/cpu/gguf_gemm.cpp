@@ -34,10 +34,11 @@
 //
 // Both layouts: a pass multiplies a panel by up to 4 rows; more rows take further passes over the panel, which is
 // then in L1 / L2. The float layout dequantizes a panel in registers for up to 4 rows; from 5 rows it dequantizes
-// the panel once into a float32 scratch panel (the same values) and multiplies it by up to 6 rows a pass, so a
-// verification or a prompt pays the dequantization once instead of once a pass. Every output element goes through
-// the same operations whatever the rows multiplied with it, so a row's result does not depend on how many rows are
-// multiplied with it (a tree verification computes its rows bit for bit as decodes). AVX-512 code is compiled
+// the panel once into a float32 scratch panel (the same values) and multiplies it by up to 3 rows a pass, all 16
+// columns at once, so a verification or a prompt pays the dequantization once instead of once a pass. Every
+// output element goes through the same operations whatever the rows multiplied with it, so a row's result does not
+// depend on how many rows are multiplied with it (a tree verification computes its rows bit for bit as decodes).
+// AVX-512 code is compiled
 // only into functions that carry the target and run where the CPU has avx512f, bw, vl and vnni (checked at run
 // time; SPECSERVE_GGUF_ISA=avx2 or avx512-256 in the environment picks a narrower kernel, for comparisons and
 // tests).
@@ -187,7 +188,7 @@ constexpr TileFn kQ8Tiles[] = {entry<Q8, 1>, entry<Q8, 2>, entry<Q8, 3>, entry<Q
 // ---- float layout, 3 rows or more: the panel dequantized once ----
 
 constexpr int64_t kScratchFromRows = 5;      // fewer rows: one pass of the tiles above
-constexpr int64_t kMaxRowsPerScratchPass = 6;  // 12 accumulators, the weight and a broadcast: 14 registers
+constexpr int64_t kMaxRowsPerScratchPass = 3;  // 12 accumulators, two weights and a broadcast: 15 registers
 
 // panel -> w (K, 16) float32: each weight as the tiles above compute it (same instructions, same values)
 void dequantize_q4_panel(const uint8_t* panel, int64_t K, float* w) {
@@ -225,48 +226,46 @@ void dequantize_q8_panel(const uint8_t* panel, int64_t K, float* w) {
   }
 }
 
-#define SPECSERVE_ACCS6(p) __m256 p##0 = z, p##1 = z, p##2 = z, p##3 = z, p##4 = z, p##5 = z;
-#define SPECSERVE_PANEL_FMA(p, m, k, w) \
-  if constexpr (MR > m) p##m = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * K + (k)), w, p##m);
-#define SPECSERVE_PANEL_FMAS(p, k, w)                                                           \
-  SPECSERVE_PANEL_FMA(p, 0, k, w) SPECSERVE_PANEL_FMA(p, 1, k, w) SPECSERVE_PANEL_FMA(p, 2, k, w) \
-  SPECSERVE_PANEL_FMA(p, 3, k, w) SPECSERVE_PANEL_FMA(p, 4, k, w) SPECSERVE_PANEL_FMA(p, 5, k, w)
-#define SPECSERVE_PANEL_STORE(m) \
-  if constexpr (MR > m) _mm256_storeu_ps(out + m * ldo, _mm256_add_ps(e##m, o##m));
+#define SPECSERVE_ACCS3(p) __m256 p##0a = z, p##0b = z, p##1a = z, p##1b = z, p##2a = z, p##2b = z;
+// k step `k` of row m: broadcast x[m, k], one FMA into each half's accumulator (columns 0-7: a, 8-15: b)
+#define SPECSERVE_PANEL_FMA(p, m, k, wa, wb)                          \
+  if constexpr (MR > m) {                                            \
+    const __m256 xb = _mm256_broadcast_ss(x + m * K + (k));          \
+    p##m##a = _mm256_fmadd_ps(xb, wa, p##m##a);                      \
+    p##m##b = _mm256_fmadd_ps(xb, wb, p##m##b);                      \
+  }
+#define SPECSERVE_PANEL_FMAS(p, k, wa, wb) \
+  SPECSERVE_PANEL_FMA(p, 0, k, wa, wb) SPECSERVE_PANEL_FMA(p, 1, k, wa, wb) SPECSERVE_PANEL_FMA(p, 2, k, wa, wb)
+#define SPECSERVE_PANEL_STORE(m)                                          \
+  if constexpr (MR > m) {                                                \
+    _mm256_storeu_ps(out + m * ldo, _mm256_add_ps(e##m##a, o##m##a));     \
+    _mm256_storeu_ps(out + m * ldo + 8, _mm256_add_ps(e##m##b, o##m##b)); \
+  }
 
-// x (MR, K) times 8 columns of a dequantized panel w (K, 16), from column 8 H on -> out (MR, 8): the tiles'
-// chains (even and odd k steps, added at the end) over the same weights, so the same bits.
-template <int MR, int H>
-void scratch_half(const float* x, int64_t K, const float* w, float* out, int64_t ldo) {
-  static_assert(MR >= 1 && MR <= kMaxRowsPerScratchPass && (H == 0 || H == 1));
+// x (MR, K) times a dequantized panel w (K, 16) -> out (MR, 16): the tiles' chains (even and odd k steps, added
+// at the end) over the same weights, so the same bits; one broadcast of x feeds both halves.
+template <int MR>
+void scratch_tile(const float* x, int64_t K, const float* w, float* out, int64_t ldo) {
+  static_assert(MR >= 1 && MR <= kMaxRowsPerScratchPass);
   const __m256 z = _mm256_setzero_ps();
-  SPECSERVE_ACCS6(e) SPECSERVE_ACCS6(o)
-  const float* wh = w + 8 * H;
+  SPECSERVE_ACCS3(e) SPECSERVE_ACCS3(o)
   for (int64_t k = 0; k < K; k += 2) {
-    const __m256 we = _mm256_loadu_ps(wh + k * kPanel);
-    SPECSERVE_PANEL_FMAS(e, k, we)
-    const __m256 wo = _mm256_loadu_ps(wh + (k + 1) * kPanel);
-    SPECSERVE_PANEL_FMAS(o, k + 1, wo)
+    const float* we = w + k * kPanel;
+    const __m256 wea = _mm256_loadu_ps(we), web = _mm256_loadu_ps(we + 8);
+    SPECSERVE_PANEL_FMAS(e, k, wea, web)
+    const __m256 woa = _mm256_loadu_ps(we + kPanel), wob = _mm256_loadu_ps(we + kPanel + 8);
+    SPECSERVE_PANEL_FMAS(o, k + 1, woa, wob)
   }
   SPECSERVE_PANEL_STORE(0) SPECSERVE_PANEL_STORE(1) SPECSERVE_PANEL_STORE(2)
-  SPECSERVE_PANEL_STORE(3) SPECSERVE_PANEL_STORE(4) SPECSERVE_PANEL_STORE(5)
 }
 
-#undef SPECSERVE_ACCS6
+#undef SPECSERVE_ACCS3
 #undef SPECSERVE_PANEL_FMA
 #undef SPECSERVE_PANEL_FMAS
 #undef SPECSERVE_PANEL_STORE
 
 using ScratchFn = void (*)(const float*, int64_t, const float*, float*, int64_t);
-
-template <int MR>
-void scratch_tile(const float* x, int64_t K, const float* w, float* out, int64_t ldo) {
-  scratch_half<MR, 0>(x, K, w, out, ldo);
-  scratch_half<MR, 1>(x, K, w, out + 8, ldo);
-}
-
-constexpr ScratchFn kScratchTiles[] = {scratch_tile<1>, scratch_tile<2>, scratch_tile<3>,
-                                       scratch_tile<4>, scratch_tile<5>, scratch_tile<6>};
+constexpr ScratchFn kScratchTiles[] = {scratch_tile<1>, scratch_tile<2>, scratch_tile<3>};
 
 // rows split evenly over the passes (6 rows: 3 + 3, not 4 + 2): every pass keeps enough FMA chains busy
 inline int64_t rows_per_pass(int64_t M, int64_t most) {
