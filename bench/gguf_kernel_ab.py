@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import load
+
+from specserve_kernels import cpp_build, gguf_gemm
 
 SOURCE = "kernels/specserve_kernels/cpu/gguf_gemm.cpp"
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,13 +36,15 @@ def source_text(rev: str) -> str:
 
 
 def build(tag: str, text: str, directory: Path) -> object:
-    """Builds `text` with its ops registered under `specserve_<tag>`; returns that op namespace."""
+    """Builds `text` as the product builds its kernels (`cpp_build.build`, the kernel's own flags) with its ops
+    registered under `specserve_<tag>`; returns that op namespace."""
     text = text.replace("TORCH_LIBRARY_FRAGMENT(specserve, m)", f"TORCH_LIBRARY(specserve_{tag}, m)")
     text = text.replace("TORCH_LIBRARY_IMPL(specserve, CPU, m)", f"TORCH_LIBRARY_IMPL(specserve_{tag}, CPU, m)")
     path = directory / f"gguf_gemm_{tag}.cpp"
     path.write_text(text)
-    load(f"gguf_gemm_{tag}", [str(path)], extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
-         extra_ldflags=["-fopenmp"], is_python_module=False, build_directory=str(directory))
+    library = gguf_gemm._LIBRARY
+    cpp_build.build(f"gguf_gemm_{tag}", path, directory, extra_cflags=["-O3", *library.cflags, "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], is_python_module=False)
     return getattr(torch.ops, f"specserve_{tag}")
 
 

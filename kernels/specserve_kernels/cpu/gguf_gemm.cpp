@@ -38,10 +38,9 @@
 // columns at once, so a verification or a prompt pays the dequantization once instead of once a pass. Every
 // output element goes through the same operations whatever the rows multiplied with it, so a row's result does not
 // depend on how many rows are multiplied with it (a tree verification computes its rows bit for bit as decodes).
-// AVX-512 code is compiled
-// only into functions that carry the target and run where the CPU has avx512f, bw, vl and vnni (checked at run
-// time; SPECSERVE_GGUF_ISA=avx2 or avx512-256 in the environment picks a narrower kernel, for comparisons and
-// tests).
+// AVX-512 code is compiled only into functions that carry the target and run where the CPU has avx512f, bw, vl
+// and vnni (checked at run time; SPECSERVE_GGUF_ISA=avx2 or avx512-256 in the environment picks a narrower
+// kernel, for comparisons and tests).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -73,6 +72,22 @@ inline void prefetch_record(const uint8_t* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
 }
 
+// Dequantized weights as GGUF defines them, one helper per form, so that the register tiles and the scratch
+// panels compute every weight with the same instructions (the same bits). v: 8 codes widened to int32.
+inline __m256i q4_codes(const uint8_t* p) {  // 8 bytes, each holding two 4-bit codes
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 q4_low(__m256i v, __m256 d, __m256 m) {  // the even k step's codes: d * q + m
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF))), d, m);
+}
+inline __m256 q4_high(__m256i v, __m256 d, __m256 m) {  // the odd k step's
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d, m);
+}
+inline __m256 q8_weights(const uint8_t* p, __m256 d) {  // 8 signed codes: d * q
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+                       d);
+}
+
 // Accumulators: row m, column group g (8 columns), even (e) or odd (o) k steps; named variables, not an
 // array (GCC keeps an array on the stack and stores it back on every step). Only those a tile uses exist
 // after compilation.
@@ -98,7 +113,6 @@ void q4_tile(const float* x, int64_t K, const uint8_t* panel, float* out, int64_
   static_assert(MR >= 1 && MR <= kMaxRowsPerPass && G >= 1 && G + H0 <= 2);
   const __m256 z = _mm256_setzero_ps();
   SPECSERVE_ACCS(e) SPECSERVE_ACCS(o)
-  const __m256i nibble = _mm256_set1_epi32(0xF);
   const int64_t blocks = K / kBlock;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* rec = panel + b * kQ4Bytes;
@@ -108,16 +122,16 @@ void q4_tile(const float* x, int64_t K, const uint8_t* panel, float* out, int64_
     const uint8_t* q = rec + 64 + 8 * H0;
     for (int64_t t = 0; t < kBlock / 2; ++t) {
       const int64_t k = b * kBlock + 2 * t;
-      const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 * t)));
-      const __m256 w0e = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, nibble)), d0, m0);
+      const __m256i v0 = q4_codes(q + 16 * t);
+      const __m256 w0e = q4_low(v0, d0, m0);
       SPECSERVE_ROWS_FMA(e, 0, k, w0e)
-      const __m256 w0o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), d0, m0);
+      const __m256 w0o = q4_high(v0, d0, m0);
       SPECSERVE_ROWS_FMA(o, 0, k + 1, w0o)
       if constexpr (G > 1) {
-        const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 * t + 8)));
-        const __m256 w1e = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, nibble)), d1, m1);
+        const __m256i v1 = q4_codes(q + 16 * t + 8);
+        const __m256 w1e = q4_low(v1, d1, m1);
         SPECSERVE_ROWS_FMA(e, 1, k, w1e)
-        const __m256 w1o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), d1, m1);
+        const __m256 w1o = q4_high(v1, d1, m1);
         SPECSERVE_ROWS_FMA(o, 1, k + 1, w1o)
       }
     }
@@ -139,18 +153,14 @@ void q8_tile(const float* x, int64_t K, const uint8_t* panel, float* out, int64_
     const uint8_t* q = rec + 32 + 8 * H0;
     for (int64_t t = 0; t < kBlock; t += 2) {
       const int64_t k = b * kBlock + t;
-      const __m128i* qe = reinterpret_cast<const __m128i*>(q + 16 * t);
-      const __m128i* qo = reinterpret_cast<const __m128i*>(q + 16 * t + 16);
-      const __m256 w0e = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(qe))), d0);
+      const __m256 w0e = q8_weights(q + 16 * t, d0);
       SPECSERVE_ROWS_FMA(e, 0, k, w0e)
-      const __m256 w0o = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(qo))), d0);
+      const __m256 w0o = q8_weights(q + 16 * t + 16, d0);
       SPECSERVE_ROWS_FMA(o, 0, k + 1, w0o)
       if constexpr (G > 1) {
-        const __m128i* qe1 = reinterpret_cast<const __m128i*>(q + 16 * t + 8);
-        const __m128i* qo1 = reinterpret_cast<const __m128i*>(q + 16 * t + 24);
-        const __m256 w1e = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(qe1))), d1);
+        const __m256 w1e = q8_weights(q + 16 * t + 8, d1);
         SPECSERVE_ROWS_FMA(e, 1, k, w1e)
-        const __m256 w1o = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(qo1))), d1);
+        const __m256 w1o = q8_weights(q + 16 * t + 24, d1);
         SPECSERVE_ROWS_FMA(o, 1, k + 1, w1o)
       }
     }
@@ -185,14 +195,13 @@ struct Q8 { static void run(const float* x, int64_t K, const uint8_t* p, float* 
 constexpr TileFn kQ4Tiles[] = {entry<Q4, 1>, entry<Q4, 2>, entry<Q4, 3>, entry<Q4, 4>};
 constexpr TileFn kQ8Tiles[] = {entry<Q8, 1>, entry<Q8, 2>, entry<Q8, 3>, entry<Q8, 4>};
 
-// ---- float layout, 3 rows or more: the panel dequantized once ----
+// ---- float layout, from kScratchFromRows rows: the panel dequantized once ----
 
-constexpr int64_t kScratchFromRows = 5;      // fewer rows: one pass of the tiles above
+constexpr int64_t kScratchFromRows = kMaxRowsPerPass + 1;  // fewer rows: one pass of the tiles above
 constexpr int64_t kMaxRowsPerScratchPass = 3;  // 12 accumulators, two weights and a broadcast: 15 registers
 
-// panel -> w (K, 16) float32: each weight as the tiles above compute it (same instructions, same values)
+// panel -> w (K, 16) float32: each weight through the tiles' helpers (same instructions, same values)
 void dequantize_q4_panel(const uint8_t* panel, int64_t K, float* w) {
-  const __m256i nibble = _mm256_set1_epi32(0xF);
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const uint8_t* rec = panel + b * kQ4Bytes;
     prefetch_record(rec + kPrefetchBlocks * kQ4Bytes, kQ4Bytes);
@@ -200,12 +209,11 @@ void dequantize_q4_panel(const uint8_t* panel, int64_t K, float* w) {
     const uint8_t* q = rec + 64;
     for (int64_t t = 0; t < kBlock / 2; ++t) {
       float* we = w + (b * kBlock + 2 * t) * kPanel;
-      const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 * t)));
-      const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 * t + 8)));
-      _mm256_storeu_ps(we, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, nibble)), d0, m0));
-      _mm256_storeu_ps(we + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, nibble)), d1, m1));
-      _mm256_storeu_ps(we + kPanel, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), d0, m0));
-      _mm256_storeu_ps(we + kPanel + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), d1, m1));
+      const __m256i v0 = q4_codes(q + 16 * t), v1 = q4_codes(q + 16 * t + 8);
+      _mm256_storeu_ps(we, q4_low(v0, d0, m0));
+      _mm256_storeu_ps(we + 8, q4_low(v1, d1, m1));
+      _mm256_storeu_ps(we + kPanel, q4_high(v0, d0, m0));
+      _mm256_storeu_ps(we + kPanel + 8, q4_high(v1, d1, m1));
     }
   }
 }
@@ -218,10 +226,8 @@ void dequantize_q8_panel(const uint8_t* panel, int64_t K, float* w) {
     const uint8_t* q = rec + 32;
     for (int64_t t = 0; t < kBlock; ++t) {
       float* wk = w + (b * kBlock + t) * kPanel;
-      const __m128i* q0 = reinterpret_cast<const __m128i*>(q + 16 * t);
-      const __m128i* q1 = reinterpret_cast<const __m128i*>(q + 16 * t + 8);
-      _mm256_storeu_ps(wk, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(q0))), d0));
-      _mm256_storeu_ps(wk + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(q1))), d1));
+      _mm256_storeu_ps(wk, q8_weights(q + 16 * t, d0));
+      _mm256_storeu_ps(wk + 8, q8_weights(q + 16 * t + 8, d1));
     }
   }
 }
@@ -276,17 +282,10 @@ inline int64_t rows_per_pass(int64_t M, int64_t most) {
 void multiply(bool q8, const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t panels, float* op,
               int64_t ldo) {
   const int64_t panel_bytes = (K / kBlock) * (q8 ? kQ8Bytes : kQ4Bytes);
-  if (M < kScratchFromRows) {
-    const TileFn* tiles = q8 ? kQ8Tiles : kQ4Tiles;
-    const int64_t per_pass = rows_per_pass(M, kMaxRowsPerPass);
+  if (M < kScratchFromRows) {  // one pass of a register tile: M <= kMaxRowsPerPass
+    const TileFn tile = (q8 ? kQ8Tiles : kQ4Tiles)[M - 1];
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t j = begin; j < end; ++j) {
-        const uint8_t* panel = wp + j * panel_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
-          const int64_t rows = std::min(per_pass, M - m0);
-          tiles[rows - 1](xp + m0 * K, K, panel, op + m0 * ldo + j * kPanel, ldo);
-        }
-      }
+      for (int64_t j = begin; j < end; ++j) tile(xp, K, wp + j * panel_bytes, op + j * kPanel, ldo);
     });
     return;
   }
