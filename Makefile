@@ -46,9 +46,15 @@ serve: setup prepare
 lint: setup
 	$(VENV)/bin/ruff check backend kernels client tests bench
 
-# malloc's memory on 2 MiB pages as `specserve serve` gives its processes (`host_memory.huge_page_env`)
+# malloc's memory on 2 MiB pages as `specserve serve` gives its processes (`host_memory.huge_page_env`). The tests
+# without a server run on TEST_WORKERS pytest processes, each taking whole modules (tests/conftest.py orders them);
+# the real tritonservers' tests then run alone: beside a second heavy process their streams miss their timeouts
+TEST_WORKERS ?= 2
+TEST_ENV := GLIBC_TUNABLES=$${GLIBC_TUNABLES:+$$GLIBC_TUNABLES:}glibc.malloc.hugetlb=1
 test: setup prepare lint
-	GLIBC_TUNABLES=$${GLIBC_TUNABLES:+$$GLIBC_TUNABLES:}glibc.malloc.hugetlb=1 $(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--ignore=tests/e2e $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest -q --durations=10 tests/e2e $(PYTEST_ARGS)
 
 BENCH := $(VENV)/bin/specserve bench --num-prompts 20 --max-new-tokens 128
 ALL_SPEC := ngram,eagle,eagle3,mtp,standalone,suffix

@@ -16,9 +16,21 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `make test`'s workers share the cores: each computes on its share, so no OpenMP thread spins
+# waiting for one that the other worker's thread displaced
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    torch.set_num_threads(max(1, torch.get_num_threads() // WORKERS))
+
+# the order in which `make test`'s workers take whole modules: the long ones first, the kernels' many short
+# tests last, where they even out the workers' ends
+FIRST = ("tests/model/", "tests/unit/", "tests/kernels/")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`gpu` tests need CUDA: skipped, with the reason shown, on a machine without it."""
+    """Modules in `FIRST`'s order; `gpu` tests need CUDA: skipped, with the reason shown, on a
+    machine without it."""
+    items.sort(key=lambda item: next((i for i, top in enumerate(FIRST) if item.nodeid.startswith(top)), len(FIRST)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run on a GPU machine: make gpu-check)")
