@@ -98,6 +98,26 @@ def test_model_drafter_greedy_is_lossless(engine_factory, mtbench_prompts, refer
     assert sum(o.num_accepted_tokens for o in outs) > steps // (5 if algorithm == "mtp" else 4)
 
 
+def test_a_head_caught_up_at_its_first_draft_drafts_as_one_caught_up_at_prefill(engine_factory, mtbench_prompts,
+                                                                                 reference):
+    """A head that skips the prefill's catch-up (the hybrid's) runs it over the whole prompt at its
+    first draft: the same outputs, and the same drafts accepted step by step."""
+    from specserve.serving.repository import served_drafter
+
+    engine = engine_factory(algorithm="eagle3", max_batch_size=1, adaptive=False, **served_drafter("eagle3"))
+    prompts, expected = cases(1, mtbench_prompts, reference)
+    prompts, expected = prompts[:3], expected[:3]
+    runs = {}
+    for at_prefill in (True, False):
+        engine.drafter.catch_up_on_prefill = at_prefill
+        engine.prefix_cache.forget()  # each pass prefills its prompts afresh
+        outs = [engine.generate([p], SamplingParams(max_tokens=MAX_TOKENS))[0] for p in prompts]
+        assert [o.token_ids for o in outs] == expected
+        runs[at_prefill] = [o.accept_lengths for o in outs]
+    assert runs[False] == runs[True]
+    assert sum(sum(n) - len(n) for n in runs[False]) > 0  # the head's drafts were accepted
+
+
 # suffix and the hybrid at batch 8 only: batch 1 runs them in the test above, at the served size
 @pytest.mark.parametrize(
     ("algorithm", "batch_size"),

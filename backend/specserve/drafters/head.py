@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 class HeadDrafter(Drafter):
     nested_trees = True  # trees come out in rank order (`grow_trees_on_device`)
     catches_up = True
+    # on_prefill catches the head up on each prompt chunk at once (False: at the request's first draft,
+    # for an owner that may never draft a row with the head)
+    catch_up_on_prefill = True
 
     def __init__(self, spec: SpecConfig, ctx: DraftContext) -> None:
         self.spec = spec
@@ -126,13 +129,14 @@ class HeadDrafter(Drafter):
         self.synced[dst] = keep
 
     def on_prefill(self, seqs: Sequence[SequenceView], out: ForwardOutput, packed: PackedPrompts) -> None:
-        """Store the chunk's features, then catch the head up on them, one sequence per forward (no
-        padding): a long prompt's catch-up goes chunk by chunk with its prefill."""
+        """Store the chunk's features, then (`catch_up_on_prefill`) catch the head up on them, one
+        sequence per forward (no padding): a long prompt's catch-up goes chunk by chunk with its prefill."""
         feats = self._features(out)  # (1, N, F) over the packed chunks
         for i, (s, c) in enumerate(zip(seqs, packed.chunks)):
             self.features[s.slot, c.start : c.end] = feats[0, packed.columns(i)]
-        for s in seqs:
-            self._catch_up([s])
+        if self.catch_up_on_prefill:
+            for s in seqs:
+                self._catch_up([s])
 
     @property
     def graphs(self) -> DraftGraphs | None:
