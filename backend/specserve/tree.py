@@ -106,6 +106,8 @@ class DraftTree:
         the nodes left out become -1 (a node's later siblings and children come after it)."""
         if n >= self.num_draft_tokens:
             return self
+        if n == 1:  # plain decoding, as often as not at batch 8: no per-tree tensor ops
+            return DraftTree(self.tokens[:1], *_ROOT_LINKS)
         cut = [torch.where(links[:n] < n, links[:n], -1) for links in (self.first_child, self.next_sibling)]
         return DraftTree(tokens=self.tokens[:n], parents=self.parents[:n], depth=self.depth[:n],
                          mask=self.mask[:n, :n], first_child=cut[0], next_sibling=cut[1])
@@ -119,6 +121,11 @@ class DraftTree:
     def chain(cls, root: int, drafts: Sequence[int]) -> DraftTree:
         """A linear draft (topk = 1): root -> d0 -> d1 -> ..."""
         return cls.from_parents([root, *drafts], list(range(-1, len(drafts))))
+
+
+# a root's parents, depth, mask, first_child and next_sibling, shared by `prefix(1)`'s trees (never written)
+_ROOT_LINKS = (torch.tensor([-1]), torch.tensor([0]), torch.ones(1, 1, dtype=torch.bool), torch.tensor([-1]),
+               torch.tensor([-1]))
 
 
 @dataclass(frozen=True)

@@ -370,10 +370,11 @@ class Engine:
             p.drafting_steps += 1
             p.draft_forwards += self.drafter.num_forwards - forwards
             p.draft_model += self.drafter.forward_seconds - model_seconds
-            batch = self._fit_trees(proposal, rooms)
-            if batch.is_root_only:  # the drafter found nothing to draft: the step decodes plainly
+            nothing = isinstance(proposal, list) and all(t.num_draft_tokens == 1 for t in proposal)
+            batch = None if nothing else self._fit_trees(proposal, rooms)
+            if batch is None or batch.is_root_only:  # the drafter found nothing to draft: a plain step
                 shape = DraftShape(1, 0, 1)
-        else:  # plain decoding this step; a drafter catches up on what it missed when it drafts again
+        if not shape.drafts:  # plain decoding; a drafter catches up on what it missed when it drafts again
             batch = TreeBatch.root_only(to_device([r.token_ids[-1] for r in reqs], self.device))
         shaped = None
         if any(r.grammar is not None for r in reqs):
