@@ -352,13 +352,28 @@ def test_a_slow_warm_up_step_of_plain_decoding_is_outvoted_by_real_steps():
     assert c.best(4) == plain and picks[-10:].count(plain) >= 9  # 1.5 in 50 ms loses to 1 in 30
 
 
-def test_neighbours_far_below_the_best_are_not_explored():
-    c = _chooser(explore_every=1)
+def test_neighbours_far_below_the_best_are_not_explored_until_their_acceptance_is_stale():
+    """A draft estimated far below plain decoding is not explored, until no step has sampled its
+    acceptance for `stale_after` exploration periods (`explore_every` steps each for a drafter without
+    catch-up; 4 x `max_backoff` times longer for one with it): then once, and its new sample counts."""
+    c = ShapeChooser(shape_menu(3, 1, 4), batch_buckets=(1,), explore_every=1, min_samples=1, drafts_catch_up=False)
     c.observe(1, c.menu[0], 0.010, [1])  # 100 tokens/s
     c.observe(1, c.menu[1], 0.030, [1.2])  # 40: a draft step costs 3x at this batch size
     for shape in c.menu[2:]:
         c.observe(1, shape, 0.030, [1.2])
-    assert {c.choose(1) for _ in range(20)} == {c.menu[0]}
+    fresh = c.stale_after * c.explore_every - 1
+    assert {c.choose(1) for _ in range(fresh)} == {c.menu[0]}
+    assert not c.stale(c.menu[1])
+    assert c.choose(1) == c.menu[1]  # stale now: explored whatever its estimate
+    c.observe(1, c.menu[1], 0.012, [3])  # this time it paid: 2.1 tokens in 21 ms on average
+    assert not c.stale(c.menu[1])
+    assert c.rate(1, c.menu[1]) >= c.explore_within * c.rate(1, c.menu[0])  # explored as a neighbour again
+    catching_up = ShapeChooser(shape_menu(3, 1, 4), batch_buckets=(1,), explore_every=1, min_samples=1)
+    catching_up.observe(1, catching_up.menu[1], 0.030, [1.2])
+    catching_up._step = fresh + 1
+    assert not catching_up.stale(catching_up.menu[1])  # 4 x max_backoff periods for a catch-up
+    catching_up._step = catching_up.stale_after * 4 * catching_up.max_backoff
+    assert catching_up.stale(catching_up.menu[1])
 
 
 def test_path_chooser_runs_the_faster_path_and_the_other_every_explore_every_steps():

@@ -54,7 +54,9 @@ class ShapeChooser:
     exploration from plain decoding also pays a catch-up over every token skipped since the last one
     (about a hundredth of a step per token on a 2-core CPU), so while explorations keep leaving plain
     decoding best, the period doubles, up to `max_backoff` times; it is back to 4 x `explore_every`
-    once a draft is best.
+    once a draft is best. A drafting shape whose acceptance no step has sampled for `stale_after` of
+    plain decoding's longest exploration periods is explored whatever its estimate: a few unlucky first
+    samples (a grammar's text, a stretch of chat) must not keep a drafter idle for the rest of the run.
     Warm-up timings ran on a synthetic prompt, perhaps while the machine was busy: they make a shape
     measured, but they are provisional. A shape's first real step time replaces its warm-up figure
     (it is never averaged with it), and a neighbour or runner-up whose time is still only its warm-up
@@ -64,7 +66,7 @@ class ShapeChooser:
 
     def __init__(self, menu: Sequence[DraftShape], batch_buckets: Sequence[int], explore_every: int = 16,
                  margin: float = 0.05, explore_within: float = 0.8, min_samples: int = 3,
-                 drafts_catch_up: bool = True, max_backoff: int = 4) -> None:
+                 drafts_catch_up: bool = True, max_backoff: int = 4, stale_after: int = 8) -> None:
         """drafts_catch_up: the drafter's first draft after plain steps catches up on them (`Drafter.catches_up`)."""
         self.menu = tuple(menu)
         self.drafts_catch_up = drafts_catch_up
@@ -74,12 +76,15 @@ class ShapeChooser:
         self.explore_within = explore_within
         self.min_samples = min_samples
         self.max_backoff = max_backoff
+        self.stale_after = stale_after
         self._backoff = 1  # the plain-decoding exploration period's factor (see the module's docstring)
         # seconds
         self.step_time = {(b, s): RunningAverage(horizon=10, robust=True) for b in self.buckets for s in self.menu}
         self.accept = {s: RunningAverage(horizon=40) for s in self.menu}  # tokens per request per step
         self.chosen: Counter[DraftShape] = Counter()
         self._steps = 0
+        self._step = 0  # steps chosen in all
+        self._sampled_at = dict.fromkeys(self.menu, 0)  # per shape, the step its acceptance was last sampled
         self._explored = 0
         self._again: DraftShape | None = None  # an explored draft's second step (see `choose`)
         self._exploring: DraftShape | None = None  # the draft this step explores, until it runs
@@ -135,8 +140,17 @@ class ShapeChooser:
                 return s
         return top
 
+    def stale(self, shape: DraftShape) -> bool:
+        """Whether a drafting shape's measured acceptance has gone unsampled for `stale_after` of plain
+        decoding's longest exploration periods (`explore_every`, x 4 x `max_backoff` for a drafter that
+        catches up: its exploration pays a catch-up); it is explored again whatever its estimate."""
+        period = self.explore_every * (4 * self.max_backoff if self.drafts_catch_up else 1)
+        return (shape.drafts and self.accept[shape].count >= self.min_samples
+                and self._step - self._sampled_at[shape] >= self.stale_after * period)
+
     def choose(self, batch_size: int) -> DraftShape:
         self._steps += 1
+        self._step += 1
         again, self._again = self._again, None
         shape = again or self.best(batch_size)
         if again is None and shape.drafts:
@@ -162,7 +176,7 @@ class ShapeChooser:
         figure (a busy moment may have skewed it; plain decoding first, the baseline every draft
         must beat), else the next in turn."""
         b = self.bucket(batch_size)
-        provisional = [s for s in candidates if self.step_time[(b, s)].provisional]
+        provisional = [s for s in candidates if self.step_time[(b, s)].provisional or self.stale(s)]
         if provisional:
             return min(provisional, key=lambda s: s.num_draft_tokens)
         return candidates[self._explored % len(candidates)] if candidates else None
@@ -189,8 +203,8 @@ class ShapeChooser:
         if runner_up is not None and runner_up not in picks:
             picks.append(runner_up)
         b = self.bucket(batch_size)
-        picks = [s for s in picks
-                 if estimate(s) >= self.explore_within * best_rate or self.step_time[(b, s)].provisional]
+        picks = [s for s in picks if estimate(s) >= self.explore_within * best_rate
+                 or self.step_time[(b, s)].provisional or self.stale(s)]
         plain = self.menu[0]
         if best.drafts and not plain.drafts and plain not in picks:
             # the baseline every draft must beat: a stale estimate of it (a slow warm-up step)
@@ -227,12 +241,14 @@ class ShapeChooser:
         if not shape.drafts or not accept_lengths:
             return
         self.accept[shape].add(sum(accept_lengths) / len(accept_lengths), len(accept_lengths))
+        self._sampled_at[shape] = self._step
         if accepted_nodes:
             for smaller in self.menu:
                 if smaller.drafts and smaller.num_draft_tokens < shape.num_draft_tokens:
                     n = smaller.num_draft_tokens
                     lengths = [1 + sum(j < n for j in nodes[1:]) for nodes in accepted_nodes]
                     self.accept[smaller].add(sum(lengths) / len(lengths), len(lengths))
+                    self._sampled_at[smaller] = self._step
 
     def forget_acceptance(self) -> None:
         """After warm-up on a synthetic prompt: its accept lengths say nothing about real text
