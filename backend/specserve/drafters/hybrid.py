@@ -38,7 +38,9 @@ from specserve.tree import DraftShape, DraftTree
 
 class HybridDrafter(Drafter):
     nested_trees = True  # each row's tree is one drafter's, and both rank their nodes
-    catches_up = True  # the head catches up on what it skipped
+    # the head catches up on what it skipped, but only on the rows `plan` gives it, whose cost `plan` weighs
+    # (`head_seconds` counts its catch-ups): the chooser explores as it does for suffix decoding alone
+    catches_up = False
 
     @classmethod
     def build(cls, spec: SpecConfig, ctx: DraftContext) -> Drafter:
