@@ -54,9 +54,9 @@ class ShapeChooser:
     exploration from plain decoding also pays a catch-up over every token skipped since the last one
     (about a hundredth of a step per token on a 2-core CPU), so while explorations keep leaving plain
     decoding best, the period doubles, up to `max_backoff` times; it is back to 4 x `explore_every`
-    once a draft is best. A drafting shape whose acceptance no step has sampled for `stale_after` of
-    plain decoding's longest exploration periods is explored whatever its estimate: a few unlucky first
-    samples (a grammar's text, a stretch of chat) must not keep a drafter idle for the rest of the run.
+    once a draft is best. The smallest drafting shape, when no step has sampled its acceptance for
+    `stale_after` of plain decoding's longest exploration periods, is explored whatever its estimate: a
+    few unlucky first samples (a grammar's text, a stretch of chat) must not keep a drafter idle for good.
     Warm-up timings ran on a synthetic prompt, perhaps while the machine was busy: they make a shape
     measured, but they are provisional. A shape's first real step time replaces its warm-up figure
     (it is never averaged with it), and a neighbour or runner-up whose time is still only its warm-up
@@ -141,11 +141,14 @@ class ShapeChooser:
         return top
 
     def stale(self, shape: DraftShape) -> bool:
-        """Whether a drafting shape's measured acceptance has gone unsampled for `stale_after` of plain
-        decoding's longest exploration periods (`explore_every`, x 4 x `max_backoff` for a drafter that
-        catches up: its exploration pays a catch-up); it is explored again whatever its estimate."""
+        """Whether the smallest drafting shape's measured acceptance has gone unsampled for `stale_after`
+        of plain decoding's longest exploration periods (`explore_every`, x 4 x `max_backoff` for a
+        drafter that catches up: its exploration pays a catch-up); it is explored again whatever its
+        estimate. Larger shapes are not: their bounds follow from it (`acceptance_bound`), and a drafter
+        that sizes its own trees (suffix decoding) runs the same tree whichever drafting shape is explored."""
+        smallest = next((s for s in self.menu if s.drafts), None)
         period = self.explore_every * (4 * self.max_backoff if self.drafts_catch_up else 1)
-        return (shape.drafts and self.accept[shape].count >= self.min_samples
+        return (shape == smallest and self.accept[shape].count >= self.min_samples
                 and self._step - self._sampled_at[shape] >= self.stale_after * period)
 
     def choose(self, batch_size: int) -> DraftShape:
