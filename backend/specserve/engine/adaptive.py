@@ -84,7 +84,8 @@ class ShapeChooser:
         self.chosen: Counter[DraftShape] = Counter()
         self._steps = 0
         self._step = 0  # steps chosen in all
-        self._sampled_at = dict.fromkeys(self.menu, 0)  # per shape, the step its acceptance was last sampled
+        self._smallest = next((s for s in self.menu if s.drafts), None)  # the drafting shape that goes stale
+        self._smallest_sampled_at = 0  # the step its acceptance was last sampled
         self._explored = 0
         self._again: DraftShape | None = None  # an explored draft's second step (see `choose`)
         self._exploring: DraftShape | None = None  # the draft this step explores, until it runs
@@ -146,10 +147,9 @@ class ShapeChooser:
         drafter that catches up: its exploration pays a catch-up); it is explored again whatever its
         estimate. Larger shapes are not: their bounds follow from it (`acceptance_bound`), and a drafter
         that sizes its own trees (suffix decoding) runs the same tree whichever drafting shape is explored."""
-        smallest = next((s for s in self.menu if s.drafts), None)
         period = self.explore_every * (4 * self.max_backoff if self.drafts_catch_up else 1)
-        return (shape == smallest and self.accept[shape].count >= self.min_samples
-                and self._step - self._sampled_at[shape] >= self.stale_after * period)
+        return (shape == self._smallest and self.accept[shape].count >= self.min_samples
+                and self._step - self._smallest_sampled_at >= self.stale_after * period)
 
     def choose(self, batch_size: int) -> DraftShape:
         self._steps += 1
@@ -244,14 +244,14 @@ class ShapeChooser:
         if not shape.drafts or not accept_lengths:
             return
         self.accept[shape].add(sum(accept_lengths) / len(accept_lengths), len(accept_lengths))
-        self._sampled_at[shape] = self._step
+        if shape == self._smallest or accepted_nodes:  # nested trees measure the smallest shape too
+            self._smallest_sampled_at = self._step
         if accepted_nodes:
             for smaller in self.menu:
                 if smaller.drafts and smaller.num_draft_tokens < shape.num_draft_tokens:
                     n = smaller.num_draft_tokens
                     lengths = [1 + sum(j < n for j in nodes[1:]) for nodes in accepted_nodes]
                     self.accept[smaller].add(sum(lengths) / len(lengths), len(lengths))
-                    self._sampled_at[smaller] = self._step
 
     def forget_acceptance(self) -> None:
         """After warm-up on a synthetic prompt: its accept lengths say nothing about real text
