@@ -27,6 +27,7 @@ from specserve.models.cpu_linear import PackedLinear
 from specserve.models.llama import RMSNorm
 from specserve.prompts import load_questions, load_schemas, render_chat
 from specserve.tree import DraftShape
+from specserve_kernels import gguf_gemm
 from specserve_kernels.gguf_gemm import GGUFLinear
 
 log = logging.getLogger(__name__)
@@ -261,6 +262,8 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         # the step program's matmuls: the AVX2 few-row kernel or inductor's autotuned ones
         "step_matmul": getattr(base_engine.runner.compiled, "step_matmul", None),
         "step_attention": getattr(base_engine.runner.compiled, "step_attention", None),
+        # the GGUF layers' activation digits as served (3: float32's precision; empty: no integer-layout layer)
+        "gguf_activation_digits": list(gguf_gemm.activation_digits(base_engine.model)),
     }
     hf = lookup = None
     if hf_baseline:

@@ -351,8 +351,7 @@ class EngineConfig:
     """What the engine is built from: each field's `Knob` says what it does. device and dtype
     `auto` are resolved here, for this machine; `spec`'s fields are knobs of their own."""
 
-    model_dir: str = knob(path=True, help="the target's HF model directory (empty = the embedded SmolLM2 that "
-                          "`specserve prepare` builds)")
+    model_dir: str = knob(path=True, help="the target's HF model directory (empty = the embedded SmolLM2 of `prepare`)")
     max_batch_size: int = knob(8, help="KV-cache slots, i.e. requests decoded together; more wait in a queue",
                                no_flag="generate decodes one request, bench as many as its --batch-size")
     max_seq_len: int = knob(2048, help="prompt + generated tokens per request (the cache is slots x max_seq_len)")
@@ -361,10 +360,12 @@ class EngineConfig:
     device: str = knob("auto", help="cpu, cuda, cuda:N (auto = cuda when available)")
     load_format: str = knob("auto", choices=LOAD_FORMATS,
                             help="the target's weights: gguf = on a CPU, the model directory's model.gguf computed "
-                                 "from its own 4- and 8-bit blocks (Q4_0, Q4_1, Q8_0 layers; float32 activations); "
-                                 "safetensors = the checkpoint at `dtype`; auto = gguf on an x86-64 CPU with AVX2, FMA "
-                                 "and F16C where the directory has model.gguf and dtype is auto or float32, else "
-                                 "safetensors (vLLM's name)")
+                                 "from its own 4- and 8-bit blocks (Q4_0, Q4_1, Q8_0 layers); safetensors = the "
+                                 "checkpoint at `dtype`; auto = gguf on x86-64 with AVX2, FMA and F16C where the "
+                                 "directory has model.gguf and dtype is auto or float32, else safetensors (vLLM's)")
+    gguf_activations: str = knob("float32", choices=("q8", "q16", "float32"), help="load_format gguf: each block "
+                                 "of 32 activations rounded to 8 or 16 bits of its largest (q8: llama.cpp's) or kept "
+                                 "at float32's precision; fewer bits verify trees and prefill prompts faster")
     spec: SpecConfig = field(default_factory=SpecConfig)
     num_threads: int | None = knob(None, help="torch intra-op threads (empty = torch's default)")
     attention_backend: str = knob("auto", choices=ATTENTION_BACKENDS,
@@ -405,8 +406,7 @@ class EngineConfig:
                                "(UNAVAILABLE when served; 0 = no bound)",
                                no_flag="generate and bench queue every prompt they are given, without bound")
     request_timeout_s: float = knob(600.0, help="a request still unfinished this long after it arrived ends with "
-                                    "finish_reason timeout, freeing its slot even when nobody reads its stream "
-                                    "(0 = never)")
+                                    "finish_reason timeout, freeing its slot though nobody reads it (0 = never)")
     structured_output_max_bytes: int = knob(65536, help="the longest JSON schema, regex or grammar a request may "
                                             "constrain its output with; a longer one is refused")
     structured_output_compile_timeout_s: float = knob(5.0, help="a request's grammar that takes longer to compile is "

@@ -15,7 +15,11 @@ third of the bytes of a bf16 copy. `gguf_mm` reads those blocks, repacked once a
   instructions per weight: near the speed of reading the weights at one row. Its numbers are those
   of float32 arithmetic on activations rounded to about 24 bits relative to their block's largest
   element (an element 2^24 times smaller than its block's largest is lost, as in a float32 sum of
-  the two); it is not llama.cpp's one-digit int8 activations. Q8_0 needs VNNI (`int_layout_runs`).
+  the two). Q8_0 needs VNNI (`int_layout_runs`). `digits` keeps fewer of them: 1 is llama.cpp's
+  int8 rounding of the activations (about 2^-8 of the block's largest), 2 about 2^-16; a row then
+  costs the kernel about a third (a half) of the integer work, which is what verifying a tree's
+  tokens and prefilling a prompt pay for (`ACTIVATION_DIGITS` names them for the engine's
+  `gguf_activations`).
 
 Each output element goes through the same operations whatever the other rows, so a row's result is
 the same bit for bit whatever other rows it is multiplied with: tree verification of a few tokens
@@ -58,6 +62,8 @@ FLOAT_LAYOUT, INT_LAYOUT = 0, 1  # the op's `layout` argument
 LAYOUTS = {"float": FLOAT_LAYOUT, "int": INT_LAYOUT}
 RECORD_BYTES = {Q4_0: 64 + 256, Q4_1: 64 + 256, Q8_0: 32 + 512}  # the float layout's
 INT_RECORD_BYTES = {Q4_0: 32 + 256, Q4_1: 64 + 256, Q8_0: 32 + 512}  # the integer layout's
+EXACT_DIGITS = 3  # the integer layout's activation digits that keep float32's precision
+ACTIVATION_DIGITS = {"q8": 1, "q16": 2, "float32": EXACT_DIGITS}  # the engine's `gguf_activations`
 
 
 def record_bytes(qtype: int, layout: int) -> int:
@@ -95,7 +101,7 @@ def default_layout(qtype: int) -> int:
 
 def _register_fake() -> None:
     @torch.library.register_fake("specserve::gguf_mm")
-    def _(x: torch.Tensor, packed: torch.Tensor, n: int, qtype: int, layout: int) -> torch.Tensor:
+    def _(x: torch.Tensor, packed: torch.Tensor, n: int, qtype: int, layout: int, digits: int = 3) -> torch.Tensor:
         return x.new_empty(x.shape[0], n)
 
 
@@ -241,9 +247,24 @@ def unpack(packed: torch.Tensor, n: int, qtype: int, layout: int = FLOAT_LAYOUT)
     return w.transpose(1, 2).reshape(panels * PANEL, blocks * BLOCK)[:n]
 
 
-def gguf_mm(x: torch.Tensor, packed: torch.Tensor, n: int, qtype: int, layout: int = FLOAT_LAYOUT) -> torch.Tensor:
-    """x (M, K) float32 @ weight.T -> (M, n), weight as `pack` left it in `layout`."""
-    return torch.ops.specserve.gguf_mm(x, packed, n, qtype, layout)
+def gguf_mm(x: torch.Tensor, packed: torch.Tensor, n: int, qtype: int, layout: int = FLOAT_LAYOUT,
+            digits: int = EXACT_DIGITS) -> torch.Tensor:
+    """x (M, K) float32 @ weight.T -> (M, n), weight as `pack` left it in `layout`; `digits`: the int8
+    digits the integer layout keeps of each activation (the float layout ignores it)."""
+    return torch.ops.specserve.gguf_mm(x, packed, n, qtype, layout, digits)
+
+
+def activation_digits(model: nn.Module) -> tuple[int, ...]:
+    """The activation digits of `model`'s GGUF layers in the integer layout, each once (empty without
+    any): what a compiled program of it bakes in besides its state dict."""
+    return tuple(sorted({m.digits for m in model.modules() if isinstance(m, GGUFLinear) and m.layout == INT_LAYOUT}))
+
+
+def set_activation_digits(model: nn.Module, digits: int) -> None:
+    """Every GGUF layer of `model` keeps `digits` activation digits from its next call on."""
+    for m in model.modules():
+        if isinstance(m, GGUFLinear):
+            m.digits = digits
 
 
 class GGUFLinear(nn.Module):
@@ -251,22 +272,24 @@ class GGUFLinear(nn.Module):
     (..., out) float32. Needs `load()` first. `rows` selects output features (a fused projection
     concatenates several tensors' rows: `GGUFLinear.concat`)."""
 
-    def __init__(self, raw: torch.Tensor, qtype: int, layout: int | None = None) -> None:
+    def __init__(self, raw: torch.Tensor, qtype: int, layout: int | None = None, digits: int = EXACT_DIGITS) -> None:
         """raw (out, in / 32 * block bytes) uint8: a GGUF tensor's blocks, one row per output feature.
         layout: FLOAT_LAYOUT or INT_LAYOUT; default `default_layout(qtype)`."""
         super().__init__()
         n, blocks = _check(raw, qtype)
         self.out_features, self.in_features, self.qtype = n, blocks * BLOCK, qtype
         self.layout = default_layout(qtype) if layout is None else layout
+        self.digits = digits
         # persistent: a compiled program's key digests the state dict, so these bytes name the program
         self.register_buffer("packed", pack(raw, qtype, self.layout))
         self.weight_nbytes = self.packed.nbytes  # what one forward reads
         self._weight: torch.Tensor | None = None
 
     @classmethod
-    def concat(cls, raws: list[torch.Tensor], qtype: int, layout: int | None = None) -> GGUFLinear:
+    def concat(cls, raws: list[torch.Tensor], qtype: int, layout: int | None = None,
+               digits: int = EXACT_DIGITS) -> GGUFLinear:
         """One layer whose outputs are the given tensors' outputs, in order (fused q/k/v, gate/up)."""
-        return cls(torch.cat(raws), qtype, layout)
+        return cls(torch.cat(raws), qtype, layout, digits)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight (out, in) this layer multiplies by."""
@@ -289,7 +312,8 @@ class GGUFLinear(nn.Module):
         return (codes.float() * d[..., None] + m[..., None]).reshape(ids.shape[0], -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = gguf_mm(x.reshape(-1, self.in_features), self.packed, self.out_features, self.qtype, self.layout)
+        out = gguf_mm(x.reshape(-1, self.in_features), self.packed, self.out_features, self.qtype, self.layout,
+                      self.digits)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -299,6 +323,7 @@ class GGUFLinear(nn.Module):
                 f"{layout} layout")
 
 
-__all__ = ["FLOAT_LAYOUT", "INT_LAYOUT", "GGUFLinear", "QTYPES", "Q4_0", "Q4_1", "Q8_0", "codes_and_scales",
-           "default_layout", "dequantize", "gguf_mm", "int_kernel", "int_layout_runs", "load", "pack", "quantize_q8_0",
-           "record_bytes", "supported", "unpack"]
+__all__ = ["ACTIVATION_DIGITS", "EXACT_DIGITS", "FLOAT_LAYOUT", "INT_LAYOUT", "GGUFLinear", "QTYPES", "Q4_0", "Q4_1",
+           "Q8_0", "activation_digits", "codes_and_scales", "default_layout", "dequantize", "gguf_mm", "int_kernel",
+           "int_layout_runs", "load", "pack", "quantize_q8_0", "record_bytes", "set_activation_digits", "supported",
+           "unpack"]

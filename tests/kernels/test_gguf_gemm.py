@@ -59,8 +59,9 @@ def assert_within_float32_sum_error(got: torch.Tensor, x: torch.Tensor, weight: 
     assert ((got.double() - exact).abs() <= bound).all(), ((got.double() - exact).abs() / bound).max()
 
 
-def assert_within_digit_error(got: torch.Tensor, x: torch.Tensor, raw: torch.Tensor, qtype: int) -> None:
-    """got = x @ weight.T as the integer layout computes it, each output within
+def assert_within_digit_error(got: torch.Tensor, x: torch.Tensor, raw: torch.Tensor, qtype: int,
+                              exact: torch.Tensor | None = None) -> None:
+    """got = x @ weight.T (or `exact`) as the integer layout computes it, each output within
 
         2^-24 * [(K / 32 + 8) * S + 32 * sum_k |m_k x_k| + 1.03 * sum_k |d_k q_k| * max_b(k) |x|]
 
@@ -79,9 +80,57 @@ def assert_within_digit_error(got: torch.Tensor, x: torch.Tensor, raw: torch.Ten
     k = x.shape[1]
     xa = x.double().abs()
     block_max = xa.reshape(x.shape[0], k // 32, 32).amax(-1).repeat_interleave(32, dim=1)  # (M, K)
-    exact = x.double() @ gguf_gemm.dequantize(raw, qtype).double().T
+    if exact is None:
+        exact = x.double() @ gguf_gemm.dequantize(raw, qtype).double().T
     bound = 2.0**-24 * ((k / 32 + 8) * (xa @ (dq + mm).T) + 32 * (xa @ mm.T) + 1.03 * (block_max @ dq.T)) + 1e-30
     assert ((got.double() - exact).abs() <= bound).all(), ((got.double() - exact).abs() / bound).max()
+
+
+def rounded_product(x: torch.Tensor, raw: torch.Tensor, qtype: int, digits: int) -> torch.Tensor:
+    """x @ weight.T (float64) as `digits` digits compute it: the codes' part (d q) times the rounded x, Q4_1's
+    m times the sum of x itself."""
+    codes, d, m = gguf_gemm.codes_and_scales(raw, qtype)
+    weight = gguf_gemm.dequantize(raw, qtype).double()
+    offsets = (m.double() if qtype == Q4_1 else torch.zeros_like(m.double()))[..., None].expand(codes.shape)
+    offsets = offsets.reshape(weight.shape)
+    return digit_rounding(x, digits) @ (weight - offsets).T + x.double() @ offsets.T
+
+
+def digit_rounding(x: torch.Tensor, digits: int) -> torch.Tensor:
+    """x as `digits` int8 digits represent it, per row and block of 32 (float64): s = max |x| / 127 (raised
+    to the next float32 while 127 s < max |x|), a_0 = round(x / s), a_j = round(254 (r_{j-1} - a_{j-1}))."""
+    m, k = x.shape
+    blocks = x.double().reshape(m, k // 32, 32)
+    big = blocks.abs().amax(-1, keepdim=True).float()
+    s = big / 127
+    while (s.double() * 127 < big.double()).any():
+        s = torch.where(s.double() * 127 < big.double(), torch.nextafter(s, torch.tensor(float("inf"))), s)
+    s = s.double()
+    y, rep, scale = torch.where(s > 0, blocks / s, torch.zeros_like(blocks)), torch.zeros_like(blocks), 1.0
+    for _ in range(digits):
+        a = y.round().clamp(-127, 127)
+        rep, y, scale = rep + a * scale, (y - a) * 254, scale / 254
+    return (rep * s).reshape(m, k)
+
+
+@pytest.mark.parametrize("digits", [1, 2])
+@pytest.mark.parametrize("qtype", TYPES)
+def test_fewer_digits_compute_the_rounded_activations(qtype, digits):
+    """With one digit (llama.cpp's 8-bit rounding of each block) or two, the product of the activations as
+    those digits round them (Q4_1's m times the sum of the activations themselves), within the three-digit
+    kernel's error bound; the rounding is real (the unrounded product is ten times further off)."""
+    skip_unless_runs(qtype, INT_LAYOUT)
+    raw = random_blocks(100, 576, qtype, seed=digits + qtype)
+    packed = gguf_gemm.pack(raw, qtype, INT_LAYOUT)
+    g = torch.Generator().manual_seed(digits)
+    for m in [1, 3, 4, 5, 8, 9, 16, 17]:
+        x = torch.randn(m, 576, generator=g)
+        x[:, :32] *= 50
+        got = gguf_gemm.gguf_mm(x, packed, 100, qtype, INT_LAYOUT, digits)
+        rounded = rounded_product(x, raw, qtype, digits)
+        assert_within_digit_error(got, x, raw, qtype, exact=rounded)
+        exact = x.double() @ gguf_gemm.dequantize(raw, qtype).double().T
+        assert (got.double() - exact).abs().max() > 10 * (got.double() - rounded).abs().max()
 
 
 def test_the_integer_layout_is_the_default_where_avx512_vnni_runs_it():
@@ -149,18 +198,23 @@ def test_zero_and_non_finite_activations(layout):
     assert_within_float32_sum_error(got[2:], x[2:], gguf_reference(raw, Q4_1))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("layout", "digits"), [(FLOAT_LAYOUT, 3), (INT_LAYOUT, 3), (INT_LAYOUT, 2), (INT_LAYOUT, 1)])
 @pytest.mark.parametrize("qtype", TYPES)
-def test_a_row_is_computed_the_same_whatever_rows_come_with_it(qtype, layout):
-    """A verification's rows equal the decode steps' bit for bit: the same operations per output."""
+def test_a_row_is_computed_the_same_whatever_rows_come_with_it(qtype, layout, digits):
+    """A verification's rows equal the decode steps' bit for bit: the same operations per output (with one
+    digit a pass takes up to 8 rows, so 17 rows cover three passes of every width)."""
     skip_unless_runs(qtype, layout)
     raw = random_blocks(300, 576, qtype, seed=7)
     packed = gguf_gemm.pack(raw, qtype, layout)
     x = torch.randn(17, 576, generator=torch.Generator().manual_seed(1))
-    alone = torch.cat([gguf_gemm.gguf_mm(x[i : i + 1], packed, 300, qtype, layout) for i in range(17)])
+
+    def mm(rows: torch.Tensor) -> torch.Tensor:
+        return gguf_gemm.gguf_mm(rows, packed, 300, qtype, layout, digits)
+
+    alone = torch.cat([mm(x[i : i + 1]) for i in range(17)])
     for m in range(1, 18):
-        assert torch.equal(gguf_gemm.gguf_mm(x[:m], packed, 300, qtype, layout), alone[:m]), m
-        assert torch.equal(gguf_gemm.gguf_mm(x[17 - m :], packed, 300, qtype, layout), alone[17 - m :]), m
+        assert torch.equal(mm(x[:m]), alone[:m]), m
+        assert torch.equal(mm(x[17 - m :]), alone[17 - m :]), m
 
 
 _ISA_SCRIPT = """
@@ -171,7 +225,8 @@ data = torch.load(sys.argv[1])
 out = {}
 for qtype, raw in data["raws"].items():
     if gguf_gemm.int_layout_runs(qtype):
-        out[qtype] = gguf_gemm.gguf_mm(data["x"], gguf_gemm.pack(raw, qtype, 1), raw.shape[0], qtype, 1)
+        out[qtype] = [gguf_gemm.gguf_mm(data["x"], gguf_gemm.pack(raw, qtype, 1), raw.shape[0], qtype, 1, digits)
+                      for digits in (1, 2, 3)]
     else:
         try:
             gguf_gemm.gguf_mm(data["x"], gguf_gemm.pack(raw, qtype, 1), raw.shape[0], qtype, 1)
@@ -187,7 +242,7 @@ def test_every_integer_kernel_computes_the_same_bits(tmp_path):
     if gguf_gemm.int_kernel() == "none":
         pytest.skip("no integer kernel on this CPU")
     raws = {q: random_blocks(70, 192, q, seed=11 + q) for q in TYPES}
-    x = torch.randn(6, 192, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(11, 192, generator=torch.Generator().manual_seed(5))  # one digit: 8 rows a pass, then 3
     torch.save({"raws": raws, "x": x}, tmp_path / "in.pt")
     results = {}
     for cap in ["avx2", "avx512-256", ""]:
@@ -203,7 +258,7 @@ def test_every_integer_kernel_computes_the_same_bits(tmp_path):
                 assert "no integer kernel" in out[qtype]
                 continue
             want = results[gguf_gemm.int_kernel()][qtype]
-            assert torch.equal(out[qtype], want), (kernel, qtype)
+            assert all(torch.equal(o, w) for o, w in zip(out[qtype], want, strict=True)), (kernel, qtype)
 
 
 def test_smollm2s_own_tensors(smollm2_gguf):
@@ -246,6 +301,9 @@ def test_bad_input_is_refused_with_a_message():
     with pytest.raises(RuntimeError, match="does not match"):  # Q4_0's integer records are 288 bytes
         gguf_gemm.gguf_mm(torch.randn(2, 64), gguf_gemm.pack(random_blocks(32, 64, Q4_0, seed=0), Q4_0), 32, Q4_0,
                           INT_LAYOUT)
+    for digits in (0, 4):
+        with pytest.raises(RuntimeError, match="digits must be 1, 2 or 3"):
+            gguf_gemm.gguf_mm(torch.randn(2, 64), packed, 32, Q4_1, FLOAT_LAYOUT, digits)
     with pytest.raises(ValueError, match="layout"):
         gguf_gemm.pack(raw, Q4_1, 5)
     with pytest.raises(ValueError, match="Q4_0"):

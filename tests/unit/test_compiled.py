@@ -30,7 +30,7 @@ from specserve.runtime.compiled import (
 )
 from specserve.runtime.few_row_head import FEW_ROWS
 from specserve.runtime.target import TargetRunner
-from specserve_kernels import few_row_gemm, slot_attention
+from specserve_kernels import few_row_gemm, gguf_gemm, slot_attention
 
 pytestmark = pytest.mark.skipif(not can_compile(torch.device("cpu")), reason="needs g++ (make setup installs it)")
 
@@ -130,7 +130,8 @@ def test_a_second_build_loads_the_stored_package(tiny_target_dir, compile_dir):
     assert again.runner is first.runner and again.step_runner is first.step_runner
 
     def key(slots=3, aux=AUX):
-        return program_key(model.state_dict().items(), "target", tuple(_cache(model, slots).data.shape), aux, 3, 64)
+        return program_key(model.state_dict().items(), "target", tuple(_cache(model, slots).data.shape), aux, 3, 64,
+                           gguf_gemm.activation_digits(model))
 
     assert key() in first.path.name
     assert key(slots=5) != key()  # the cache's strides are baked in

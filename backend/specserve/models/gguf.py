@@ -119,10 +119,12 @@ def _unpermute_rows(raw: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def load_llama_gguf(model_dir: str | Path, gguf_file: str | Path | None = None,
-                    dequantize: bool = False, layout: int | None = None) -> LlamaModel:
+                    dequantize: bool = False, layout: int | None = None,
+                    digits: int = gguf_gemm.EXACT_DIGITS) -> LlamaModel:
     """The model of `model_dir`'s config on the blocks of `gguf_file` (default: `model_dir/model.gguf`),
     float32 activations. dequantize: plain float32 weights instead (the reference). layout: the blocks'
-    packed layout (`gguf_gemm.FLOAT_LAYOUT` or `INT_LAYOUT`; default `gguf_gemm.default_layout`)."""
+    packed layout (`gguf_gemm.FLOAT_LAYOUT` or `INT_LAYOUT`; default `gguf_gemm.default_layout`). digits:
+    the activation digits the integer layout keeps (`gguf_gemm.ACTIVATION_DIGITS`)."""
     cfg = ModelConfig.from_dir(model_dir)
     tensors = read_gguf(gguf_file or Path(model_dir) / GGUF_NAME)
     if not dequantize and not gguf_gemm.load():
@@ -144,7 +146,7 @@ def load_llama_gguf(model_dir: str | Path, gguf_file: str | Path | None = None,
         if len(qtypes) != 1 or next(iter(qtypes)) not in gguf_gemm.FILE_BLOCK_BYTES:
             raise ValueError(f"GGUF: {names} are of types {sorted(qtypes)}; Q4_0, Q4_1 or Q8_0 (one per layer) "
                              "can be served from their blocks")
-        layer = gguf_gemm.GGUFLinear.concat(parts, qtypes.pop(), layout)
+        layer = gguf_gemm.GGUFLinear.concat(parts, qtypes.pop(), layout, digits)
         if not dequantize:
             return layer
         dense = nn.Linear(layer.in_features, layer.out_features, bias=False)

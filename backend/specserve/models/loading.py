@@ -13,6 +13,7 @@ from specserve.config import EngineConfig, ModelConfig
 from specserve.models.gguf import load_llama_gguf
 from specserve.models.llama import LlamaModel
 from specserve.models.weights import load_llama
+from specserve_kernels.gguf_gemm import ACTIVATION_DIGITS
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,7 @@ def load_target(config: EngineConfig) -> LlamaModel:
     where the GGUF kernel could not be built: float32 then, with a warning)."""
     if config.load_format == "gguf":
         try:
-            return load_llama_gguf(config.model_dir)
+            return load_llama_gguf(config.model_dir, digits=ACTIVATION_DIGITS[config.gguf_activations])
         except RuntimeError as e:
             log.warning("%s; serving the safetensors checkpoint in float32 instead", e)
     return load_llama(config.model_dir, config.torch_dtype, config.device)

@@ -35,7 +35,7 @@ from specserve.models.cpu_linear import padded_rows
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import Attend, Attention, ForwardOutput, LlamaModel
 from specserve.runtime.compile_cache import PREFILL_CONFIGS, Runner, compiled_or_none, load_or_compile, program_key
-from specserve_kernels import few_row_gemm, slot_attention
+from specserve_kernels import few_row_gemm, gguf_gemm, slot_attention
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class ReadOnlyForward(nn.Module):
 
 
 def choose_step_attention(cache: KVCache, cache_dir: Path, requested: str = "auto") -> str:
-    """The step program's attention: "in_place" (the CPU op reading each slot's prefix where it lies,
+    """The programs' attention: "in_place" (the CPU op reading each slot's prefix where it lies,
     built into `cache_dir`) where it runs, the cache is float32 or bfloat16 and `requested` is "auto",
     else "sdpa" (over gathered keys)."""
     if (requested == "auto" and cache.data.device.type == "cpu" and cache.data.dtype in (torch.float32, torch.bfloat16)
@@ -188,13 +188,13 @@ class CompiledTarget:
         self.model, self.cache, self.aux_layers = model, cache, tuple(aux_layers)
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
         key = program_key(model.state_dict().items(), "target", tuple(cache.data.shape), self.aux_layers,
-                          max_batch_size, max_tokens)
+                          max_batch_size, max_tokens, gguf_gemm.activation_digits(model))
         self.step_matmul = choose_step_matmul(model, cache_dir, step_matmul)
         self.step_attention = choose_step_attention(cache, cache_dir, step_attention)
         self.step_rows = TEMPLATE_STEP_ROWS if self.step_matmul == "inductor" else STEP_ROWS
+        if self.step_attention == "in_place":  # both programs call the op
+            key += f"-attn{slot_attention.source_digest()[:8]}"
         step_key = key if self.step_matmul == "inductor" else f"{key}-rows{few_row_gemm.source_digest()[:8]}"
-        if self.step_attention == "in_place":
-            step_key += f"-attn{slot_attention.source_digest()[:8]}"
         self.path, self.step_path = cache_dir / f"target-{key}.pt2", cache_dir / f"target-step-{step_key}.pt2"
         self.runner, self.compiled_now = load_or_compile(self.path, lambda: self._export(max_tokens, False))
         log.info("target step program: %s matmuls, %s attention", self.step_matmul, self.step_attention)
@@ -210,7 +210,9 @@ class CompiledTarget:
             return self._export(max_tokens, True)
 
     def _export(self, max_tokens: int, with_logits: bool) -> torch.export.ExportedProgram:
-        """The prefill program (SDPA over gathered keys: chunks of many tokens), or the step program (with_logits)."""
+        """The prefill program (chunks of many tokens), or the step program (with_logits). On a float32 cache
+        both attend in place where the step program does, so that a token comes out of either bit for bit the
+        same however its prompt was chunked (as fast for prompts); a bf16 cache's prefill keeps SDPA."""
         Dim = torch.export.Dim
         batch = Dim("batch", min=1, max=max(2, self.max_batch_size))  # a Dim spans two sizes at least
         tokens = Dim("tokens", min=1, max=max_tokens)
@@ -222,14 +224,14 @@ class CompiledTarget:
         example = (torch.zeros(b, t, **i64), torch.arange(t, **i64).expand(b, t).contiguous(), torch.zeros(b, **i64),
                    torch.zeros(b, **i64), torch.ones(b, t, t, dtype=torch.bool).tril(),
                    prefix_keys(self.cache, KEY_ALIGN))
-        in_place = with_logits and self.step_attention == "in_place"
+        in_place = self.step_attention == "in_place" and (with_logits or self.cache.data.dtype == torch.float32)
         return torch.export.export(ReadOnlyForward(self.model, self.aux_layers, with_logits, in_place).eval(), example,
                                    dynamic_shapes=dynamic, strict=False)
 
     def fits(self, batch_size: int, num_tokens: int, max_cache_len: int) -> bool:
         """Whether the program covers this forward (else the caller runs it eagerly)."""
         return (batch_size <= self.max_batch_size and num_tokens <= self.max_tokens
-                and aligned_keys(max_cache_len) < self.cache.max_len)
+                and max_cache_len < self.cache.max_len)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache_lens: torch.Tensor,
                 new_mask: torch.Tensor, host_cache_lens: list[int], logit_index: torch.Tensor | None = None
@@ -237,7 +239,7 @@ class CompiledTarget:
         """Like `LlamaModel.forward`: tokens, positions (B, T); slots, cache_lens (B,); new_mask
         (B, T, T) bool (causal for a prefill); writes the new tokens' K/V at cache_lens[b] + j."""
         b, t = tokens.shape
-        s = aligned_keys(max(host_cache_lens))
+        s = min(aligned_keys(max(host_cache_lens)), self.cache.max_len - 1)  # the programs' largest key count
         assert self.fits(b, t, max(host_cache_lens)), "check fits() first"
         small = b * t <= self.step_rows and self.step_runner is not None
         padded = t if small else min(padded_rows(t), self.max_tokens)

@@ -37,15 +37,17 @@ class PathChooser:
 
     key: (batch-size bucket, tokens per request). A path counts as unmeasured until `min_samples`
     forwards have run it (`seed` counts as that many); unmeasured paths run first, compiled first.
-    pinned: always the compiled program (no exploring, nothing measured). This class keeps no clock:
-    the runtime times each forward."""
+    pinned: always the compiled program (no exploring, nothing measured). compiled_only: always the
+    compiled program, its forwards still measured (for a target whose tokens must come out of one
+    program bit for bit: `runtime.target`). This class keeps no clock: the runtime times each forward."""
 
     PATHS = ("compiled", "eager")
 
     def __init__(self, explore_every: int = 32, min_samples: int = 3, pinned: bool = False,
                  explore_within: float = 1.5, max_slowdown: int = 8, provisional_period: int = 32,
-                 doubt_ratio: float = 4.0) -> None:
+                 doubt_ratio: float = 4.0, compiled_only: bool = False) -> None:
         self.explore_every, self.min_samples, self.pinned = explore_every, min_samples, pinned
+        self.compiled_only = compiled_only
         self.explore_within, self.max_slowdown = explore_within, max_slowdown
         self.provisional_period, self.doubt_ratio = provisional_period, doubt_ratio
         self.times: dict[tuple[int, int], dict[str, RunningAverage]] = {}
@@ -93,7 +95,7 @@ class PathChooser:
         return all(a.count >= self.min_samples for a in self._averages(key).values())
 
     def best(self, key: tuple[int, int]) -> str:
-        if self.pinned:
+        if self.pinned or self.compiled_only:
             return "compiled"
         avgs = self._averages(key)
         best, best_value = self.PATHS[0], math.inf
@@ -133,13 +135,13 @@ class PathChooser:
         the faster. A forward on any other path explores it, and its step's time says nothing about
         the draft shape's cost (the engine keeps it out of `ShapeChooser`'s estimates: eager steps
         at 2-4x the program's time, counted there, locked drafting shapes out for good)."""
-        if self.pinned:
-            return True
+        if self.pinned or self.compiled_only:
+            return path == "compiled"
         return self._believed(key) and self.best(key) == path
 
     def choose(self, key: tuple[int, int]) -> str:
         path = self.best(key)
-        if not self.pinned:
+        if not (self.pinned or self.compiled_only):
             self._steps[key] += 1
             if self._steps[key] >= self.explore_period(key):
                 self._steps[key] = 0

@@ -33,6 +33,7 @@ from specserve.runtime.paths import PathChooser
 from specserve.runtime.plan import RuntimePlan
 from specserve.runtime.prefill import PackedPrompts, PromptChunk, concat_outputs, packed_forward
 from specserve.staging import to_device
+from specserve_kernels import gguf_gemm
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,22 @@ class TargetRunner:
             log.info("target: bf16 linear weights prepacked for oneDNN (CPU)")
         if self.compiled is not None:  # a decode streams every weight and program constant: 2 MiB pages
             back_with_huge_pages()
-        self.paths = PathChooser(pinned=config.compiled_steps == "always")
+        self.paths = PathChooser(pinned=config.compiled_steps == "always", compiled_only=self._one_program())
+
+    def _one_program(self) -> bool:
+        """Whether every forward must run the compiled programs: GGUF layers that round activations to fewer
+        digits turn the last-bit differences between the eager and the compiled forward into different tokens,
+        so a verified token would not be the one a decode computes. The compiled programs compute each token
+        the same bit for bit whatever else is in the call or how its prompt was chunked. Without them the
+        layers keep every digit (float32's precision), whose last-bit differences change no greedy token."""
+        if all(d == gguf_gemm.EXACT_DIGITS for d in gguf_gemm.activation_digits(self.model)):
+            return False
+        if self.compiled is None:
+            log.warning("gguf_activations: rounding activations needs the compiled CPU programs (cpu_compile); "
+                        "computing them at float32's precision instead")
+            gguf_gemm.set_activation_digits(self.model, gguf_gemm.EXACT_DIGITS)
+            return False
+        return True
 
     def make_backend(self, graph_batch_size: int | None = None, graph_num_tokens: int = 1) -> AttentionBackend:
         """The attention backend of one bucket (graph_batch_size: its batch size when captured)."""
@@ -199,16 +215,17 @@ class TargetRunner:
         if self.compiled is None or self.paths.pinned:
             return
         context = min(256, max_seq_len // 2)
+        paths = ("compiled",) if self.paths.compiled_only else self.paths.PATHS
         for b in self.buckets:
             if b > num_free:
                 continue
             for t in sorted(set(tree_sizes)):
-                timings = time_interleaved(self._step_forwards(b, t, context), repeats,
-                                           threads=torch.get_num_threads())
+                forwards = {p: f for p, f in self._step_forwards(b, t, context).items() if p in paths}
+                timings = time_interleaved(forwards, repeats, threads=torch.get_num_threads())
                 for name, timing in timings.items():
                     self.paths.seed((b, t), name, timing)
                 log.info("target step at batch %d, %d token(s): compiled %s, eager %s -> %s", b, t,
-                         timings["compiled"], timings["eager"], self.paths.best((b, t)))
+                         timings["compiled"], timings.get("eager"), self.paths.best((b, t)))
 
     def _step_forwards(self, b: int, t: int, context: int) -> dict[str, Callable[[], object]]:
         """A step of b requests with t-node chains at `context` cached tokens, through the compiled

@@ -29,11 +29,14 @@
 //         32-bit lane holds 4 consecutive k steps of one column, what vpdpbusd multiplies with 4 digits.
 //   Q8_0: d[16] float16, then 8 chunks of 64 bytes, byte 4 c + i of chunk j column c's code + 128 at k = 4 j + i.
 // Q8_0 has no AVX2 integer kernel (2 * 255 * 127 saturates vpmaddubsw's int16): there it keeps the float layout.
-// The integer layout loses what the digits do not represent and rounds each block's term once more; it is not
-// llama.cpp's int8 activation quantization (one digit, about 2^-8 of the block's maximum).
+// The integer layout loses what the digits do not represent and rounds each block's term once more. The caller may
+// keep fewer digits (`digits`, D): D = 1 is llama.cpp's int8 rounding of the activations (s = max |x| / 127, within
+// s / 2 of each x, about 2^-8 of the block's largest), D = 2 within s / 2 / 254 (about 2^-16); each digit kept is
+// the same as with three, and the combination uses the kept sums only. A pass then multiplies up to 8 rows with one
+// digit on the 32-register kernels (a third of the integer work per row frees the registers), else up to 4.
 //
-// Both layouts: a pass multiplies a panel by up to 4 rows; more rows take further passes over the panel, which is
-// then in L1 / L2. The float layout dequantizes a panel in registers for up to 4 rows; from 5 rows it dequantizes
+// Both layouts: a pass multiplies a panel by up to 4 rows (8 in the integer layout with one digit); more rows take
+// further passes over the panel, which is then in L1 / L2. The float layout dequantizes a panel in registers for up to 4 rows; from 5 rows it dequantizes
 // the panel once into a float32 scratch panel (the same values) and multiplies it by up to 3 rows a pass, all 16
 // columns at once, so a verification or a prompt pays the dequantization once instead of once a pass. Every
 // output element goes through the same operations whatever the rows multiplied with it, so a row's result does not
@@ -47,11 +50,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -310,7 +315,9 @@ void multiply(bool q8, const float* xp, int64_t M, int64_t K, const uint8_t* wp,
 // ---- integer layout ----
 
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
-constexpr int64_t kDigitBytes = 3 * kBlock;  // per row and block: a0[32], a1[32], a2[32]
+constexpr int kMaxDigits = 3;
+// per row and block: a0[32], a1[32], a2[32] (the first D of them)
+constexpr int64_t digit_bytes(int D) { return D * kBlock; }
 
 constexpr int64_t int_record_bytes(int64_t qtype) {
   return qtype == kQ8_0 ? 32 + 512 : qtype == kQ4_1 ? 64 + 256 : 32 + 256;
@@ -344,13 +351,13 @@ inline int32_t hsum4(__m128i v) {
 // x (M, K) float32 -> digits (M, K / 32, 3, 32) int8 and terms (M, K / 32): the digit split the header
 // describes, in float64 (x / s, the residuals and their products by 254 are exact or within 2^-53), each row
 // and block on its own.
-void split_digits(const float* x, int64_t M, int64_t K, int32_t offset, int8_t* digits, BlockTerms* terms) {
+void split_digits(const float* x, int64_t M, int64_t K, int32_t offset, int D, int8_t* digits, BlockTerms* terms) {
   const int64_t blocks = M * (K / kBlock);
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256d base = _mm256_set1_pd(254.0), hi = _mm256_set1_pd(127.0), lo = _mm256_set1_pd(-127.0);
   for (int64_t r = 0; r < blocks; ++r) {
     const float* xb = x + r * kBlock;  // x is (M, K) contiguous and K is whole blocks: block r of the whole
-    int8_t* out = digits + r * kDigitBytes;
+    int8_t* out = digits + r * digit_bytes(D);
     const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
                  v3 = _mm256_loadu_ps(xb + 24);
     const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
@@ -361,7 +368,7 @@ void split_digits(const float* x, int64_t M, int64_t K, int32_t offset, int8_t* 
     t.init[0] = t.init[1] = t.init[2] = 0;
     float s = big / 127.0f;
     if (!(s > 0.0f) || !std::isfinite(s)) {  // all zeros; or an infinity or NaN, which the output then carries
-      std::fill(out, out + kDigitBytes, 0);
+      std::fill(out, out + digit_bytes(D), 0);
       const bool finite = std::isfinite(t.sum) && std::isfinite(big);
       t.s = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
       continue;
@@ -384,7 +391,7 @@ void split_digits(const float* x, int64_t M, int64_t K, int32_t offset, int8_t* 
       d[0][g] = _mm256_cvtpd_epi32(a0), d[1][g] = _mm256_cvtpd_epi32(a1), d[2][g] = _mm256_cvtpd_epi32(a2);
       for (int j = 0; j < 3; ++j) sums[j] = _mm_add_epi32(sums[j], d[j][g]);
     }
-    for (int j = 0; j < 3; ++j) {
+    for (int j = 0; j < D; ++j) {
       const __m128i w0 = _mm_packs_epi32(d[j][0], d[j][1]), w1 = _mm_packs_epi32(d[j][2], d[j][3]);
       const __m128i w2 = _mm_packs_epi32(d[j][4], d[j][5]), w3 = _mm_packs_epi32(d[j][6], d[j][7]);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * j), _mm_packs_epi16(w0, w1));
@@ -398,7 +405,7 @@ void split_digits(const float* x, int64_t M, int64_t K, int32_t offset, int8_t* 
 // V::kCols columns of a panel, from group H0 on -> out (MR, G * V::kCols), leading dimension ldo. V's members
 // carry no target of their own use: the entry points below, compiled for their instruction set, inline all of
 // it (flatten), so AVX-512 instructions exist only in functions that run where the CPU has them.
-template <class V, int MR, int Q, int G, int H0>
+template <class V, int D, int MR, int Q, int G, int H0>
 inline void int_tile(const int8_t* digits, const BlockTerms* terms, int64_t blocks, const uint8_t* panel, float* out,
                      int64_t ldo) {
   using I = typename V::I;
@@ -406,7 +413,7 @@ inline void int_tile(const int8_t* digits, const BlockTerms* terms, int64_t bloc
   constexpr int64_t R = int_record_bytes(Q), kCodes = Q == kQ4_1 ? 64 : 32;
   constexpr int kChunks = Q == kQ8_0 ? 8 : 4, kQuads = Q == kQ8_0 ? 1 : 2, kSpan = 4 * V::kCols;
   constexpr bool kSplit = MR == 1 && kQuads == 2;
-  const int64_t row_digits = blocks * kDigitBytes;
+  const int64_t row_digits = blocks * digit_bytes(D);
   F acc[MR][G];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
@@ -416,19 +423,19 @@ inline void int_tile(const int8_t* digits, const BlockTerms* terms, int64_t bloc
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* rec = panel + b * R;
     if constexpr (H0 == 0) prefetch_record(rec + kIntPrefetchBlocks * R, R);
-    const int8_t* a = digits + b * kDigitBytes;
-    I sum[3][MR][G];
+    const int8_t* a = digits + b * digit_bytes(D);
+    I sum[D][MR][G];
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 3
-      for (int j = 0; j < 3; ++j)
+      for (int j = 0; j < D; ++j)
 #pragma GCC unroll 2
         for (int g = 0; g < G; ++g) sum[j][m][g] = V::splat_int(terms[m * blocks + b].init[j]);
     // one row: the high quads of a chunk go to a second set of sums, two dependency chains per digit
-    I odd[3][G];
+    I odd[D][G];
     if constexpr (kSplit) {
 #pragma GCC unroll 3
-      for (int j = 0; j < 3; ++j)
+      for (int j = 0; j < D; ++j)
 #pragma GCC unroll 2
         for (int g = 0; g < G; ++g) odd[j][g] = V::splat_int(0);
     }
@@ -450,7 +457,7 @@ inline void int_tile(const int8_t* digits, const BlockTerms* terms, int64_t bloc
 #pragma GCC unroll 8
         for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 3
-          for (int j = 0; j < 3; ++j) {
+          for (int j = 0; j < D; ++j) {
             const I x4 = V::broadcast4(a + m * row_digits + 32 * j + 4 * (kQuads * c + h));
 #pragma GCC unroll 2
             for (int g = 0; g < G; ++g) {
@@ -464,7 +471,7 @@ inline void int_tile(const int8_t* digits, const BlockTerms* terms, int64_t bloc
     }
     if constexpr (kSplit) {
 #pragma GCC unroll 3
-      for (int j = 0; j < 3; ++j)
+      for (int j = 0; j < D; ++j)
 #pragma GCC unroll 2
         for (int g = 0; g < G; ++g) sum[j][0][g] = V::add_int(sum[j][0][g], odd[j][g]);
     }
@@ -475,8 +482,9 @@ inline void int_tile(const int8_t* digits, const BlockTerms* terms, int64_t bloc
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
         const BlockTerms& t = terms[m * blocks + b];
-        const F u = V::fma(V::to_float(sum[2][m][g]), inv, V::to_float(sum[1][m][g]));
-        const F v = V::fma(u, inv, V::to_float(sum[0][m][g]));
+        F v = V::to_float(sum[D - 1][m][g]);
+#pragma GCC unroll 2
+        for (int j = D - 2; j >= 0; --j) v = V::fma(v, inv, V::to_float(sum[j][m][g]));
         acc[m][g] = V::fma(v, V::mul(d, V::splat(t.s)), acc[m][g]);
         if constexpr (Q == kQ4_1) acc[m][g] = V::fma(mq, V::splat(t.sum), acc[m][g]);
       }
@@ -519,14 +527,14 @@ struct Avx2 {
 using IntTileFn = void (*)(const int8_t*, const BlockTerms*, int64_t, const uint8_t*, float*, int64_t);
 
 // AVX2 has 16 vector registers: one row takes the whole panel at once, more rows one half after the other.
-template <int MR, int Q>
+template <int D, int MR, int Q>
 __attribute__((flatten)) void avx2_entry(const int8_t* a, const BlockTerms* t, int64_t blocks, const uint8_t* p,
                                          float* o, int64_t ldo) {
   if constexpr (MR == 1) {
-    int_tile<Avx2, MR, Q, 2, 0>(a, t, blocks, p, o, ldo);
+    int_tile<Avx2, D, MR, Q, 2, 0>(a, t, blocks, p, o, ldo);
   } else {
-    int_tile<Avx2, MR, Q, 1, 0>(a, t, blocks, p, o, ldo);
-    int_tile<Avx2, MR, Q, 1, 1>(a, t, blocks, p, o + 8, ldo);
+    int_tile<Avx2, D, MR, Q, 1, 0>(a, t, blocks, p, o, ldo);
+    int_tile<Avx2, D, MR, Q, 1, 1>(a, t, blocks, p, o + 8, ldo);
   }
 }
 
@@ -566,21 +574,21 @@ struct Vnni512 {
 };
 
 // 32 registers: up to 2 rows the whole panel at once, 3-4 rows one half after the other.
-template <int MR, int Q>
+template <int D, int MR, int Q>
 __attribute__((flatten)) void vnni256_entry(const int8_t* a, const BlockTerms* t, int64_t blocks, const uint8_t* p,
                                             float* o, int64_t ldo) {
   if constexpr (MR <= 2) {
-    int_tile<Vnni256, MR, Q, 2, 0>(a, t, blocks, p, o, ldo);
+    int_tile<Vnni256, D, MR, Q, 2, 0>(a, t, blocks, p, o, ldo);
   } else {
-    int_tile<Vnni256, MR, Q, 1, 0>(a, t, blocks, p, o, ldo);
-    int_tile<Vnni256, MR, Q, 1, 1>(a, t, blocks, p, o + 8, ldo);
+    int_tile<Vnni256, D, MR, Q, 1, 0>(a, t, blocks, p, o, ldo);
+    int_tile<Vnni256, D, MR, Q, 1, 1>(a, t, blocks, p, o + 8, ldo);
   }
 }
 
-template <int MR, int Q>
+template <int D, int MR, int Q>
 __attribute__((flatten)) void vnni512_entry(const int8_t* a, const BlockTerms* t, int64_t blocks, const uint8_t* p,
                                             float* o, int64_t ldo) {
-  int_tile<Vnni512, MR, Q, 1, 0>(a, t, blocks, p, o, ldo);
+  int_tile<Vnni512, D, MR, Q, 1, 0>(a, t, blocks, p, o, ldo);
 }
 
 #pragma GCC pop_options
@@ -602,37 +610,62 @@ int int_isa() {
   return isa;
 }
 
-template <int Q>
-const IntTileFn* int_tiles(int isa) {
-  static constexpr IntTileFn avx2[] = {avx2_entry<1, Q>, avx2_entry<2, Q>, avx2_entry<3, Q>, avx2_entry<4, Q>};
-  static constexpr IntTileFn v256[] = {vnni256_entry<1, Q>, vnni256_entry<2, Q>, vnni256_entry<3, Q>,
-                                       vnni256_entry<4, Q>};
-  static constexpr IntTileFn v512[] = {vnni512_entry<1, Q>, vnni512_entry<2, Q>, vnni512_entry<3, Q>,
-                                       vnni512_entry<4, Q>};
-  return isa >= 3 ? v512 : isa == 2 ? v256 : avx2;
+// Rows a pass of the integer kernel multiplies: with one digit, 8 on the 32-register kernels (8 sums and 8
+// accumulators), else 4.
+constexpr int64_t kMaxIntRowsPerPass = 8;
+inline int64_t int_rows_per_pass(int isa, int D) { return D == 1 && isa >= 2 ? kMaxIntRowsPerPass : kMaxRowsPerPass; }
+
+template <int D, int Q, template <int, int, int> class E, size_t... R>
+constexpr std::array<IntTileFn, kMaxIntRowsPerPass> tile_table(std::index_sequence<R...>) {
+  return {E<D, static_cast<int>(R) + 1, Q>::fn...};
+}
+template <int D, int MR, int Q> struct Avx2E { static constexpr IntTileFn fn = avx2_entry<D, std::min(MR, 4), Q>; };
+template <int D, int MR, int Q> struct V256E {
+  static constexpr IntTileFn fn = vnni256_entry<D, D == 1 ? MR : std::min(MR, 4), Q>;
+};
+template <int D, int MR, int Q> struct V512E {
+  static constexpr IntTileFn fn = vnni512_entry<D, D == 1 ? MR : std::min(MR, 4), Q>;
+};
+
+template <int D, int Q>
+const IntTileFn* int_tiles_for(int isa) {
+  using Rows = std::make_index_sequence<kMaxIntRowsPerPass>;
+  static constexpr auto avx2 = tile_table<D, Q, Avx2E>(Rows{});
+  static constexpr auto v256 = tile_table<D, Q, V256E>(Rows{});
+  static constexpr auto v512 = tile_table<D, Q, V512E>(Rows{});
+  return isa >= 3 ? v512.data() : isa == 2 ? v256.data() : avx2.data();
 }
 
-void int_multiply(const IntTileFn* tiles, int64_t record_bytes, const int8_t* digits, const BlockTerms* terms,
-                  int64_t M, int64_t K, const uint8_t* wp, int64_t panels, float* op, int64_t ldo) {
-  const int64_t per_pass = rows_per_pass(M, kMaxRowsPerPass);
+template <int Q>
+const IntTileFn* int_tiles(int isa, int D) {
+  return D == 1 ? int_tiles_for<1, Q>(isa) : D == 2 ? int_tiles_for<2, Q>(isa) : int_tiles_for<3, Q>(isa);
+}
+
+void int_multiply(const IntTileFn* tiles, int64_t max_rows, int D, int64_t record_bytes, const int8_t* digits,
+                  const BlockTerms* terms, int64_t M, int64_t K, const uint8_t* wp, int64_t panels, float* op,
+                  int64_t ldo) {
+  const int64_t per_pass = rows_per_pass(M, max_rows);
   const int64_t blocks = K / kBlock, panel_bytes = blocks * record_bytes;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       const uint8_t* panel = wp + j * panel_bytes;
       for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
         const int64_t rows = std::min(per_pass, M - m0);
-        tiles[rows - 1](digits + m0 * blocks * kDigitBytes, terms + m0 * blocks, blocks, panel, op + m0 * ldo + j * kPanel,
+        tiles[rows - 1](digits + m0 * blocks * digit_bytes(D), terms + m0 * blocks, blocks, panel, op + m0 * ldo + j * kPanel,
                         ldo);
       }
     }
   });
 }
 
-at::Tensor gguf_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, int64_t qtype, int64_t layout) {
+at::Tensor gguf_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, int64_t qtype, int64_t layout,
+                   int64_t digits_kept) {
   // ggml's type numbers: Q4_0 2, Q4_1 3, Q8_0 8
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0,
               "gguf_mm: qtype must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), got ", qtype);
   TORCH_CHECK(layout == 0 || layout == 1, "gguf_mm: layout must be 0 (float) or 1 (integer), got ", layout);
+  TORCH_CHECK(digits_kept >= 1 && digits_kept <= kMaxDigits, "gguf_mm: digits must be 1, 2 or 3, got ", digits_kept);
+  const int D = static_cast<int>(digits_kept);
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
               "gguf_mm: x must be a 2-D float32 CPU tensor, got ", x_in.sizes(), " ", x_in.scalar_type());
   const int64_t record_bytes = layout == 1 ? int_record_bytes(qtype) : qtype == kQ8_0 ? kQ8Bytes : kQ4Bytes;
@@ -653,14 +686,16 @@ at::Tensor gguf_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, 
              ldo);
   } else if (M > 0) {
     const int64_t blocks = M * (K / kBlock);
-    at::Tensor scratch = at::empty({blocks * (kDigitBytes + static_cast<int64_t>(sizeof(BlockTerms)))}, x.options().dtype(at::kByte));
+    at::Tensor scratch =
+        at::empty({blocks * (digit_bytes(D) + static_cast<int64_t>(sizeof(BlockTerms)))}, x.options().dtype(at::kByte));
     auto* terms = reinterpret_cast<BlockTerms*>(scratch.data_ptr<uint8_t>());  // first: 4-byte aligned
     auto* digits = reinterpret_cast<int8_t*>(scratch.data_ptr<uint8_t>() + blocks * sizeof(BlockTerms));
-    split_digits(x.data_ptr<float>(), M, K, qtype == kQ8_0 ? 128 : qtype == kQ4_0 ? 8 : 0, digits, terms);
-    const IntTileFn* tiles = qtype == kQ8_0 ? int_tiles<kQ8_0>(isa) : qtype == kQ4_1 ? int_tiles<kQ4_1>(isa)
-                                                                                      : int_tiles<kQ4_0>(isa);
-    int_multiply(tiles, record_bytes, digits, terms, M, K, packed.data_ptr<uint8_t>(), panels,
-                 out.data_ptr<float>(), ldo);
+    split_digits(x.data_ptr<float>(), M, K, qtype == kQ8_0 ? 128 : qtype == kQ4_0 ? 8 : 0, D, digits, terms);
+    const IntTileFn* tiles = qtype == kQ8_0   ? int_tiles<kQ8_0>(isa, D)
+                             : qtype == kQ4_1 ? int_tiles<kQ4_1>(isa, D)
+                                              : int_tiles<kQ4_0>(isa, D);
+    int_multiply(tiles, int_rows_per_pass(isa, D), D, record_bytes, digits, terms, M, K, packed.data_ptr<uint8_t>(),
+                 panels, out.data_ptr<float>(), ldo);
   }
   return n == ldo ? out : out.narrow(1, 0, n).contiguous();
 }
@@ -675,7 +710,7 @@ std::string gguf_int_kernel() {
 
 // a fragment: the few-row kernel defines the namespace
 TORCH_LIBRARY_FRAGMENT(specserve, m) {
-  m.def("gguf_mm(Tensor x, Tensor packed, int n, int qtype, int layout) -> Tensor");
+  m.def("gguf_mm(Tensor x, Tensor packed, int n, int qtype, int layout, int digits=3) -> Tensor");
   m.def("gguf_int_kernel() -> str", &gguf_int_kernel);
 }
 
