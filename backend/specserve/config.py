@@ -363,9 +363,9 @@ class EngineConfig:
                                  "from its own 4- and 8-bit blocks (Q4_0, Q4_1, Q8_0 layers); safetensors = the "
                                  "checkpoint at `dtype`; auto = gguf on x86-64 with AVX2, FMA and F16C where the "
                                  "directory has model.gguf and dtype is auto or float32, else safetensors (vLLM's)")
-    gguf_activations: str = knob("float32", choices=("q8", "q16", "float32"), help="load_format gguf: each block "
-                                 "of 32 activations rounded to 8 or 16 bits of its largest (q8: llama.cpp's) or kept "
-                                 "at float32's precision; fewer bits verify trees and prefill prompts faster")
+    gguf_activations: str = knob("auto", choices=("auto", "q8", "q16", "float32"), help="load_format gguf: each "
+                                 "block of 32 activations rounded to 8 or 16 bits of its largest (q8: llama.cpp's) or "
+                                 "kept at float32's precision; auto = q8 where the compiled CPU programs run")
     spec: SpecConfig = field(default_factory=SpecConfig)
     num_threads: int | None = knob(None, help="torch intra-op threads (empty = torch's default)")
     attention_backend: str = knob("auto", choices=ATTENTION_BACKENDS,

@@ -63,7 +63,8 @@ LAYOUTS = {"float": FLOAT_LAYOUT, "int": INT_LAYOUT}
 RECORD_BYTES = {Q4_0: 64 + 256, Q4_1: 64 + 256, Q8_0: 32 + 512}  # the float layout's
 INT_RECORD_BYTES = {Q4_0: 32 + 256, Q4_1: 64 + 256, Q8_0: 32 + 512}  # the integer layout's
 EXACT_DIGITS = 3  # the integer layout's activation digits that keep float32's precision
-ACTIVATION_DIGITS = {"q8": 1, "q16": 2, "float32": EXACT_DIGITS}  # the engine's `gguf_activations`
+# the engine's `gguf_activations` (auto: q8, kept where the compiled programs run)
+ACTIVATION_DIGITS = {"auto": 1, "q8": 1, "q16": 2, "float32": EXACT_DIGITS}
 
 
 def record_bytes(qtype: int, layout: int) -> int:

@@ -14,8 +14,8 @@ def make_engine(model_dir, algorithm="none", dtype="float32", max_batch_size=8, 
     """`fields`: SpecConfig's, or EngineConfig's other knobs."""
     own = {k: fields.pop(k) for k in list(fields) if k in EngineConfig.__dataclass_fields__}
     return Engine(EngineConfig(model_dir=str(model_dir), max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                               device="cpu", dtype=dtype, cpu_compile=cpu_compile, compiled_steps="always",
-                               spec=SpecConfig(algorithm=algorithm, **fields), **own))
+                               device="cpu", dtype=dtype, cpu_compile=cpu_compile,
+                               spec=SpecConfig(algorithm=algorithm, **fields), **({"compiled_steps": "always"} | own)))
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,8 @@ where the kernel cannot run."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -94,6 +96,44 @@ def test_speculation_on_the_blocks_is_lossless(engine_factory, mtbench_prompts, 
     outs = engine.generate(mtbench_prompts[:PROMPTS], SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.token_ids for o in outs] == gguf_none
     assert sum(o.num_accepted_tokens for o in outs) > 0
+
+
+@pytest.mark.skipif(gguf_gemm.default_layout(gguf_gemm.Q4_1) != gguf_gemm.INT_LAYOUT,
+                    reason="only the integer layout rounds activations (AVX-512 VNNI)")
+def test_activations_rounded_to_8_bits_stay_lossless_on_the_compiled_programs(engine_factory, mtbench_prompts):
+    """q8 rounds each block of a layer's activations to 8 bits, which would turn the last-bit differences
+    between two ways of computing a token into different tokens: every forward runs the compiled programs
+    (the eager path is never explored), which compute a token the same bit for bit whatever else is in the
+    call (a tree's other rows, other requests) and however its prompt was chunked. Here the plain engine
+    prefills in chunks of 24 tokens and decodes up to 4 requests a step; the drafting one prefills whole
+    prompts and verifies 4 x 5 rows a step (past the step program's rows: the prefill program's path)."""
+    prompts, params = mtbench_prompts[:6], SamplingParams(max_tokens=40)
+    plain = engine_factory(load_format="gguf", cpu_compile=True, max_batch_size=4, max_num_batched_tokens=24,
+                           compiled_steps="auto")  # gguf_activations auto: q8 where the programs run
+    assert gguf_gemm.activation_digits(plain.model) == (1,) and plain.runner.paths.compiled_only
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert plain.runner.paths.chosen["eager"] == 0
+    drafting = engine_factory(algorithm="ngram", load_format="gguf", gguf_activations="q8", cpu_compile=True,
+                              max_batch_size=4, compiled_steps="auto", adaptive=False, num_steps=4, topk=1,
+                              num_draft_tokens=5)
+    outs = drafting.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.num_accepted_tokens for o in outs) > 0 and drafting.runner.paths.chosen["eager"] == 0
+
+
+def test_rounded_activations_without_compiled_programs_keep_float32s_precision(engine_factory, caplog):
+    """The eager forward is not the compiled one bit for bit: without the programs the layers keep every
+    digit (whose last-bit differences change no greedy token), and the log says so."""
+    with caplog.at_level(logging.WARNING, logger="specserve.runtime.target"):
+        engine = engine_factory(load_format="gguf", gguf_activations="q8", cpu_compile=False)
+    assert gguf_gemm.activation_digits(engine.model) in ((), (gguf_gemm.EXACT_DIGITS,))
+    assert not engine.runner.paths.compiled_only
+    if gguf_gemm.activation_digits(engine.model):
+        assert "needs the compiled CPU programs" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specserve.runtime.target"):  # auto: q8 only where it runs
+        engine = engine_factory(load_format="gguf", cpu_compile=False)
+    assert gguf_gemm.activation_digits(engine.model) in ((), (gguf_gemm.EXACT_DIGITS,)) and not caplog.text
 
 
 def test_auto_serves_the_blocks_where_they_run_and_the_checkpoint_elsewhere(smollm2_dir, tmp_path):

@@ -276,3 +276,15 @@ def test_a_forward_of_untimed_rows_is_estimated_between_the_timed_ones():
     assert runner.forward_seconds(1, 4) == pytest.approx([0.004, 0.010, 0.010, 0.010])
     runner.compiled = None
     assert runner.forward_seconds(1, 2) == [None, None]
+
+
+def test_compiled_only_never_runs_the_eager_path_and_keeps_timing_the_compiled_one():
+    """A target whose tokens must all come out of the compiled programs (rounded activations): the eager
+    path is never explored even where it looks faster, and the compiled forwards still size the drafts."""
+    chooser = PathChooser(compiled_only=True)
+    chooser.seed(KEY, "eager", 0.001)
+    bests = _run(chooser, _fixed(compiled=0.010, eager=0.001), steps=300)
+    assert set(bests) == {"compiled"} and chooser.chosen == {"compiled": 300}
+    assert chooser.estimate(KEY) == pytest.approx(0.0115, rel=0.2)
+    assert chooser.settled_on(KEY, "compiled") and not chooser.settled_on(KEY, "eager")
+    assert PathChooser(pinned=True).estimate(KEY) is None  # pinned measures nothing

@@ -71,9 +71,10 @@ class TargetRunner:
             log.info("target: bf16 linear weights prepacked for oneDNN (CPU)")
         if self.compiled is not None:  # a decode streams every weight and program constant: 2 MiB pages
             back_with_huge_pages()
-        self.paths = PathChooser(pinned=config.compiled_steps == "always", compiled_only=self._one_program())
+        self.paths = PathChooser(pinned=config.compiled_steps == "always",
+                                 compiled_only=self._one_program(config.gguf_activations == "auto"))
 
-    def _one_program(self) -> bool:
+    def _one_program(self, quietly: bool) -> bool:
         """Whether every forward must run the compiled programs: GGUF layers that round activations to fewer
         digits turn the last-bit differences between the eager and the compiled forward into different tokens,
         so a verified token would not be the one a decode computes. The compiled programs compute each token
@@ -82,8 +83,9 @@ class TargetRunner:
         if all(d == gguf_gemm.EXACT_DIGITS for d in gguf_gemm.activation_digits(self.model)):
             return False
         if self.compiled is None:
-            log.warning("gguf_activations: rounding activations needs the compiled CPU programs (cpu_compile); "
-                        "computing them at float32's precision instead")
+            (log.info if quietly else log.warning)(
+                "gguf_activations: rounding activations needs the compiled CPU programs (cpu_compile); computing "
+                "them at float32's precision instead")
             gguf_gemm.set_activation_digits(self.model, gguf_gemm.EXACT_DIGITS)
             return False
         return True
