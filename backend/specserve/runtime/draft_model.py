@@ -36,6 +36,7 @@ from specserve.runtime.cuda_graph import DraftGraphs
 from specserve.runtime.plan import RuntimePlan
 from specserve.staging import to_device
 from specserve.tree import TreeBatch
+from specserve_kernels import gguf_gemm
 
 Slots = list[int] | torch.Tensor  # host ints, or a (B,) device tensor (a static draft)
 Draft = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], TreeBatch]  # (slots, base, roots) (B,) -> trees
@@ -72,7 +73,8 @@ class CompiledDraftModel:
 
     def __init__(self, model: LlamaModel, cache: KVCache, cache_dir: Path) -> None:
         self.model, self.cache = model, cache
-        key = program_key(model.state_dict().items(), "draft model", tuple(cache.data.shape))
+        key = program_key(model.state_dict().items(), "draft model", tuple(cache.data.shape),
+                          gguf_gemm.activation_digits(model))  # a standalone drafter shares the target's layers
         self.runner, self.compiled_now = load_or_compile(cache_dir / f"draft-{key}.pt2", self._export,
                                                          PREFILL_CONFIGS)
 
