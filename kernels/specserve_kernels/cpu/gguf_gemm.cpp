@@ -36,11 +36,12 @@
 // digit on the 32-register kernels (a third of the integer work per row frees the registers), else up to 4.
 //
 // Both layouts: a pass multiplies a panel by up to 4 rows (8 in the integer layout with one digit); more rows take
-// further passes over the panel, which is then in L1 / L2. The float layout dequantizes a panel in registers for up to 4 rows; from 5 rows it dequantizes
-// the panel once into a float32 scratch panel (the same values) and multiplies it by up to 3 rows a pass, all 16
-// columns at once, so a verification or a prompt pays the dequantization once instead of once a pass. Every
-// output element goes through the same operations whatever the rows multiplied with it, so a row's result does not
-// depend on how many rows are multiplied with it (a tree verification computes its rows bit for bit as decodes).
+// further passes over the panel, which is then in L1 / L2. The float layout dequantizes a panel in registers for up
+// to 4 rows; from 5 rows it dequantizes the panel once into a float32 scratch panel (the same values) and multiplies
+// it by up to 3 rows a pass, all 16 columns at once, so a verification or a prompt pays the dequantization once
+// instead of once a pass. Every output element goes through the same operations whatever the rows multiplied with
+// it, so a row's result does not depend on how many rows are multiplied with it (a tree verification computes its
+// rows bit for bit as decodes).
 // AVX-512 code is compiled only into functions that carry the target and run where the CPU has avx512f, bw, vl
 // and vnni (checked at run time; SPECSERVE_GGUF_ISA=avx2 or avx512-256 in the environment picks a narrower
 // kernel, for comparisons and tests).
@@ -348,9 +349,9 @@ inline int32_t hsum4(__m128i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
 }
 
-// x (M, K) float32 -> digits (M, K / 32, 3, 32) int8 and terms (M, K / 32): the digit split the header
-// describes, in float64 (x / s, the residuals and their products by 254 are exact or within 2^-53), each row
-// and block on its own.
+// x (M, K) float32 -> digits (M, K / 32, D, 32) int8 (the first D of the three) and terms (M, K / 32): the digit
+// split the header describes, in float64 (x / s, the residuals and their products by 254 are exact or within
+// 2^-53), each row and block on its own.
 void split_digits(const float* x, int64_t M, int64_t K, int32_t offset, int D, int8_t* digits, BlockTerms* terms) {
   const int64_t blocks = M * (K / kBlock);
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -651,8 +652,8 @@ void int_multiply(const IntTileFn* tiles, int64_t max_rows, int D, int64_t recor
       const uint8_t* panel = wp + j * panel_bytes;
       for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
         const int64_t rows = std::min(per_pass, M - m0);
-        tiles[rows - 1](digits + m0 * blocks * digit_bytes(D), terms + m0 * blocks, blocks, panel, op + m0 * ldo + j * kPanel,
-                        ldo);
+        tiles[rows - 1](digits + m0 * blocks * digit_bytes(D), terms + m0 * blocks, blocks, panel,
+                        op + m0 * ldo + j * kPanel, ldo);
       }
     }
   });
