@@ -466,3 +466,24 @@ def test_an_engine_without_structured_outputs_loads_no_xgrammar():
 
     code = "import sys, specserve.engine.engine, specserve.engine.verification; assert 'xgrammar' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_steps_a_grammar_reshaped_time_their_shape(tiny_target_dir, monkeypatch, measured):
+    """Forced text and pruned drafts change most steps' rows under a grammar. Such a step's time still
+    counts for its shape, with the forward's measured cost of the rows verified swapped for the drafter's
+    (`Engine._as_drafted`); where the forward costs are unmeasured it counts for nothing. A shape whose
+    steps never counted would stay untimed, and the chooser runs untimed shapes first, step after step."""
+    engine = Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", cpu_compile=False,
+                                 max_batch_size=3, max_seq_len=256, spec=SpecConfig(algorithm="ngram")))
+    costs = [0.001 * rows if measured else None for rows in range(1, 65)]
+    monkeypatch.setattr(engine.runner, "forward_seconds", lambda batch_size, max_rows: costs[:max_rows])
+    assert engine._as_drafted(0.010, 3, 1, 4) == (pytest.approx(0.007) if measured else None)
+    timed, observe = [], engine.chooser.observe
+    monkeypatch.setattr(engine.chooser, "observe", lambda b, shape, seconds, *args, **kwargs: (
+        timed.append(seconds is not None), observe(b, shape, seconds, *args, **kwargs)))
+    reshaped, as_drafted = [], engine._as_drafted
+    monkeypatch.setattr(engine, "_as_drafted", lambda *args: reshaped.append(args) or as_drafted(*args))
+    engine.generate(PROMPTS, [SamplingParams(max_tokens=30, structured_output=g) for g in GRAMMARS])
+    assert len(reshaped) > 0 and len(timed) > len(reshaped)
+    assert all(timed) if measured else timed.count(False) == len(reshaped)

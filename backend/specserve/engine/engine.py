@@ -159,9 +159,7 @@ class Engine:
         if len(prompt_ids) == 0:
             raise ValueError("prompt: is empty")
         if len(prompt_ids) >= self.config.max_seq_len:
-            raise ValueError(
-                f"prompt: {len(prompt_ids)} tokens do not fit the context of {self.config.max_seq_len} tokens"
-            )
+            raise ValueError(f"prompt: {len(prompt_ids)} tokens do not fit max_seq_len ({self.config.max_seq_len})")
         if any(not 0 <= t < self.model_config.vocab_size for t in prompt_ids):
             raise ValueError("prompt: token id outside the vocabulary")
         limit = self.config.max_queue_size
@@ -171,15 +169,8 @@ class Engine:
             grammar = self.grammar_match(params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        req = Request(
-            request_id=rid,
-            prompt_ids=list(prompt_ids),
-            params=params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
-            generator=gen,
-            grammar=grammar,
-            token_ids=list(prompt_ids),
-        )
+        req = Request(request_id=rid, prompt_ids=list(prompt_ids), params=params, generator=gen, grammar=grammar,
+                      detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop), token_ids=list(prompt_ids))
         with self._lock:
             self._inbox.append(req)
         return rid
@@ -212,9 +203,8 @@ class Engine:
         outputs += self._expire()
         self._admit()
         decoding = [r for r in self.running if not r.prefilling]
-        work = self._prompt_chunks(
-            self.prefill_budget.tokens(bool(decoding), self.config.max_seq_len * len(self.running))
-        )
+        budget = self.prefill_budget.tokens(bool(decoding), self.config.max_seq_len * len(self.running))
+        work = self._prompt_chunks(budget)
         prefilled = self._prefill(work)
         start = time.perf_counter()
         if decoding:
@@ -376,7 +366,7 @@ class Engine:
                 shape = DraftShape(1, 0, 1)
         if not shape.drafts:  # plain decoding; a drafter catches up on what it missed when it drafts again
             batch = TreeBatch.root_only(to_device([r.token_ids[-1] for r in reqs], self.device))
-        shaped = None
+        shaped, drafted_rows = None, batch.tokens.shape[1]
         if any(r.grammar is not None for r in reqs):
             grammar_start = time.perf_counter()
             shaped = shape_trees(batch, [r.grammar for r in reqs], forced, rooms)
@@ -422,14 +412,22 @@ class Engine:
             # the chooser weighs a shape by what its drafter's own nodes won
             accepted = v.accepted if shaped is None else shaped.drafters_own(v.accepted)
             lengths = [len(nodes) for nodes in accepted]
-            # a step that also verified forced text, or fewer nodes than the drafter's (pruned by a
-            # grammar), says nothing of its shape's own cost
-            clean = settled and not catching_up and (shaped is None or not shaped.changed)
-            seconds = clock() - start if clean else None
+            seconds = clock() - start if settled and not catching_up else None
+            if seconds is not None and shaped is not None and shaped.changed:  # a grammar changed the rows
+                seconds = self._as_drafted(seconds, len(reqs), drafted_rows, batch.tokens.shape[1])
             nested = None
             if shape.drafts and self.drafter.nested_trees and len(self.chooser.menu) > 1:
                 nested = accepted
             self.chooser.observe(len(reqs), shape, seconds, lengths, nested, warm_up=self._mode.warm_up)
+
+    def _as_drafted(self, seconds: float, batch_size: int, drafted: int, verified: int) -> float | None:
+        """A step's time as if it had verified the drafter's rows per request, not the `verified` ones a grammar
+        left (forced text added, drafts pruned): the forward's measured cost of the one swapped for the other's.
+        None where either is unmeasured: such a step then says nothing of its shape's own cost."""
+        costs = self.runner.forward_seconds(batch_size, max(drafted, verified))
+        if costs[drafted - 1] is None or costs[verified - 1] is None:
+            return None
+        return seconds - costs[verified - 1] + costs[drafted - 1]
 
     def _append_tokens(self, req: Request, tokens: list[int],
                        logprobs: list[dict[int, tuple[float, int]]] | None = None) -> None:
