@@ -469,21 +469,26 @@ def test_an_engine_without_structured_outputs_loads_no_xgrammar():
 
 
 @pytest.mark.parametrize("measured", [True, False])
-def test_steps_a_grammar_reshaped_time_their_shape(tiny_target_dir, monkeypatch, measured):
-    """Forced text and pruned drafts change most steps' rows under a grammar. Such a step's time still
-    counts for its shape, with the forward's measured cost of the rows verified swapped for the drafter's
-    (`Engine._as_drafted`); where the forward costs are unmeasured it counts for nothing. A shape whose
-    steps never counted would stay untimed, and the chooser runs untimed shapes first, step after step."""
+def test_a_shape_untimed_under_a_grammar_is_timed_from_its_reshaped_steps(tiny_target_dir, monkeypatch, measured):
+    """Forced text and pruned drafts change most steps' rows under a grammar, and such a step says nothing of
+    its shape's own cost, except for a shape with no time yet: `ShapeChooser.best` runs an untimed shape first,
+    and at batch 8 it ran step after step. It is timed with the forward's measured cost of the rows verified
+    swapped for the drafter's (`Engine._as_drafted`); without measured forward costs it stays untimed."""
     engine = Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", cpu_compile=False,
                                  max_batch_size=3, max_seq_len=256, spec=SpecConfig(algorithm="ngram")))
     costs = [0.001 * rows if measured else None for rows in range(1, 65)]
     monkeypatch.setattr(engine.runner, "forward_seconds", lambda batch_size, max_rows: costs[:max_rows])
     assert engine._as_drafted(0.010, 3, 1, 4) == (pytest.approx(0.007) if measured else None)
-    timed, observe = [], engine.chooser.observe
-    monkeypatch.setattr(engine.chooser, "observe", lambda b, shape, seconds, *args, **kwargs: (
-        timed.append(seconds is not None), observe(b, shape, seconds, *args, **kwargs)))
-    reshaped, as_drafted = [], engine._as_drafted
-    monkeypatch.setattr(engine, "_as_drafted", lambda *args: reshaped.append(args) or as_drafted(*args))
+    chooser = engine.chooser
+    chooser.step_time = {key: type(t)(horizon=10, robust=True) for key, t in chooser.step_time.items()}  # untimed
+    answers, timed = [], chooser.timed
+    monkeypatch.setattr(chooser, "timed", lambda b, shape: answers.append(timed(b, shape)) or answers[-1])
+    times, as_drafted = [], engine._as_drafted
+    monkeypatch.setattr(engine, "_as_drafted", lambda *args: times.append(as_drafted(*args)) or times[-1])
     engine.generate(PROMPTS, [SamplingParams(max_tokens=30, structured_output=g) for g in GRAMMARS])
-    assert len(reshaped) > 0 and len(timed) > len(reshaped)
-    assert all(timed) if measured else timed.count(False) == len(reshaped)
+    assert answers.count(False) == len(times) > 0, "reshaped steps of untimed shapes, and only those, are timed"
+    counts = [t.count for t in chooser.step_time.values()]
+    if measured:
+        assert all(t is not None for t in times) and max(counts) >= chooser.min_samples
+    else:
+        assert all(t is None for t in times)

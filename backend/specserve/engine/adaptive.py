@@ -94,6 +94,11 @@ class ShapeChooser:
         i = bisect.bisect_left(self.buckets, batch_size)
         return self.buckets[min(i, len(self.buckets) - 1)]
 
+    def timed(self, batch_size: int, shape: DraftShape) -> bool:
+        """Whether the shape's step time at this batch size counts as measured (a shape off the menu does)."""
+        t = self.step_time.get((self.bucket(batch_size), shape))
+        return t is None or t.count >= self.min_samples
+
     def rate(self, batch_size: int, shape: DraftShape) -> float | None:
         """Expected accept length per second of one request, or None while unmeasured."""
         t, a = self.step_time[(self.bucket(batch_size), shape)], self.accept[shape]

@@ -414,7 +414,8 @@ class Engine:
             lengths = [len(nodes) for nodes in accepted]
             seconds = clock() - start if settled and not catching_up else None
             if seconds is not None and shaped is not None and shaped.changed:  # a grammar changed the rows
-                seconds = self._as_drafted(seconds, len(reqs), drafted_rows, batch.tokens.shape[1])
+                timed = self.chooser.timed(len(reqs), shape)
+                seconds = None if timed else self._as_drafted(seconds, len(reqs), drafted_rows, batch.tokens.shape[1])
             nested = None
             if shape.drafts and self.drafter.nested_trees and len(self.chooser.menu) > 1:
                 nested = accepted
@@ -423,7 +424,8 @@ class Engine:
     def _as_drafted(self, seconds: float, batch_size: int, drafted: int, verified: int) -> float | None:
         """A step's time as if it had verified the drafter's rows per request, not the `verified` ones a grammar
         left (forced text added, drafts pruned): the forward's measured cost of the one swapped for the other's.
-        None where either is unmeasured: such a step then says nothing of its shape's own cost."""
+        None where either is unmeasured. Only for a shape with no time of its own: under a grammar nearly every
+        step at batch 8 is reshaped, and `ShapeChooser.best` runs an untimed shape first, step after step."""
         costs = self.runner.forward_seconds(batch_size, max(drafted, verified))
         if costs[drafted - 1] is None or costs[verified - 1] is None:
             return None
