@@ -64,6 +64,20 @@ def test_the_row_with_a_suffix_match_takes_suffix_the_other_the_head():
     assert d.suffix_accepted.value == 4 and d.head_accepted.value == 0
 
 
+@pytest.mark.parametrize(("per_node", "size"), [(0.0, 5), (1.0, 1)])
+def test_suffix_rows_are_sized_by_the_step_cost_as_suffix_decoding_alone_sizes_them(per_node, size):
+    """With the engine's step costs, a suffix row's tree is the size that pays (`SuffixDrafter.tree_size`),
+    not the chooser's shape: free nodes take the whole match, nodes that each cost a step take none."""
+    d, head = hybrid()
+    d.step_cost = lambda batch_size, n: [0.01 * (1 + per_node * i) for i in range(n)]
+    d.suffix.on_accept([Seq("old", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])], None, None)
+    d.suffix.release("old")
+    d.rest_seconds.add(0.01)
+    d.head_seconds.add(1.0)  # a head that never pays
+    tree = d.propose([Seq("a", [50, 3, 4, 5, 6])], DraftPlan.of(SpecConfig(algorithm="hybrid")).menu[1])[0]
+    assert tree.tokens.tolist() == [6, 7, 8, 9, 10][:size] and head.drafted == []
+
+
 def test_no_head_forward_when_the_measured_costs_say_suffix_alone_is_faster():
     d, _ = hybrid()
     for _ in range(3):

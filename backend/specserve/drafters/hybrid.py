@@ -103,9 +103,21 @@ class HybridDrafter(Drafter):
         with_head = sum(1 + max(s, h) for s in scores) / (rest + head)
         return use_head if with_head > alone else [False] * len(scores)
 
+    def suffix_trees(self, seqs: Sequence[SequenceView], shape: DraftShape) -> list[tuple[DraftTree, float]]:
+        """Suffix decoding's tree and score per row: sized by the step's expected seconds where the engine
+        has them, as suffix decoding alone sizes its trees (`SuffixDrafter.tree_size`, with the gain its rows
+        earned here), else by the chooser's shape."""
+        largest = self.suffix.draft_plan.shape.num_draft_tokens
+        costs = self.step_cost(len(seqs), largest) if self.step_cost is not None else [None] * largest
+        if all(c is None for c in costs):
+            return [self.suffix.propose_scored(s, shape.num_draft_tokens) for s in seqs]
+        ranked = [self.suffix.propose_ranked(s, largest) for s in seqs]
+        size = self.suffix.tree_size([shares for _, shares, _ in ranked], costs, self.suffix_gain())
+        return [(tree.prefix(size), sum(shares[1:size])) for tree, shares, _ in ranked]
+
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree]:
         shape = shape or self.suffix.draft_plan.shape
-        scored = [self.suffix.propose_scored(s, shape.num_draft_tokens) for s in seqs]
+        scored = self.suffix_trees(seqs, shape)
         gain = self.suffix_gain()
         use_head = self.plan([score * gain for _, score in scored])
         trees = [tree for tree, _ in scored]

@@ -332,13 +332,16 @@ class SuffixDrafter(Drafter):
                 self._scored[s.request_id] = sum(shares[1:size])
         return [tree.prefix(size) for tree, _, _ in ranked]
 
-    def tree_size(self, shares: Sequence[Sequence[float]], costs: Sequence[float | None]) -> int:
+    def tree_size(self, shares: Sequence[Sequence[float]], costs: Sequence[float | None],
+                  gain: float | None = None) -> int:
         """Nodes per tree (root included) that maximise sum over rows of (1 + gain x the shares of the
         row's first n - 1 ranked drafts) / costs[n - 1], the step's seconds with n nodes per tree (None:
         not estimated); the largest tree when none is. A prefix of a ranking is a tree, and the rows'
-        trees are padded to one size anyway."""
+        trees are padded to one size anyway. gain: accepted drafts per unit of share (None: as its own
+        drafts turned out, `calibrated_gain`)."""
         largest = min(max(len(row) for row in shares), len(costs))
-        gain, best, best_rate = calibrated_gain(self.accepted, self.scored), largest, 0.0
+        gain = calibrated_gain(self.accepted, self.scored) if gain is None else gain
+        best, best_rate = largest, 0.0
         drafted = [0.0] * largest  # the batch's summed shares of the drafts in trees of n + 1 nodes
         for row in shares:  # plain lists: a few dozen numbers a step, where numpy's calls cost more
             total = -1.0  # the root's share, 1
