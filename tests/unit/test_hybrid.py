@@ -78,6 +78,17 @@ def test_suffix_rows_are_sized_by_the_step_cost_as_suffix_decoding_alone_sizes_t
     assert tree.tokens.tolist() == [6, 7, 8, 9, 10][:size] and head.drafted == []
 
 
+def test_the_head_is_weighed_at_the_step_cost_of_the_trees_it_adds():
+    """A row suffix decoding cannot draft: the head's tree is worth its draft where the step's cost
+    with it stays near the root-only step's, not where its nodes cost a step each (the measured mean
+    of past steps, with suffix decoding's large trees in it, hid that)."""
+    d, _ = hybrid()
+    d.head_seconds.add(0.002)
+    d.head_accepted.add(1.0)  # with the seed, about 1 accepted a row
+    assert d.plan([0.0], (0.010, 0.011)) == [True]  # 2 / 13 ms beats 1 / 10 ms
+    assert d.plan([0.0], (0.010, 0.020)) == [False]  # 2 / 22 ms does not
+
+
 def test_no_head_forward_when_the_measured_costs_say_suffix_alone_is_faster():
     d, _ = hybrid()
     for _ in range(3):

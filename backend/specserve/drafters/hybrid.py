@@ -7,8 +7,11 @@ the tokens it expects accepted, scaled by how its scores have turned out so far 
 over the rows it drafted). The head is expected to win its own measured mean of accepted tokens per
 row. Two plans are weighed, in tokens per second of the step:
 
-    suffix alone:  sum(1 + s_i) / T                   T: the step's forward and verify (measured)
-    with the head: sum(1 + max(s_i, h)) / (T + H)     H: the head's draft (measured), h: its mean
+    suffix alone:  sum(1 + s_i) / T                   T, T': the step's forward and verify with suffix
+    with the head: sum(1 + max(s_i, h)) / (T' + H)    decoding's trees, and with the head's beside them
+                                                      (the engine's step cost at their sizes, else the
+                                                      measured mean); H: the head's draft (measured),
+                                                      h: its mean
 
 and with the head, each row takes whichever tree expects more. A step where suffix decoding wins
 for every row runs no head forward at all; the head catches up on the skipped tokens when it next
@@ -92,34 +95,42 @@ class HybridDrafter(Drafter):
         (`calibrated_gain`)."""
         return calibrated_gain(self.suffix_accepted, self.suffix_scored)
 
-    def plan(self, scores: Sequence[float]) -> list[bool]:
-        """Per row, whether the head drafts it (all False: no head forward this step)."""
+    def plan(self, scores: Sequence[float], step_seconds: tuple[float, float] | None = None) -> list[bool]:
+        """Per row, whether the head drafts it (all False: no head forward this step). step_seconds: the
+        step's expected seconds after the draft with suffix decoding's trees alone and with the head's too
+        (the engine's `step_cost` at their sizes); None: the measured mean of either."""
         h = self.head_accepted.value
         use_head = [bool(h > s) for s in scores]
-        if not any(use_head) or not self.rest_seconds.samples or not self.head_seconds.samples:
+        if step_seconds is None and self.rest_seconds.samples:
+            step_seconds = (self.rest_seconds.value, self.rest_seconds.value)
+        if not any(use_head) or step_seconds is None or not self.head_seconds.samples:
             return use_head  # costs not measured yet: the better expectation per row
-        rest, head = self.rest_seconds.value, self.head_seconds.value
+        (rest, rest_with_head), head = step_seconds, self.head_seconds.value
         alone = sum(1 + s for s in scores) / rest
-        with_head = sum(1 + max(s, h) for s in scores) / (rest + head)
+        with_head = sum(1 + max(s, h) for s in scores) / (rest_with_head + head)
         return use_head if with_head > alone else [False] * len(scores)
 
-    def suffix_trees(self, seqs: Sequence[SequenceView], shape: DraftShape) -> list[tuple[DraftTree, float]]:
-        """Suffix decoding's tree and score per row: sized by the step's expected seconds where the engine
-        has them, as suffix decoding alone sizes its trees (`SuffixDrafter.tree_size`, with the gain its rows
-        earned here), else by the chooser's shape."""
+    def suffix_trees(self, seqs: Sequence[SequenceView], shape: DraftShape
+                     ) -> tuple[list[tuple[DraftTree, float]], tuple[float, float] | None]:
+        """Suffix decoding's tree and score per row, and the step's expected seconds after the draft with
+        those trees alone and with the head's shape beside them (`plan`'s step_seconds). Sized by those
+        seconds where the engine has them, as suffix decoding alone sizes its trees (`SuffixDrafter.tree_size`,
+        with the gain its rows earned here); else by the chooser's shape, seconds None."""
         largest = self.suffix.draft_plan.shape.num_draft_tokens
         costs = self.step_cost(len(seqs), largest) if self.step_cost is not None else [None] * largest
         if all(c is None for c in costs):
-            return [self.suffix.propose_scored(s, shape.num_draft_tokens) for s in seqs]
+            return [self.suffix.propose_scored(s, shape.num_draft_tokens) for s in seqs], None
         ranked = [self.suffix.propose_ranked(s, largest) for s in seqs]
         size = self.suffix.tree_size([shares for _, shares, _ in ranked], costs, self.suffix_gain())
-        return [(tree.prefix(size), sum(shares[1:size])) for tree, shares, _ in ranked]
+        alone, with_head = costs[size - 1], costs[min(max(size, shape.num_draft_tokens), largest) - 1]
+        seconds = None if alone is None or with_head is None else (alone, with_head)
+        return [(tree.prefix(size), sum(shares[1:size])) for tree, shares, _ in ranked], seconds
 
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree]:
         shape = shape or self.suffix.draft_plan.shape
-        scored = self.suffix_trees(seqs, shape)
+        scored, step_seconds = self.suffix_trees(seqs, shape)
         gain = self.suffix_gain()
-        use_head = self.plan([score * gain for _, score in scored])
+        use_head = self.plan([score * gain for _, score in scored], step_seconds)
         trees = [tree for tree, _ in scored]
         rows = [i for i, u in enumerate(use_head) if u]
         if rows:
