@@ -447,3 +447,16 @@ def test_a_pinned_path_chooser_always_runs_the_program():
     c = PathChooser(explore_every=2, pinned=True)
     c.seed((1, 1), "eager", 0.001)
     assert {c.choose((1, 1)) for _ in range(10)} == {"compiled"}
+
+
+def test_a_shape_timed_only_at_warm_up_is_not_timed_until_a_real_step():
+    """`timed` tells the engine whether a step a grammar reshaped may time the shape: not once real steps
+    have, but while only its warm-up figure stands (which gets it explored whatever its estimate)."""
+    plain, draft = DraftShape(1, 0, 1), DraftShape(4, 3, 1)
+    c = ShapeChooser([plain, draft], [1, 8])
+    assert not c.timed(8, draft)
+    c.observe(8, draft, 0.030, [2], warm_up=True)
+    assert c.step_time[(8, draft)].count >= c.min_samples and not c.timed(8, draft)
+    c.observe(8, draft, 0.020, [2])
+    assert c.timed(8, draft) and c.timed(8, DraftShape(6, 5, 1)), "a shape off the menu counts as timed"
+

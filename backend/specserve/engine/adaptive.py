@@ -95,9 +95,10 @@ class ShapeChooser:
         return self.buckets[min(i, len(self.buckets) - 1)]
 
     def timed(self, batch_size: int, shape: DraftShape) -> bool:
-        """Whether the shape's step time at this batch size counts as measured (a shape off the menu does)."""
+        """Whether the shape's step time at this batch size counts as measured by real steps, not only by
+        its warm-up figure, which makes it explored whatever its estimate (a shape off the menu counts)."""
         t = self.step_time.get((self.bucket(batch_size), shape))
-        return t is None or t.count >= self.min_samples
+        return t is None or (t.count >= self.min_samples and not t.provisional)
 
     def rate(self, batch_size: int, shape: DraftShape) -> float | None:
         """Expected accept length per second of one request, or None while unmeasured."""

@@ -423,9 +423,9 @@ class Engine:
 
     def _as_drafted(self, seconds: float, batch_size: int, drafted: int, verified: int) -> float | None:
         """A step's time as if it had verified the drafter's rows per request, not the `verified` ones a grammar
-        left (forced text added, drafts pruned): the forward's measured cost of the one swapped for the other's.
-        None where either is unmeasured. Only for a shape with no time of its own: under a grammar nearly every
-        step at batch 8 is reshaped, and `ShapeChooser.best` runs an untimed shape first, step after step."""
+        left (forced text added, drafts pruned): the forward's measured cost of the one swapped for the other's;
+        None where either is unmeasured. Only for a shape with no real step time yet (`ShapeChooser.timed`): under
+        a grammar nearly every step at batch 8 is reshaped, and the chooser runs untimed shapes first."""
         costs = self.runner.forward_seconds(batch_size, max(drafted, verified))
         if costs[drafted - 1] is None or costs[verified - 1] is None:
             return None
