@@ -70,7 +70,7 @@ def check(url: str, model: str, dataset: str, max_tokens: int, concurrency: int)
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", default="none,ngram,eagle,eagle3,mtp,standalone,suffix", help="comma-separated")
+    p.add_argument("--variants", default="none,ngram,eagle,eagle3,mtp,standalone,suffix,hybrid", help="comma-separated")
     p.add_argument("--dataset", action="append", help="a structured JSONL (repeatable; default: bench's two)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=4)
