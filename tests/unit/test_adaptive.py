@@ -459,4 +459,3 @@ def test_a_shape_timed_only_at_warm_up_is_not_timed_until_a_real_step():
     assert c.step_time[(8, draft)].count >= c.min_samples and not c.timed(8, draft)
     c.observe(8, draft, 0.020, [2])
     assert c.timed(8, draft) and c.timed(8, DraftShape(6, 5, 1)), "a shape off the menu counts as timed"
-

@@ -120,11 +120,10 @@ class HybridDrafter(Drafter):
         costs = self.step_cost(len(seqs), largest) if self.step_cost is not None else [None] * largest
         if all(c is None for c in costs):
             return [self.suffix.propose_scored(s, shape.num_draft_tokens) for s in seqs], None
-        ranked = [self.suffix.propose_ranked(s, largest) for s in seqs]
-        size = self.suffix.tree_size([shares for _, shares, _ in ranked], costs, self.suffix_gain())
+        trees, scores, size = self.suffix.sized_trees(seqs, costs, self.suffix_gain())
         alone, with_head = costs[size - 1], costs[min(max(size, shape.num_draft_tokens), largest) - 1]
         seconds = None if alone is None or with_head is None else (alone, with_head)
-        return [(tree.prefix(size), sum(shares[1:size])) for tree, shares, _ in ranked], seconds
+        return list(zip(trees, scores)), seconds
 
     def propose(self, seqs: Sequence[SequenceView], shape: DraftShape | None = None) -> list[DraftTree]:
         shape = shape or self.suffix.draft_plan.shape

@@ -325,12 +325,19 @@ class SuffixDrafter(Drafter):
         costs = self.step_cost(len(seqs), largest) if self.step_cost is not None else [None] * largest
         if all(c is None for c in costs):  # nothing to weigh: the chooser's budget
             return [self.propose_ranked(s, shape.num_draft_tokens)[0] for s in seqs]
-        ranked = [self.propose_ranked(s, largest) for s in seqs]
-        size = self.tree_size([shares for _, shares, _ in ranked], costs)
-        for s, (_, shares, _) in zip(seqs, ranked):
-            if len(shares) > 1 and size > 1:
-                self._scored[s.request_id] = sum(shares[1:size])
-        return [tree.prefix(size) for tree, _, _ in ranked]
+        trees, scores, _ = self.sized_trees(seqs, costs)
+        for s, tree, score in zip(seqs, trees, scores):
+            if tree.num_draft_tokens > 1:
+                self._scored[s.request_id] = score
+        return trees
+
+    def sized_trees(self, seqs: Sequence[SequenceView], costs: Sequence[float | None], gain: float | None = None
+                    ) -> tuple[list[DraftTree], list[float], int]:
+        """Every row's ranked tree cut to the size that pays (`tree_size` over costs, one per node count up
+        to the largest tree), each cut tree's score (its drafts' shares) and that size."""
+        ranked = [self.propose_ranked(s, len(costs)) for s in seqs]
+        size = self.tree_size([shares for _, shares, _ in ranked], costs, gain)
+        return [tree.prefix(size) for tree, _, _ in ranked], [sum(shares[1:size]) for _, shares, _ in ranked], size
 
     def tree_size(self, shares: Sequence[Sequence[float]], costs: Sequence[float | None],
                   gain: float | None = None) -> int:
