@@ -7,8 +7,8 @@ and both run in one process, best of `--repeats` alternated rounds per row count
 
     .venv/bin/python bench/gguf_kernel_ab.py --before HEAD~1 [--after WORKTREE] [--tokens 1 4 8 16 45]
 
-`--before` / `--after`: a git revision of this repository (the file as committed there) or `WORKTREE` (the file
-as it is now). Prints one line per row count; exits 1 if the two versions' outputs differ in any bit.
+`--before` / `--after`: a git revision of this repository (the file as committed there), `WORKTREE` (the file
+as it is now) or the path of a `.cpp` file (a variant). Prints one line per row count; exits 1 if the two versions' outputs differ in any bit.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def source_text(rev: str) -> str:
     if rev == "WORKTREE":
         return (ROOT / SOURCE).read_text()
+    if rev.endswith(".cpp"):  # a variant kept outside the tree
+        return Path(rev).read_text()
     return subprocess.run(["git", "show", f"{rev}:{SOURCE}"], cwd=ROOT, check=True, capture_output=True,
                           text=True).stdout
 
@@ -59,6 +61,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 5, 8, 12, 16, 45, 128])
     parser.add_argument("--layout", choices=["float", "int"], default="float")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--digits", type=int, choices=[1, 2, 3], default=3,
+                        help="the integer layout's activation digits (1: the served 8-bit activations)")
     args = parser.parse_args()
     layout = INT_LAYOUT if args.layout == "int" else FLOAT_LAYOUT
     with tempfile.TemporaryDirectory() as tmp:
@@ -70,7 +74,8 @@ def main() -> int:
               f"{torch.get_num_threads()} threads", flush=True)
         for t in args.tokens:
             x = {n: torch.randn(t, n) for n in {m.in_features for m in linears}}
-            fns = {name: (lambda op=op, x=x: [op.gguf_mm(x[m.in_features], m.packed, m.out_features, m.qtype, m.layout)
+            fns = {name: (lambda op=op, x=x: [op.gguf_mm(x[m.in_features], m.packed, m.out_features, m.qtype, m.layout,
+                                                          args.digits)
                                               for m in linears]) for name, op in ops.items()}
             outs = [fn() for fn in fns.values()]
             if not all(torch.equal(a, b) for a, b in zip(*outs)):

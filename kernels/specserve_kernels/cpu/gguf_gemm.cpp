@@ -352,11 +352,15 @@ inline int32_t hsum4(__m128i v) {
 // x (M, K) float32 -> digits (M, K / 32, D, 32) int8 (the first D of the three) and terms (M, K / 32): the digit
 // split the header describes, in float64 (x / s, the residuals and their products by 254 are exact or within
 // 2^-53), each row and block on its own.
-void split_digits(const float* x, int64_t M, int64_t K, int32_t offset, int D, int8_t* digits, BlockTerms* terms) {
+// D is a template argument so that the digits not kept are never computed (one digit: a third of the work).
+constexpr int64_t kSplitGrain = 32;  // blocks a thread splits at least: fewer are not worth waking a thread for
+template <int D>
+void split_digits(const float* x, int64_t M, int64_t K, int32_t offset, int8_t* digits, BlockTerms* terms) {
   const int64_t blocks = M * (K / kBlock);
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256d base = _mm256_set1_pd(254.0), hi = _mm256_set1_pd(127.0), lo = _mm256_set1_pd(-127.0);
-  for (int64_t r = 0; r < blocks; ++r) {
+  at::parallel_for(0, blocks, kSplitGrain, [&](int64_t first, int64_t last) {
+  for (int64_t r = first; r < last; ++r) {
     const float* xb = x + r * kBlock;  // x is (M, K) contiguous and K is whole blocks: block r of the whole
     int8_t* out = digits + r * digit_bytes(D);
     const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
@@ -377,20 +381,26 @@ void split_digits(const float* x, int64_t M, int64_t K, int32_t offset, int D, i
     while (static_cast<double>(big) > 127.0 * static_cast<double>(s)) s = std::nextafter(s, INFINITY);
     t.s = s;
     const __m256d inv = _mm256_set1_pd(1.0 / static_cast<double>(s));
-    __m128i d[3][8];
-    __m128i sums[3] = {_mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128()};
+    __m128i d[D][8];
+    __m128i sums[D];
+    for (int j = 0; j < D; ++j) sums[j] = _mm_setzero_si128();
     for (int g = 0; g < 8; ++g) {
       const __m256d y = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(xb + 4 * g)), inv);
       const __m256d a0 = _mm256_max_pd(_mm256_min_pd(_mm256_round_pd(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
                                                      hi), lo);
-      const __m256d r1 = _mm256_mul_pd(_mm256_sub_pd(y, a0), base);
-      const __m256d a1 = _mm256_max_pd(
-          _mm256_min_pd(_mm256_round_pd(r1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), hi), lo);
-      const __m256d r2 = _mm256_mul_pd(_mm256_sub_pd(r1, a1), base);
-      const __m256d a2 = _mm256_max_pd(
-          _mm256_min_pd(_mm256_round_pd(r2, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), hi), lo);
-      d[0][g] = _mm256_cvtpd_epi32(a0), d[1][g] = _mm256_cvtpd_epi32(a1), d[2][g] = _mm256_cvtpd_epi32(a2);
-      for (int j = 0; j < 3; ++j) sums[j] = _mm_add_epi32(sums[j], d[j][g]);
+      d[0][g] = _mm256_cvtpd_epi32(a0);
+      if constexpr (D > 1) {
+        const __m256d r1 = _mm256_mul_pd(_mm256_sub_pd(y, a0), base);
+        const __m256d a1 = _mm256_max_pd(
+            _mm256_min_pd(_mm256_round_pd(r1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), hi), lo);
+        d[1][g] = _mm256_cvtpd_epi32(a1);
+        if constexpr (D > 2) {
+          const __m256d r2 = _mm256_mul_pd(_mm256_sub_pd(r1, a1), base);
+          d[2][g] = _mm256_cvtpd_epi32(_mm256_max_pd(
+              _mm256_min_pd(_mm256_round_pd(r2, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), hi), lo));
+        }
+      }
+      for (int j = 0; j < D; ++j) sums[j] = _mm_add_epi32(sums[j], d[j][g]);
     }
     for (int j = 0; j < D; ++j) {
       const __m128i w0 = _mm_packs_epi32(d[j][0], d[j][1]), w1 = _mm_packs_epi32(d[j][2], d[j][3]);
@@ -400,6 +410,7 @@ void split_digits(const float* x, int64_t M, int64_t K, int32_t offset, int D, i
       t.init[j] = -offset * hsum4(sums[j]);
     }
   }
+  });
 }
 
 // One tile of the integer layout, written once for every vector width V: x's digits (MR rows) times G groups of
@@ -691,7 +702,9 @@ at::Tensor gguf_mm(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, 
         at::empty({blocks * (digit_bytes(D) + static_cast<int64_t>(sizeof(BlockTerms)))}, x.options().dtype(at::kByte));
     auto* terms = reinterpret_cast<BlockTerms*>(scratch.data_ptr<uint8_t>());  // first: 4-byte aligned
     auto* digits = reinterpret_cast<int8_t*>(scratch.data_ptr<uint8_t>() + blocks * sizeof(BlockTerms));
-    split_digits(x.data_ptr<float>(), M, K, qtype == kQ8_0 ? 128 : qtype == kQ4_0 ? 8 : 0, D, digits, terms);
+    const int32_t offset = qtype == kQ8_0 ? 128 : qtype == kQ4_0 ? 8 : 0;
+    (D == 1 ? split_digits<1> : D == 2 ? split_digits<2> : split_digits<3>)(x.data_ptr<float>(), M, K, offset, digits,
+                                                                           terms);
     const IntTileFn* tiles = qtype == kQ8_0   ? int_tiles<kQ8_0>(isa, D)
                              : qtype == kQ4_1 ? int_tiles<kQ4_1>(isa, D)
                                               : int_tiles<kQ4_0>(isa, D);
