@@ -8,7 +8,8 @@ and both run in one process, best of `--repeats` alternated rounds per row count
     .venv/bin/python bench/gguf_kernel_ab.py --before HEAD~1 [--after WORKTREE] [--tokens 1 4 8 16 45]
 
 `--before` / `--after`: a git revision of this repository (the file as committed there), `WORKTREE` (the file
-as it is now) or the path of a `.cpp` file (a variant). Prints one line per row count; exits 1 if the two versions' outputs differ in any bit.
+as it is now) or the path of a `.cpp` file (a variant). `--digits 1` times the served 8-bit activations. Prints
+one line per row count; exits 1 if the two versions' outputs differ in any bit.
 """
 
 from __future__ import annotations
