@@ -459,3 +459,26 @@ def test_a_shape_timed_only_at_warm_up_is_not_timed_until_a_real_step():
     assert c.step_time[(8, draft)].count >= c.min_samples and not c.timed(8, draft)
     c.observe(8, draft, 0.020, [2])
     assert c.timed(8, draft) and c.timed(8, DraftShape(6, 5, 1)), "a shape off the menu counts as timed"
+
+
+@pytest.mark.parametrize("catches_up", [False, True])
+def test_a_warm_up_figure_alone_gets_a_draft_explored_only_where_exploring_costs_no_catch_up(catches_up):
+    """A draft whose time is only its warm-up figure is explored whatever its estimate where the drafter
+    does not catch up (an exploration costs that step); where it does, every exploration pays a catch-up
+    over the skipped tokens of every row, so the shape is explored by its estimate like any other, and a
+    draft estimated far below plain decoding is left alone. Plain decoding's warm-up figure is doubted
+    either way."""
+    plain, draft = DraftShape(1, 0, 1), DraftShape(2, 1, 1)
+    c = ShapeChooser([plain, draft], batch_buckets=(8,), explore_every=1, min_samples=1, drafts_catch_up=catches_up)
+    c.observe(8, draft, 0.050, [1.1] * 8, warm_up=True)  # a warm-up figure: 22 tokens/s a request
+    for _ in range(3):
+        c.observe(8, plain, 0.010, [1] * 8)  # real steps: 100 tokens/s a request
+    c.observe(8, draft, None, [1.1] * 8)  # acceptance measured, no time beyond the warm-up's
+    assert c.step_time[(8, draft)].provisional and c.best(8) == plain
+    steps = 8 if not catches_up else c.stale_after * 4 * c.max_backoff // 2  # 16 explorations, none stale yet
+    explored = {c.choose(8) for _ in range(steps)}
+    assert (draft in explored) is not catches_up
+    fresh = ShapeChooser([plain, draft], batch_buckets=(8,), min_samples=1, drafts_catch_up=catches_up)
+    for shape in (plain, draft):
+        fresh.observe(8, shape, 0.010, [1] * 8, warm_up=True)
+    assert fresh._doubted(8, plain) and fresh._doubted(8, draft) is not catches_up

@@ -61,7 +61,10 @@ class ShapeChooser:
     measured, but they are provisional. A shape's first real step time replaces its warm-up figure
     (it is never averaged with it), and a neighbour or runner-up whose time is still only its warm-up
     figure is explored whatever its estimate, before the other candidates, so a skewed warm-up step
-    is corrected at the next explorations instead of locking the shape out.
+    is corrected at the next explorations instead of locking the shape out; not for a drafter that
+    catches up, whose exploration pays a catch-up over every skipped token of every row (at batch 8 as
+    much as a dozen plain steps): its shapes are explored by their estimates, and the stale rule retries
+    its smallest drafting shape.
     """
 
     def __init__(self, menu: Sequence[DraftShape], batch_buckets: Sequence[int], explore_every: int = 16,
@@ -180,12 +183,17 @@ class ShapeChooser:
         self.chosen[shape] += 1
         return shape
 
+    def _doubted(self, bucket: int, shape: DraftShape) -> bool:
+        """Whether the shape's time is only its warm-up figure and worth an exploration whatever its estimate:
+        plain decoding's always, a draft's where the drafter does not catch up (its exploration costs a step)."""
+        return self.step_time[(bucket, shape)].provisional and not (shape.drafts and self.drafts_catch_up)
+
     def _to_explore(self, batch_size: int, candidates: Sequence[DraftShape]) -> DraftShape | None:
         """The candidate this exploration runs: the smallest whose time is still only its warm-up
         figure (a busy moment may have skewed it; plain decoding first, the baseline every draft
         must beat), else the next in turn."""
         b = self.bucket(batch_size)
-        provisional = [s for s in candidates if self.step_time[(b, s)].provisional or self.stale(s)]
+        provisional = [s for s in candidates if self._doubted(b, s) or self.stale(s)]
         if provisional:
             return min(provisional, key=lambda s: s.num_draft_tokens)
         return candidates[self._explored % len(candidates)] if candidates else None
@@ -213,7 +221,7 @@ class ShapeChooser:
             picks.append(runner_up)
         b = self.bucket(batch_size)
         picks = [s for s in picks if estimate(s) >= self.explore_within * best_rate
-                 or self.step_time[(b, s)].provisional or self.stale(s)]
+                 or self._doubted(b, s) or self.stale(s)]
         plain = self.menu[0]
         if best.drafts and not plain.drafts and plain not in picks:
             # the baseline every draft must beat: a stale estimate of it (a slow warm-up step)
