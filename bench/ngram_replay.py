@@ -85,7 +85,8 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--step-costs", required=True, help="a bench/cpu_step.py JSON")
-    p.add_argument("--program", default="few_row_gemm", help="whose forward times to use: few_row_gemm | inductor")
+    p.add_argument("--program", default="few_row_gemm/in_place",
+                   help="whose forward times to use (a key of cpu_step.py's forward_ms)")
     p.add_argument("--json", default="")
     args = p.parse_args()
 

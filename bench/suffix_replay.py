@@ -83,7 +83,7 @@ def replay(examples: list[tuple[list[int], list[int]]], spec: SpecConfig, budget
                 t["drafting"] += size > 1
                 t["ms"] += ms
                 j += accepted
-            drafter._own_store(_Sequence(rid, prompt + output))
+            drafter.on_accept([_Sequence(rid, prompt + output)], None, [])  # its last tokens, as a finished request's
             drafter.release(rid)
     return totals
 
@@ -95,7 +95,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--budgets", default="1,4,8,12,16,24")
     p.add_argument("--step-costs", default="", help="a bench/cpu_step.py JSON (projected speed-ups)")
-    p.add_argument("--program", default="few_row_gemm", help="whose forward times to use")
+    p.add_argument("--program", default="few_row_gemm/in_place",
+                   help="whose forward times to use (a key of cpu_step.py's forward_ms)")
     p.add_argument("--outputs", default="results/suffix_replay_outputs.json", help="greedy outputs kept here")
     p.add_argument("--set", action="append", default=[], help="name=v1,v2: a suffix_* knob's values to compare")
     p.add_argument("--json", default="")

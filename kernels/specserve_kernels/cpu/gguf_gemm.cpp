@@ -360,56 +360,56 @@ void split_digits(const float* x, int64_t M, int64_t K, int32_t offset, int8_t* 
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256d base = _mm256_set1_pd(254.0), hi = _mm256_set1_pd(127.0), lo = _mm256_set1_pd(-127.0);
   at::parallel_for(0, blocks, kSplitGrain, [&](int64_t first, int64_t last) {
-  for (int64_t r = first; r < last; ++r) {
-    const float* xb = x + r * kBlock;  // x is (M, K) contiguous and K is whole blocks: block r of the whole
-    int8_t* out = digits + r * digit_bytes(D);
-    const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
-                 v3 = _mm256_loadu_ps(xb + 24);
-    const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                    _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-    const float big = hmax8(mx);
-    BlockTerms& t = terms[r];
-    t.sum = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
-    t.init[0] = t.init[1] = t.init[2] = 0;
-    float s = big / 127.0f;
-    if (!(s > 0.0f) || !std::isfinite(s)) {  // all zeros; or an infinity or NaN, which the output then carries
-      std::fill(out, out + digit_bytes(D), 0);
-      const bool finite = std::isfinite(t.sum) && std::isfinite(big);
-      t.s = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
-      continue;
-    }
-    while (static_cast<double>(big) > 127.0 * static_cast<double>(s)) s = std::nextafter(s, INFINITY);
-    t.s = s;
-    const __m256d inv = _mm256_set1_pd(1.0 / static_cast<double>(s));
-    __m128i d[D][8];
-    __m128i sums[D];
-    for (int j = 0; j < D; ++j) sums[j] = _mm_setzero_si128();
-    for (int g = 0; g < 8; ++g) {
-      const __m256d y = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(xb + 4 * g)), inv);
-      const __m256d a0 = _mm256_max_pd(_mm256_min_pd(_mm256_round_pd(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                                                     hi), lo);
-      d[0][g] = _mm256_cvtpd_epi32(a0);
-      if constexpr (D > 1) {
-        const __m256d r1 = _mm256_mul_pd(_mm256_sub_pd(y, a0), base);
-        const __m256d a1 = _mm256_max_pd(
-            _mm256_min_pd(_mm256_round_pd(r1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), hi), lo);
-        d[1][g] = _mm256_cvtpd_epi32(a1);
-        if constexpr (D > 2) {
-          const __m256d r2 = _mm256_mul_pd(_mm256_sub_pd(r1, a1), base);
-          d[2][g] = _mm256_cvtpd_epi32(_mm256_max_pd(
-              _mm256_min_pd(_mm256_round_pd(r2, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), hi), lo));
-        }
+    for (int64_t r = first; r < last; ++r) {
+      const float* xb = x + r * kBlock;  // x is (M, K) contiguous and K is whole blocks: block r of the whole
+      int8_t* out = digits + r * digit_bytes(D);
+      const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
+                   v3 = _mm256_loadu_ps(xb + 24);
+      const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+      const float big = hmax8(mx);
+      BlockTerms& t = terms[r];
+      t.sum = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+      t.init[0] = t.init[1] = t.init[2] = 0;
+      float s = big / 127.0f;
+      if (!(s > 0.0f) || !std::isfinite(s)) {  // all zeros; or an infinity or NaN, which the output then carries
+        std::fill(out, out + digit_bytes(D), 0);
+        const bool finite = std::isfinite(t.sum) && std::isfinite(big);
+        t.s = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+        continue;
       }
-      for (int j = 0; j < D; ++j) sums[j] = _mm_add_epi32(sums[j], d[j][g]);
+      while (static_cast<double>(big) > 127.0 * static_cast<double>(s)) s = std::nextafter(s, INFINITY);
+      t.s = s;
+      const __m256d inv = _mm256_set1_pd(1.0 / static_cast<double>(s));
+      __m128i d[D][8];
+      __m128i sums[D];
+      for (int j = 0; j < D; ++j) sums[j] = _mm_setzero_si128();
+      for (int g = 0; g < 8; ++g) {
+        const __m256d y = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(xb + 4 * g)), inv);
+        const __m256d a0 = _mm256_max_pd(
+            _mm256_min_pd(_mm256_round_pd(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), hi), lo);
+        d[0][g] = _mm256_cvtpd_epi32(a0);
+        if constexpr (D > 1) {
+          const __m256d r1 = _mm256_mul_pd(_mm256_sub_pd(y, a0), base);
+          const __m256d a1 = _mm256_max_pd(
+              _mm256_min_pd(_mm256_round_pd(r1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), hi), lo);
+          d[1][g] = _mm256_cvtpd_epi32(a1);
+          if constexpr (D > 2) {
+            const __m256d r2 = _mm256_mul_pd(_mm256_sub_pd(r1, a1), base);
+            d[2][g] = _mm256_cvtpd_epi32(_mm256_max_pd(
+                _mm256_min_pd(_mm256_round_pd(r2, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), hi), lo));
+          }
+        }
+        for (int j = 0; j < D; ++j) sums[j] = _mm_add_epi32(sums[j], d[j][g]);
+      }
+      for (int j = 0; j < D; ++j) {
+        const __m128i w0 = _mm_packs_epi32(d[j][0], d[j][1]), w1 = _mm_packs_epi32(d[j][2], d[j][3]);
+        const __m128i w2 = _mm_packs_epi32(d[j][4], d[j][5]), w3 = _mm_packs_epi32(d[j][6], d[j][7]);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * j), _mm_packs_epi16(w0, w1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * j + 16), _mm_packs_epi16(w2, w3));
+        t.init[j] = -offset * hsum4(sums[j]);
+      }
     }
-    for (int j = 0; j < D; ++j) {
-      const __m128i w0 = _mm_packs_epi32(d[j][0], d[j][1]), w1 = _mm_packs_epi32(d[j][2], d[j][3]);
-      const __m128i w2 = _mm_packs_epi32(d[j][4], d[j][5]), w3 = _mm_packs_epi32(d[j][6], d[j][7]);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * j), _mm_packs_epi16(w0, w1));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * j + 16), _mm_packs_epi16(w2, w3));
-      t.init[j] = -offset * hsum4(sums[j]);
-    }
-  }
   });
 }
 
