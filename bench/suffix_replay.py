@@ -8,8 +8,10 @@ tree along the tokens the target really produced (greedy acceptance), moves on b
 releases each request into the shared store when its output ends, so later requests draft from it as in
 service. Reported per setting and budget: accept length (tokens a step), the share of steps with a draft,
 and with `--step-costs` (a `bench/cpu_step.py` JSON) the decode steps' projected speed-up over plain
-decoding (prefill and per-step overheads left out). `best` picks at every step the budget with the most
-accepted tokens per unit of cost, knowing the answer: what a perfect size chooser would reach.
+decoding (prefill left out; `--overhead-ms` adds a step's host time to every step). `sized` lets the drafter
+size each tree as it does in the engine (`SuffixDrafter.tree_size` on those costs, its calibration updated
+as steps are verified); `best` picks at every step the budget with the most accepted tokens per unit of
+cost, knowing the answer: what a perfect size chooser would reach.
 
     .venv/bin/python bench/suffix_replay.py --dataset bench/repetitive.jsonl --num-prompts 120 \\
         --step-costs results/cpu_step.json --set suffix_max_spec_factor=1,2,4
@@ -61,22 +63,32 @@ def greedy_outputs(dataset: str, num_prompts: int, max_new_tokens: int, path: st
 
 
 def replay(examples: list[tuple[list[int], list[int]]], spec: SpecConfig, budgets: list[int],
-           costs: StepCosts | None) -> dict[str, dict[str, float]]:
-    """Per budget (and `best` with costs): tokens, steps, drafting steps and cost (ms) over the stream."""
-    policies = [str(n) for n in budgets] + (["best"] if costs else [])
+           costs: StepCosts | None, overhead_ms: float = 0.0) -> dict[str, dict[str, float]]:
+    """Per budget (with costs also `sized` and `best`): tokens, steps, drafting steps and cost (ms) over the
+    stream, each step `overhead_ms` more than its forward."""
+    policies = [str(n) for n in budgets] + (["sized", "best"] if costs else [])
     totals = {p: {"tokens": 0, "steps": 0, "drafting": 0, "ms": 0.0} for p in policies}
     for policy in policies:
-        drafter = SuffixDrafter(DraftPlan.of(spec))
+        drafter = SuffixDrafter(DraftPlan.of(replace(spec, num_draft_tokens=max(budgets))))
+        if costs:  # what the engine gives the drafter: each node count's step time
+            drafter.step_cost = lambda batch, most: [costs(n) + overhead_ms for n in range(1, most + 1)]
         for k, (prompt, output) in enumerate(examples):
             rid, j = f"r{k}", 1  # output[0] comes from the prefill
             while j < len(output):
                 seq = _Sequence(rid, prompt + output[:j])
                 options = []
-                for n in (budgets if policy == "best" else [int(policy)]):
-                    tree = drafter.propose_ranked(seq, n)[0]
+                if policy == "sized":  # the drafter's own size (`SuffixDrafter.tree_size`), calibrated as it goes
+                    trees = [drafter.propose([seq])[0]]
+                else:
+                    sizes = budgets if policy == "best" else [int(policy)]
+                    trees = [drafter.propose_ranked(seq, n)[0] for n in sizes]
+                for tree in trees:
                     accepted = min(accept_length(tree, output[j:]), len(output) - j)
-                    options.append((accepted, costs(tree.num_draft_tokens) if costs else 1.0, tree.num_draft_tokens))
+                    ms = (costs(tree.num_draft_tokens) if costs else 1.0) + overhead_ms
+                    options.append((accepted, ms, tree.num_draft_tokens))
                 accepted, ms, size = max(options, key=lambda o: o[0] / o[1])
+                if policy == "sized":
+                    drafter.on_accept([seq], None, [range(accepted)])  # the root and the accepted drafts
                 t = totals[policy]
                 t["tokens"] += accepted
                 t["steps"] += 1
@@ -99,6 +111,8 @@ def main() -> None:
                    help="whose forward times to use (a key of cpu_step.py's forward_ms)")
     p.add_argument("--outputs", default="results/suffix_replay_outputs.json", help="greedy outputs kept here")
     p.add_argument("--set", action="append", default=[], help="name=v1,v2: a suffix_* knob's values to compare")
+    p.add_argument("--overhead-ms", type=float, default=0.0,
+                   help="a step's host time beside its forward (the bench profile's total - forward), every step")
     p.add_argument("--json", default="")
     args = p.parse_args()
 
@@ -112,7 +126,7 @@ def main() -> None:
     for combo in itertools.product(*[values for _, values in grid]):
         knobs = dict(zip([name for name, _ in grid], combo))
         spec = replace(SpecConfig(algorithm="suffix"), **knobs)
-        totals = replay(examples, spec, budgets, costs)
+        totals = replay(examples, spec, budgets, costs, args.overhead_ms)
         plain = totals["1"]["tokens"] / totals["1"]["ms"]
         for policy, t in totals.items():
             row = {**knobs, "budget": policy, "accept_length": round(t["tokens"] / t["steps"], 3),

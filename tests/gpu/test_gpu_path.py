@@ -84,7 +84,7 @@ def test_captured_drafts_equal_eager(gpu_model_dir, prompts, algorithm):
     assert [o.accept_lengths for o in out] == [r.accept_lengths for r in ref]
 
 
-@pytest.mark.parametrize("algorithm", ["ngram", "eagle", "eagle3", "mtp", "standalone"])
+@pytest.mark.parametrize("algorithm", ["ngram", "eagle", "eagle3", "mtp", "standalone", "suffix", "hybrid"])
 def test_greedy_speculation_equals_none_with_graphs(gpu_model_dir, random_weights, prompts, algorithm):
     """fp32, graphs on, the Triton attention kernel: every algorithm's greedy output is `none`'s."""
     def engine(spec: SpecConfig) -> Engine:

@@ -42,3 +42,15 @@ def test_plain_budget_accepts_one_token_a_step_and_a_repeat_is_drafted(replay_mo
     # the repeat takes far fewer steps than its tokens: the shared store holds its continuation
     assert drafted["steps"] < outputs - (len(first[1]) - 1) // 2
     assert drafted["drafting"] > 0
+
+
+def test_the_drafters_own_sizes_draft_the_repeat_and_pay(replay_module):
+    first, other = _example(1), _example(2)
+    stream = [first, other, first]
+    outputs = sum(len(o) - 1 for _, o in stream)
+    costs = lambda n: 1.0 + 0.1 * (n - 1)  # noqa: E731  ms: a verified node costs a tenth of a step
+    totals = replay_module.replay(stream, SpecConfig(algorithm="suffix"), [1, 8], costs, overhead_ms=0.5)
+    plain, sized = totals["1"], totals["sized"]
+    assert plain["ms"] == pytest.approx(1.5 * outputs)  # every step pays the overhead beside its forward
+    assert sized["tokens"] == outputs and 0 < sized["drafting"] < sized["steps"] < outputs
+    assert sized["tokens"] / sized["ms"] > 1.2 * plain["tokens"] / plain["ms"]
