@@ -52,6 +52,7 @@ def build(tag: str, text: str, directory: Path) -> object:
 
 
 def main() -> int:
+    from specserve.host_memory import back_with_huge_pages
     from specserve.models.gguf import load_llama_gguf
     from specserve.prepare import prepare
     from specserve_kernels.gguf_gemm import FLOAT_LAYOUT, INT_LAYOUT, GGUFLinear
@@ -71,6 +72,7 @@ def main() -> int:
                for name, rev in (("a_before", args.before), ("b_after", args.after))}
         model = load_llama_gguf(prepare(), layout=layout)
         linears = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+        back_with_huge_pages()  # the packed weights on 2 MiB pages, as the engine keeps them
         print(f"{len(linears)} matrices, {args.layout} layout; before {args.before}, after {args.after}; "
               f"{torch.get_num_threads()} threads", flush=True)
         for t in args.tokens:

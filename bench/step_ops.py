@@ -20,6 +20,7 @@ import torch
 
 from specserve.config import EngineConfig
 from specserve.hardware import describe
+from specserve.host_memory import back_with_huge_pages
 from specserve.models.kv_cache import KVCache
 from specserve.models.loading import load_target
 from specserve.runtime.compiled import ReadOnlyForward, aligned_keys, prefix_keys
@@ -40,6 +41,7 @@ def main() -> None:
     cfg = EngineConfig(model_dir=args.model_dir, device="cpu", max_batch_size=1, max_seq_len=args.prefix + 64,
                        load_format=args.load_format)
     model = load_target(cfg).eval()
+    back_with_huge_pages()  # the weights on 2 MiB pages, as the engine keeps them
     max_len = args.prefix + 80
     model.init_rope(max_len)
     cache = KVCache(model.cfg, 1, max_len, next(model.parameters()).dtype, torch.device("cpu"))
