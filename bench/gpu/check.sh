@@ -79,11 +79,12 @@ export SPECSERVE_GPU_DATASET=$DATASET
 echo "prompts: $DATASET" >> "$OUT/summary.txt"
 
 # Limits, from the first H200 run with a margin (it took 280 s in all: kernels 55 s, GPU tests 50 s,
-# steps 18 s and 14 s, variants 71 s for six methods before suffix decoding and the hybrid, HF 58 s): a cold start compiles each Triton kernel on its first
-# launch (1-4 s each) and captures every CUDA-graph bucket; HF's static cache compiles its forward
-# (about 50 s). The CPU-only kernel tests (the AVX2 few-row GEMM, the GGUF blocks, the CPU slot
-# attention, the compile check for GPUs that are not there) are left out. The profile of SmolLM2's
-# decode step (about 20 s) prints its kernel tables into check.log.
+# steps 18 s and 14 s, variants 71 s for the six methods before suffix decoding and the hybrid, HF
+# 58 s): a cold start compiles each Triton kernel on its first launch (1-4 s each) and captures every
+# CUDA-graph bucket; HF's static cache compiles its forward (about 50 s). The CPU-only kernel tests
+# (the AVX2 few-row GEMM, the GGUF blocks, the CPU slot attention, the compile check for GPUs that
+# are not there) are left out. The profile of SmolLM2's decode step (about 20 s) prints its kernel
+# tables into check.log.
 PYTEST="$PY -m pytest -q -p no:cacheprovider -o faulthandler_timeout=60 --tb=short -rfE"
 part kernels 70 $PYTEST $COLLECT $KERNEL_TESTS --ignore=tests/kernels/test_few_row_gemm.py \
   --ignore=tests/kernels/test_gguf_gemm.py --ignore=tests/kernels/test_slot_attention.py \

