@@ -223,7 +223,6 @@ class CompiledTarget:
                  max_tokens: int, cache_dir: Path, step_matmul: str = "auto", step_attention: str = "auto") -> None:
         self.model, self.cache, self.aux_layers = model, cache, tuple(aux_layers)
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
-        self._aranges: dict[int, torch.Tensor] = {}
         key = program_key(model.state_dict().items(), "target", tuple(cache.data.shape), self.aux_layers,
                           max_batch_size, max_tokens, gguf_gemm.activation_digits(model))
         self.step_matmul = choose_step_matmul(model, cache_dir, step_matmul)
@@ -326,12 +325,6 @@ class CompiledTarget:
             logits = torch.gather(logits, 1, logit_index[:, :, None].expand(-1, -1, logits.shape[-1]))
         return ForwardOutput(logits=logits, hidden=outputs[0], aux_hidden=aux)
 
-    def _all_rows(self, n: int) -> torch.Tensor:
-        """arange(n) on the cache's device, kept."""
-        if n not in self._aranges:
-            self._aranges[n] = torch.arange(n, device=self.cache.data.device)
-        return self._aranges[n]
-
     def skips_padding(self, t: int, num_nodes: list[int] | None) -> bool:
         """Whether `forward` of trees padded to t tokens with these real nodes computes fewer rows than
         B x t (the packed step program; its time is then not a padded step's)."""
@@ -344,15 +337,14 @@ class CompiledTarget:
         """`forward` through the packed step program: the real rows' K/V written, the outputs laid out
         as (B, T, ...) again (views where no row is padded)."""
         b, t = tokens.shape
-        rows = self._all_rows(b * t) if num_nodes is None else packed_rows(num_nodes, t).to(tokens.device)
+        rows = packed_rows(num_nodes or [t] * b, t).to(tokens.device)
         inputs = [x.contiguous() for x in (tokens, positions, slots, cache_lens, new_mask)]
         outputs = self.step_runner(*inputs, prefix_keys(self.cache, s), rows)  # each (R, ...)
-        if num_nodes is None:  # a decode's path: no index arithmetic beyond the unpacked program's
+        request, column = rows // t, rows % t
+        write_new_kv(self.cache, slots[request], cache_lens[request] + column, outputs[1])
+        if num_nodes is None:
             full = [o.view(b, t, *o.shape[1:]) for o in outputs]
-            write_new_kv(self.cache, slots, cache_lens[:, None] + self._all_rows(t), full[1])
         else:
-            request, column = rows // t, rows % t
-            write_new_kv(self.cache, slots[request], cache_lens[request] + column, outputs[1])
             padding = torch.ones(b * t, dtype=torch.bool, device=tokens.device).index_fill_(0, rows, False)
             full = []
             for o in outputs:
