@@ -475,22 +475,3 @@ def test_compiled_prefill_reuses_and_chunks_losslessly(tiny_target_dir, compile_
     second = eng.generate(turns, params)
     assert [o.token_ids for o in second] == [o.token_ids for o in ref.generate(turns, params)]
     assert sum(o.num_cached_tokens for o in second) > 0
-
-
-def test_a_packed_step_is_weighed_as_the_padded_step_it_replaces():
-    """The step program skips padding rows only where it runs packed and the real rows fit it; such a
-    step's time is then reported as the padded step's estimate would have it (the estimates the drafters
-    size trees by stay those of padded steps)."""
-    compiled = object.__new__(CompiledTarget)
-    compiled.step_attention, compiled.step_runner, compiled.step_rows = "in_place", object(), 16
-    assert compiled.skips_padding(4, [4, 1, 1, 1])
-    assert not compiled.skips_padding(4, [4, 4])  # no padding
-    assert not compiled.skips_padding(4, None)
-    assert not compiled.skips_padding(8, [8, 8, 1])  # 17 real rows: the prefill program, padded
-    compiled.step_attention = "sdpa"
-    assert not compiled.skips_padding(4, [4, 1, 1, 1])
-    runner = object.__new__(TargetRunner)
-    runner._padding_saved = 0.004
-    assert runner.as_padded(0.010) == pytest.approx(0.014)
-    runner._padding_saved = None  # the padded step's estimate is not measured yet
-    assert runner.as_padded(0.010) is None
