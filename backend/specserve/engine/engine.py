@@ -379,8 +379,11 @@ class Engine:
         cache_lens, slots = to_device([host_lens, [r.slot for r in reqs]], self.device)  # (B,) each
         positions = cache_lens[:, None] + batch.depth  # (B, N)
         trees = self.verifier.grammar_trees(reqs, batch)  # on a GPU the masks are built while the forward runs
+        num_nodes = None  # a batch of trees of different sizes: the CPU's step program computes their nodes only
+        if not batch.is_root_only and len(reqs) > 1 and batch.num_draft_tokens.device.type == "cpu":
+            num_nodes = batch.num_draft_tokens.tolist()
         out, settled = self.runner.step(batch.tokens, positions, slots, cache_lens, batch.mask, batch.is_root_only,
-                                        host_lens, [r.slot for r in reqs], batch.num_draft_tokens)
+                                        host_lens, [r.slot for r in reqs], num_nodes)
         t2 = clock()
         p.forward += t2 - t1
         masked, mask_seconds = self.verifier.grammar_nodes, self.verifier.grammar_seconds
@@ -412,7 +415,7 @@ class Engine:
             # the chooser weighs a shape by what its drafter's own nodes won
             accepted = v.accepted if shaped is None else shaped.drafters_own(v.accepted)
             lengths = [len(nodes) for nodes in accepted]
-            seconds = self.runner.as_padded(clock() - start) if settled and not catching_up else None
+            seconds = clock() - start if settled and not catching_up else None
             if seconds is not None and shaped is not None and shaped.changed:  # a grammar changed the rows
                 timed = self.chooser.timed(len(reqs), shape)
                 seconds = None if timed else self._as_drafted(seconds, len(reqs), drafted_rows, batch.tokens.shape[1])

@@ -214,9 +214,6 @@ class CompiledTarget:
     them a token sees. The step program computes every row's logits itself (a step needs them all);
     after the prefill program they come from the eager, prepacked lm_head at the positions asked for,
     so a prefill does not pay for every prompt position's logits.
-
-    With in-place attention the step program is packed (`ReadOnlyForward`): a batch of trees padded to
-    the largest runs its real nodes only (`forward`'s num_nodes), and counts them against `step_rows`.
     """
 
     def __init__(self, model: LlamaModel, cache: KVCache, aux_layers: tuple[int, ...], max_batch_size: int,
@@ -299,7 +296,7 @@ class CompiledTarget:
             num_nodes = None
         rows = b * t if num_nodes is None or not self.packed else sum(num_nodes)
         small = rows <= self.step_rows and t <= self.step_rows and self.step_runner is not None
-        if small and self.packed:  # (`skips_padding` when num_nodes is not None)
+        if small and self.packed:
             return self._packed_step(tokens, positions, slots, cache_lens, new_mask, s, logit_index, num_nodes)
         padded = t if small else min(padded_rows(t), self.max_tokens)
         if padded > t:  # padded tokens come after the real ones and see only themselves and the prefix
@@ -324,12 +321,6 @@ class CompiledTarget:
         if logit_index is not None:
             logits = torch.gather(logits, 1, logit_index[:, :, None].expand(-1, -1, logits.shape[-1]))
         return ForwardOutput(logits=logits, hidden=outputs[0], aux_hidden=aux)
-
-    def skips_padding(self, t: int, num_nodes: list[int] | None) -> bool:
-        """Whether `forward` of trees padded to t tokens with these real nodes computes fewer rows than
-        B x t (the packed step program; its time is then not a padded step's)."""
-        return (num_nodes is not None and self.packed and self.step_runner is not None and min(num_nodes) < t
-                and t <= self.step_rows and sum(num_nodes) <= self.step_rows)
 
     def _packed_step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                      cache_lens: torch.Tensor, new_mask: torch.Tensor, s: int, logit_index: torch.Tensor | None,

@@ -49,7 +49,6 @@ class TargetRunner:
                  aux_layers: tuple[int, ...], num_draft_tokens: int) -> None:
         """num_draft_tokens: the largest tree a step verifies (the verify buckets' token count)."""
         self.model, self.cache, self.plan, self.aux_layers = model, cache, plan, aux_layers
-        self._padding_saved: float | None = 0.0  # the last step's, for `as_padded`
         self.attention = plan.attention
         self.model.attention_backend = self.make_backend()
         model.use_fused_kernels(plan.fused_kernels)
@@ -163,20 +162,15 @@ class TargetRunner:
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache_lens: torch.Tensor,
              mask: torch.Tensor, root_only: bool, host_lens: list[int],
-             host_slots: list[int], num_nodes: torch.Tensor | None = None) -> tuple[ForwardOutput, bool]:
+             host_slots: list[int], num_nodes: list[int] | None = None) -> tuple[ForwardOutput, bool]:
         """A decode or tree-verify forward. tokens, positions (B, N); slots, cache_lens (B,); mask
-        (B, N, N) the trees' masks (root_only: N = 1, plain decoding); num_nodes (B,): each tree's own
-        nodes (the compiled step program computes only those; None: all N). A forward that skipped padding
-        rows is not timed: the estimates (`forward_seconds`) stay those of B x N rows, by which the drafters
-        size trees (each request's padded to the largest); `as_padded` says what the step would have cost.
+        (B, N, N) the trees' masks (root_only: N = 1, plain decoding); num_nodes: each tree's own nodes
+        (the compiled step program computes only those; None: all N).
 
         Returns the output and whether the forward ran on the path its key is settled on (a forward
         exploring the other path says nothing about the step's usual cost)."""
         b, n = tokens.shape
         new_mask = None if root_only else mask
-        self._padding_saved = 0.0
-        on_host = num_nodes is not None and num_nodes.device.type == "cpu"  # a GPU's: no sync for them
-        nodes = num_nodes.tolist() if on_host and not root_only and b > 1 else None
         if self.graphs is not None and self.graphs.bucket_for(b, n) is not None:
             return self.graphs.forward(tokens, positions, slots, cache_lens, new_mask, host_lens), True
         if self.compiled is not None and self.compiled.fits(b, n, max(host_lens)):
@@ -184,15 +178,10 @@ class TargetRunner:
             path = self.paths.choose(key)
             start = time.perf_counter()
             if path == "compiled":
-                out = self.compiled.forward(tokens, positions, slots, cache_lens, mask, host_lens, num_nodes=nodes)
+                out = self.compiled.forward(tokens, positions, slots, cache_lens, mask, host_lens, num_nodes=num_nodes)
             else:
                 out = self._eager(tokens, positions, slots, cache_lens, new_mask, host_lens, host_slots)
-            seconds = time.perf_counter() - start
-            if path == "compiled" and self.compiled.skips_padding(n, nodes):
-                padded = self.forward_seconds(b, n)[n - 1]
-                self._padding_saved = None if padded is None else padded - seconds
-            else:
-                self.paths.observe(key, path, seconds)
+            self.paths.observe(key, path, time.perf_counter() - start)
             return out, self.paths.settled_on(key, path)
         return self._eager(tokens, positions, slots, cache_lens, new_mask, host_lens, host_slots), True
 
@@ -202,11 +191,6 @@ class TargetRunner:
         return self.model(tokens, attn, self.cache, aux_layers=self.aux_layers)
 
     # ---- the compiled program's paths -----------------------------------------------------------
-
-    def as_padded(self, seconds: float) -> float | None:
-        """A step's seconds as if its last forward had computed every padding row too: plus what skipping
-        them saved against the padded forward's estimate (None where that is not measured yet)."""
-        return None if self._padding_saved is None else seconds + self._padding_saved
 
     def few_rows(self, batch_size: int, share: float = 1.0) -> int | None:
         """Tokens per request a forward of `batch_size` requests may verify and stay within `share`
