@@ -241,13 +241,6 @@ class CompiledTarget:
         """Whether the step program runs only the real rows of a batch of trees (`ReadOnlyForward`'s packed)."""
         return self.step_attention == "in_place"
 
-    @property
-    def prefill_packed(self) -> bool:
-        """Whether the prefill program takes rows too (it attends in place: a float32 cache). A prompt's
-        tokens then come out of it bit for bit as out of the step program: both are traced from the same
-        ops (with rounded activations a last-bit difference between them changes tokens)."""
-        return self.packed and self.cache.data.dtype == torch.float32
-
     def _export_step(self, max_tokens: int) -> torch.export.ExportedProgram:
         if self.step_matmul == "inductor":
             return self._export(max_tokens, True)
@@ -270,10 +263,9 @@ class CompiledTarget:
                    torch.zeros(b, **i64), torch.ones(b, t, t, dtype=torch.bool).tril(),
                    prefix_keys(self.cache, KEY_ALIGN))
         in_place = self.step_attention == "in_place" and (with_logits or self.cache.data.dtype == torch.float32)
-        packed = in_place and self.packed  # both programs alike: each op of a row computed the same way in either
+        packed = with_logits and self.packed
         if packed:  # 5 of the 6 tokens: a row count of its own, not tied to the batch's
-            rows = Dim("rows", min=1, max=max(2, self.max_batch_size) * max_tokens)
-            example, dynamic = (*example, torch.arange(5, **i64)), (*dynamic, {0: rows})
+            example, dynamic = (*example, torch.arange(5, **i64)), (*dynamic, {0: Dim("rows", min=1, max=max_tokens)})
         module = ReadOnlyForward(self.model, self.aux_layers, with_logits, in_place, packed)
         return torch.export.export(module.eval(), example, dynamic_shapes=dynamic, strict=False)
 
@@ -306,13 +298,8 @@ class CompiledTarget:
             tokens, new_mask = pad_columns(tokens, padded), mask
             positions = continued_positions(positions, padded, self.model.rope[0].shape[0])
         # the program reads its inputs with the strides it was exported with: contiguous, and the cache's own
-        keys = prefix_keys(self.cache, s)
-        inputs = [*(x.contiguous() for x in (tokens, positions, slots, cache_lens, new_mask)), keys]
-        if self.prefill_packed:  # every row (R = B x padded), laid out as (B, padded) again
-            rows = torch.arange(b * padded, device=tokens.device)
-            outputs = [o.view(b, padded, *o.shape[1:])[:, :t] for o in self.runner(*inputs, rows)]
-        else:
-            outputs = [o[:, :t] for o in (self.step_runner if small else self.runner)(*inputs)]
+        inputs = (x.contiguous() for x in (tokens, positions, slots, cache_lens, new_mask))
+        outputs = [o[:, :t] for o in (self.step_runner if small else self.runner)(*inputs, prefix_keys(self.cache, s))]
         write_new_kv(self.cache, slots, cache_lens[:, None] + torch.arange(t, device=tokens.device), outputs[1])
         aux = outputs[2] if self.aux_layers else None
         if not small:
