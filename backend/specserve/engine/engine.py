@@ -379,11 +379,8 @@ class Engine:
         cache_lens, slots = to_device([host_lens, [r.slot for r in reqs]], self.device)  # (B,) each
         positions = cache_lens[:, None] + batch.depth  # (B, N)
         trees = self.verifier.grammar_trees(reqs, batch)  # on a GPU the masks are built while the forward runs
-        num_nodes = None  # a batch of trees of different sizes: the CPU's step program computes their nodes only
-        if not batch.is_root_only and len(reqs) > 1 and batch.num_draft_tokens.device.type == "cpu":
-            num_nodes = batch.num_draft_tokens.tolist()
         out, settled = self.runner.step(batch.tokens, positions, slots, cache_lens, batch.mask, batch.is_root_only,
-                                        host_lens, [r.slot for r in reqs], num_nodes)
+                                        host_lens, [r.slot for r in reqs])
         t2 = clock()
         p.forward += t2 - t1
         masked, mask_seconds = self.verifier.grammar_nodes, self.verifier.grammar_seconds

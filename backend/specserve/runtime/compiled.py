@@ -77,47 +77,24 @@ def readonly_attend(kv: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, c
 
 
 def slot_attend(kv: torch.Tensor, slots: torch.Tensor, cache_lens: torch.Tensor, new_mask: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor, new_kv: list[torch.Tensor],
-                rows: torch.Tensor | None = None) -> Attend:
+                cos: torch.Tensor, sin: torch.Tensor, new_kv: list[torch.Tensor]) -> Attend:
     """`readonly_attend` through the CPU op that reads each request's prefix in place
     (`specserve_kernels.slot_attention`): token t sees entries [0, cache_lens[b]) of its slot and new
-    token j where new_mask[b, t, j]. No gathered prefix, no (B, 1, T, S + T) mask.
-
-    rows (R,): x is (1, R, H), the real ones of the B x T tokens (flat indices, `packed_rows`); the op
-    reads them laid out as (B, T), the padding tokens zero (no real token sees them)."""
-    b, t = new_mask.shape[:2]
+    token j where new_mask[b, t, j]. No gathered prefix, no (B, 1, T, S + T) mask."""
 
     def attend(attn: Attention, x: torch.Tensor) -> torch.Tensor:
         q, k, v = attn.project(x, cos, sin)  # q (B, Hq, T, D); k, v (B, T, Hkv, D)
         new_kv.append(torch.stack([k, v], dim=2))
-        q = q.transpose(1, 2)
-        if rows is not None:
-            q, k, v = (unpack_rows(y[0], rows, b, t, zero_padding=True) for y in (q, k, v))
-        out = slot_attention.slot_attention(q.float(), k.float(), v.float(), kv[0], kv[1], slots, cache_lens,
-                                            new_mask)  # the op's new tokens are float32
-        if rows is not None:
-            out = out.reshape(b * t, -1)[rows][None]
+        out = slot_attention.slot_attention(q.transpose(1, 2).float(), k.float(), v.float(), kv[0], kv[1], slots,
+                                            cache_lens, new_mask)  # the op's new tokens are float32
         return attn.o_proj(out.to(x.dtype))
 
     return attend
 
 
-def packed_rows(num_nodes: list[int], t: int) -> torch.Tensor:
-    """The flat indices into (B, T) of each row's first num_nodes[b] tokens (a tree's real nodes)."""
-    return torch.cat([torch.arange(n) + i * t for i, n in enumerate(num_nodes)])
-
-
-def unpack_rows(x: torch.Tensor, rows: torch.Tensor, b: int, t: int, zero_padding: bool) -> torch.Tensor:
-    """x (R, ...) the `rows` of a (B, T, ...) tensor -> that tensor; the others zero (zero_padding) or
-    left as they come (empty memory)."""
-    full = (x.new_zeros if zero_padding else x.new_empty)((b * t, *x.shape[1:]))
-    return full.index_copy(0, rows, x).view(b, t, *x.shape[1:])
-
-
 def write_new_kv(cache: KVCache, slots: torch.Tensor, write_pos: torch.Tensor, new_kv: torch.Tensor) -> None:
-    """new_kv (B, T, L, 2, Hkv, D) into each request's slot at write_pos (B, T); or, slots and
-    write_pos (R,) a slot and position per token, new_kv (R, L, 2, Hkv, D)."""
-    cache.data[:, :, slots[:, None] if write_pos.dim() == 2 else slots, :, write_pos] = new_kv
+    """new_kv (B, T, L, 2, Hkv, D) into each request's slot at write_pos (B, T)."""
+    cache.data[:, :, slots[:, None], :, write_pos] = new_kv
 
 
 def prefix_keys(cache: KVCache, s: int) -> torch.Tensor:
@@ -148,35 +125,26 @@ class ReadOnlyForward(nn.Module):
     kv (L, 2, slots, Hkv, S, D)) -> hidden (B, T, H) final-norm output, new_kv (B, T, L, 2, Hkv, D),
     with aux layers aux (B, T, len(aux_layers) * H), and with_logits logits (B, T, V) float32 last.
     Token t of row b sees prefix entries s < cache_lens[b] and new token j where new_mask[b, t, j].
-
-    packed (in-place attention only): forward(..., kv, rows (R,)) runs the layers and the lm_head on the
-    tokens `rows` of the B x T (flat indices: each tree's real nodes, `packed_rows`), and every output
-    has those R rows first instead of (B, T): a batch of trees of different sizes costs its nodes, not
-    B x the largest tree. Each row's numbers are the same either way (every op computes a row alone).
     """
 
     def __init__(self, model: LlamaModel, aux_layers: tuple[int, ...], with_logits: bool = False,
-                 in_place: bool = False, packed: bool = False) -> None:
+                 in_place: bool = False) -> None:
         """in_place: attention through `slot_attend` (the CPU op loaded), else SDPA over gathered keys."""
         super().__init__()
-        assert in_place or not packed, "packed rows need the in-place attention"
         self.model, self.aux_layers, self.with_logits, self.in_place = model, aux_layers, with_logits, in_place
-        self.packed = packed
         cos, sin = model.rope
         self.register_buffer("cos", cos, persistent=False)  # (max_len, D)
         self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache_lens: torch.Tensor,
-                new_mask: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                new_mask: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
         b, t = tokens.shape
         s = kv.shape[-2]
-        if self.packed:  # the real rows alone, as one sequence (1, R)
-            tokens, positions = tokens.reshape(-1)[rows][None], positions.reshape(-1)[rows][None]
         cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # (B, T, 1, D)
         new_kv: list[torch.Tensor] = []
         if self.in_place:
             def attend(i: int, attn: Attention, x: torch.Tensor) -> torch.Tensor:
-                return slot_attend(kv[i], slots, cache_lens, new_mask, cos, sin, new_kv, rows)(attn, x)
+                return slot_attend(kv[i], slots, cache_lens, new_mask, cos, sin, new_kv)(attn, x)
         else:
             in_prefix = torch.arange(s, device=tokens.device)[None, :] < cache_lens[:, None]  # (B, S)
             mask = torch.cat([in_prefix[:, None, :].expand(b, t, s), new_mask], dim=-1)[:, None]  # (B, 1, T, S + T)
@@ -185,8 +153,7 @@ class ReadOnlyForward(nn.Module):
                 return readonly_attend(kv[i], slots, mask, cos, sin, new_kv)(attn, x)
         hidden, aux = self.model.run_layers(tokens, attend, self.aux_layers)
         outputs = (hidden, torch.stack(new_kv, dim=2), *(() if aux is None else (aux,)))
-        outputs = (*outputs, self.model.lm_head(hidden).float()) if self.with_logits else outputs
-        return tuple(o[0] for o in outputs) if self.packed else outputs
+        return (*outputs, self.model.lm_head(hidden).float()) if self.with_logits else outputs
 
 
 def choose_step_attention(cache: KVCache, cache_dir: Path, requested: str = "auto") -> str:
@@ -236,11 +203,6 @@ class CompiledTarget:
         self.step_runner = step[0] if step else None
         self.compiled_now |= bool(step and step[1])
 
-    @property
-    def packed(self) -> bool:
-        """Whether the step program runs only the real rows of a batch of trees (`ReadOnlyForward`'s packed)."""
-        return self.step_attention == "in_place"
-
     def _export_step(self, max_tokens: int) -> torch.export.ExportedProgram:
         if self.step_matmul == "inductor":
             return self._export(max_tokens, True)
@@ -263,11 +225,8 @@ class CompiledTarget:
                    torch.zeros(b, **i64), torch.ones(b, t, t, dtype=torch.bool).tril(),
                    prefix_keys(self.cache, KEY_ALIGN))
         in_place = self.step_attention == "in_place" and (with_logits or self.cache.data.dtype == torch.float32)
-        packed = with_logits and self.packed
-        if packed:  # 5 of the 6 tokens: a row count of its own, not tied to the batch's
-            example, dynamic = (*example, torch.arange(5, **i64)), (*dynamic, {0: Dim("rows", min=1, max=max_tokens)})
-        module = ReadOnlyForward(self.model, self.aux_layers, with_logits, in_place, packed)
-        return torch.export.export(module.eval(), example, dynamic_shapes=dynamic, strict=False)
+        return torch.export.export(ReadOnlyForward(self.model, self.aux_layers, with_logits, in_place).eval(), example,
+                                   dynamic_shapes=dynamic, strict=False)
 
     def fits(self, batch_size: int, num_tokens: int, max_cache_len: int) -> bool:
         """Whether the program covers this forward (else the caller runs it eagerly)."""
@@ -275,21 +234,14 @@ class CompiledTarget:
                 and max_cache_len < self.cache.max_len)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache_lens: torch.Tensor,
-                new_mask: torch.Tensor, host_cache_lens: list[int], logit_index: torch.Tensor | None = None,
-                num_nodes: list[int] | None = None) -> ForwardOutput:
+                new_mask: torch.Tensor, host_cache_lens: list[int], logit_index: torch.Tensor | None = None
+                ) -> ForwardOutput:
         """Like `LlamaModel.forward`: tokens, positions (B, T); slots, cache_lens (B,); new_mask
-        (B, T, T) bool (causal for a prefill); writes the new tokens' K/V at cache_lens[b] + j.
-        num_nodes: each row's real tokens, its first num_nodes[b] (a batch of trees padded to the largest);
-        the packed step program computes only those, the outputs' padding rows are zero."""
+        (B, T, T) bool (causal for a prefill); writes the new tokens' K/V at cache_lens[b] + j."""
         b, t = tokens.shape
         s = min(aligned_keys(max(host_cache_lens)), self.cache.max_len - 1)  # the programs' largest key count
         assert self.fits(b, t, max(host_cache_lens)), "check fits() first"
-        if num_nodes is not None and all(n == t for n in num_nodes):
-            num_nodes = None
-        rows = b * t if num_nodes is None or not self.packed else sum(num_nodes)
-        small = rows <= self.step_rows and t <= self.step_rows and self.step_runner is not None
-        if small and self.packed:
-            return self._packed_step(tokens, positions, slots, cache_lens, new_mask, s, logit_index, num_nodes)
+        small = b * t <= self.step_rows and self.step_runner is not None
         padded = t if small else min(padded_rows(t), self.max_tokens)
         if padded > t:  # padded tokens come after the real ones and see only themselves and the prefix
             mask = torch.zeros(b, padded, padded, dtype=torch.bool, device=new_mask.device)
@@ -308,31 +260,6 @@ class CompiledTarget:
         if logit_index is not None:
             logits = torch.gather(logits, 1, logit_index[:, :, None].expand(-1, -1, logits.shape[-1]))
         return ForwardOutput(logits=logits, hidden=outputs[0], aux_hidden=aux)
-
-    def _packed_step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                     cache_lens: torch.Tensor, new_mask: torch.Tensor, s: int, logit_index: torch.Tensor | None,
-                     num_nodes: list[int] | None) -> ForwardOutput:
-        """`forward` through the packed step program: the real rows' K/V written, the outputs laid out
-        as (B, T, ...) again (views where no row is padded)."""
-        b, t = tokens.shape
-        rows = packed_rows(num_nodes or [t] * b, t).to(tokens.device)
-        inputs = [x.contiguous() for x in (tokens, positions, slots, cache_lens, new_mask)]
-        outputs = self.step_runner(*inputs, prefix_keys(self.cache, s), rows)  # each (R, ...)
-        request, column = rows // t, rows % t
-        write_new_kv(self.cache, slots[request], cache_lens[request] + column, outputs[1])
-        if num_nodes is None:
-            full = [o.view(b, t, *o.shape[1:]) for o in outputs]
-        else:
-            padding = torch.ones(b * t, dtype=torch.bool, device=tokens.device).index_fill_(0, rows, False)
-            full = []
-            for o in outputs:
-                u = unpack_rows(o, rows, b, t, zero_padding=False)
-                u.view(b * t, *o.shape[1:])[padding] = 0
-                full.append(u)
-        logits = full[-1]
-        if logit_index is not None:
-            logits = torch.gather(logits, 1, logit_index[:, :, None].expand(-1, -1, logits.shape[-1]))
-        return ForwardOutput(logits=logits, hidden=full[0], aux_hidden=full[2] if self.aux_layers else None)
 
 
 class ReadOnlyHeadStep(nn.Module):

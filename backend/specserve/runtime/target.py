@@ -162,10 +162,9 @@ class TargetRunner:
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache_lens: torch.Tensor,
              mask: torch.Tensor, root_only: bool, host_lens: list[int],
-             host_slots: list[int], num_nodes: list[int] | None = None) -> tuple[ForwardOutput, bool]:
+             host_slots: list[int]) -> tuple[ForwardOutput, bool]:
         """A decode or tree-verify forward. tokens, positions (B, N); slots, cache_lens (B,); mask
-        (B, N, N) the trees' masks (root_only: N = 1, plain decoding); num_nodes: each tree's own nodes
-        (the compiled step program computes only those; None: all N).
+        (B, N, N) the trees' masks (root_only: N = 1, plain decoding).
 
         Returns the output and whether the forward ran on the path its key is settled on (a forward
         exploring the other path says nothing about the step's usual cost)."""
@@ -178,7 +177,7 @@ class TargetRunner:
             path = self.paths.choose(key)
             start = time.perf_counter()
             if path == "compiled":
-                out = self.compiled.forward(tokens, positions, slots, cache_lens, mask, host_lens, num_nodes=num_nodes)
+                out = self.compiled.forward(tokens, positions, slots, cache_lens, mask, host_lens)
             else:
                 out = self._eager(tokens, positions, slots, cache_lens, new_mask, host_lens, host_slots)
             self.paths.observe(key, path, time.perf_counter() - start)
