@@ -1,7 +1,7 @@
 """Triton kernels for tree speculative decoding, each with a plain-PyTorch reference.
 
 Every launcher checks its inputs, runs the Triton kernel on CUDA tensors and the reference on CPU
-tensors (`verify_greedy`: the same walk over host lists, `verify_greedy_host`; `SPECSERVE_FORCE_TRITON=1`
+tensors (`verify_greedy`: the same walk over host lists, `greedy_walk`; `SPECSERVE_FORCE_TRITON=1`
 forces the kernel, for testing under `TRITON_INTERPRET=1`).
 
     build_tree      parents -> depth, ancestor mask, first_child / next_sibling links
@@ -24,7 +24,7 @@ from specserve_kernels.fused_layer import (
 from specserve_kernels.kv_compact import compact_kv, compact_kv_reference
 from specserve_kernels.tree_attention import tree_attention, tree_attention_reference
 from specserve_kernels.tree_build import TreeTensors, build_tree, build_tree_reference
-from specserve_kernels.verify_greedy import VerifyResult, verify_greedy, verify_greedy_reference
+from specserve_kernels.verify_greedy import VerifyResult, greedy_walk, verify_greedy, verify_greedy_reference
 from specserve_kernels.verify_sample import verify_sample, verify_sample_reference
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "build_tree_reference",
     "compact_kv",
     "compact_kv_reference",
+    "greedy_walk",
     "tree_attention",
     "tree_attention_reference",
     "verify_greedy",

@@ -220,14 +220,24 @@ def verify_greedy_host(
     next_sibling: torch.Tensor,
     target_tokens: torch.Tensor,
 ) -> VerifyResult:
-    """`verify_greedy` on CPU tensors: the kernel's walk in Python over the rows as lists. A tree has at
-    most `MAX_NODES` nodes, so the walk is a few list reads; the vectorised reference pays torch's per-op
-    cost about ten times per examined node (a 4-node chain: about 110 us against 15 us here)."""
-    drafts, firsts, siblings, targets = (x.tolist() for x in (draft_tokens, first_child, next_sibling, target_tokens))
+    """`verify_greedy` on CPU tensors: `greedy_walk` over the rows as lists. A tree has at most `MAX_NODES`
+    nodes, so the walk is a few list reads; the vectorised reference pays torch's per-op cost about ten
+    times per examined node (a 4-node chain: about 110 us against 15 us here)."""
     bsz, n = draft_tokens.shape
-    accepted = [[-1] * n for _ in range(bsz)]
-    lengths, bonus = [], []
-    for row, draft, first, sibling, target in zip(accepted, drafts, firsts, siblings, targets):
+    accepted, lengths, bonus = greedy_walk(*(x.tolist() for x in (draft_tokens, first_child, next_sibling,
+                                                                   target_tokens)))
+    return VerifyResult(torch.tensor(accepted, dtype=torch.int64).reshape(bsz, n),
+                        torch.tensor(lengths, dtype=torch.int64), torch.tensor(bonus, dtype=torch.int64))
+
+
+def greedy_walk(drafts: list[list[int]], firsts: list[list[int]], siblings: list[list[int]],
+                targets: list[list[int]]) -> tuple[list[list[int]], list[int], list[int]]:
+    """The kernel's walk on host lists, (B, N) each: per row its accepted nodes (-1 padded to N), accept
+    length and bonus token, as `verify_greedy` returns them."""
+    accepted, lengths, bonus = [], [], []
+    for draft, first, sibling, target in zip(drafts, firsts, siblings, targets):
+        n = len(draft)
+        row = [-1] * n
         row[0] = cur = 0
         length, child = 1, first[0]
         for _ in range(n - 1):  # each non-root node is examined at most once
@@ -239,10 +249,10 @@ def verify_greedy_host(
                 child = first[child]
             else:
                 child = sibling[child]
+        accepted.append(row)
         lengths.append(length)
         bonus.append(target[cur])
-    return VerifyResult(torch.tensor(accepted, dtype=torch.int64).reshape(bsz, n),
-                        torch.tensor(lengths, dtype=torch.int64), torch.tensor(bonus, dtype=torch.int64))
+    return accepted, lengths, bonus
 
 
 def verify_greedy_reference(

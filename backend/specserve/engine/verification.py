@@ -79,7 +79,8 @@ class Verifier:
         `cache` (the target's KV data) compacted after each row's cache_lens (slots, cache_lens (B,)).
         trees: the step's `grammar_trees` (None: taken here when a request has a grammar)."""
         v = self.verify(reqs, batch, logits, trees)
-        if not batch.is_root_only:
+        # a path down a chain is already where it belongs: nothing to move (the host knows without a device read)
+        if not batch.is_root_only and any(nodes != list(range(len(nodes))) for nodes in v.accepted):
             K.compact_kv(cache, slots, cache_lens, v.result.accepted_nodes, v.result.accept_length)
         return v
 
@@ -96,6 +97,8 @@ class Verifier:
 
         Greedy rows and sampled rows go to their own kernel call; results are merged by row.
         """
+        if logits.device.type == "cpu" and trees is None and all(self._plainly_greedy(r) for r in reqs):
+            return self._greedy_on_host(batch, logits)
         b, n = batch.tokens.shape
         forbidden_rows: list[torch.Tensor | None] = [None] * b
         lazy: list[int] = []  # greedy rows whose grammar is checked along the accepted path only
@@ -147,6 +150,29 @@ class Verifier:
             accepted[s], accept_length[s], bonus[s] = res.accepted_nodes, res.accept_length, res.bonus_tokens
         result = K.VerifyResult(accepted_nodes=accepted, accept_length=accept_length, bonus_tokens=bonus)
         return self._emitted(reqs, batch, logits, result)
+
+    @staticmethod
+    def _plainly_greedy(req: Request) -> bool:
+        """Whether a row's logits go to argmax untouched: greedy, no grammar, penalty, logprobs or EOS held
+        back by min_tokens."""
+        p = req.params
+        return (p.greedy and req.grammar is None and not p.has_penalties and p.logprobs is None
+                and p.min_tokens <= req.num_output_tokens)
+
+    @staticmethod
+    def _greedy_on_host(batch: TreeBatch, logits: torch.Tensor) -> Verified:
+        """`verify` for CPU rows that are all `_plainly_greedy`: the argmax, the walk and what each row emits on
+        host lists (a step's host work runs right after a forward that streamed every weight through the
+        caches, where each tensor op costs several times its warm time), the same values as the general path."""
+        drafts = batch.tokens.tolist()
+        accepted, lengths, bonus = K.greedy_walk(drafts, batch.first_child.tolist(), batch.next_sibling.tolist(),
+                                                 greedy_tokens(logits).tolist())
+        emitted = [[draft[node] for node in row[1:length]] + [last]
+                   for draft, row, length, last in zip(drafts, accepted, lengths, bonus)]
+        result = K.VerifyResult(torch.tensor(accepted, dtype=torch.int64).reshape(batch.tokens.shape),
+                                torch.tensor(lengths, dtype=torch.int64), torch.tensor(bonus, dtype=torch.int64))
+        paths = [row[:length] for row, length in zip(accepted, lengths)]
+        return Verified(result, emitted, [None] * len(emitted), paths, batch.num_draft_tokens.tolist())
 
     @staticmethod
     def _masks_lazily(req: Request, device: torch.device) -> bool:

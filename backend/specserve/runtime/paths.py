@@ -24,6 +24,7 @@ and time.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from collections import Counter
@@ -51,6 +52,8 @@ class PathChooser:
         self.explore_within, self.max_slowdown = explore_within, max_slowdown
         self.provisional_period, self.doubt_ratio = provisional_period, doubt_ratio
         self.times: dict[tuple[int, int], dict[str, RunningAverage]] = {}
+        self._rows: dict[int, list[int]] = {}  # per batch-size bucket, its timed tokens per request, ascending
+        self._estimates: dict[tuple[int, int], float | None] = {}  # `estimate` per key, until its next forward
         self.startup: dict[tuple[int, int], dict[str, StartupTiming]] = {}
         self.chosen: Counter[str] = Counter()
         self._steps: Counter[tuple[int, int]] = Counter()
@@ -60,6 +63,7 @@ class PathChooser:
         avgs = self.times.get(key)
         if avgs is None:  # not setdefault: its default would be built on every call (a step makes dozens)
             avgs = self.times[key] = {p: RunningAverage(horizon=10, robust=True) for p in self.PATHS}
+            bisect.insort(self._rows.setdefault(key[0], []), key[1])
         return avgs
 
     def seed(self, key: tuple[int, int], path: str, timing: float | StartupTiming) -> None:
@@ -69,6 +73,7 @@ class PathChooser:
             self.startup.setdefault(key, {})[path] = timing
             timing = timing.median_s
         self._averages(key)[path].seed(timing, self.min_samples)
+        self._estimates.pop(key, None)
         if self._believed(key):
             self._settled[key] = self.best(key)
 
@@ -109,8 +114,15 @@ class PathChooser:
 
     def estimate(self, key: tuple[int, int]) -> float | None:
         """The seconds a forward of `key` is expected to take on the path it runs (None: not timed yet)."""
+        if key in self._estimates:
+            return self._estimates[key]
         avg = self._averages(key)[self.best(key)] if key in self.times else None
-        return avg.value if avg is not None and avg.count else None
+        value = self._estimates[key] = avg.value if avg is not None and avg.count else None
+        return value
+
+    def estimates(self, bucket: int) -> list[tuple[int, float]]:
+        """(tokens per request, `estimate`) of every timed key of a batch-size bucket, tokens ascending."""
+        return [(t, e) for t in self._rows.get(bucket, ()) if (e := self.estimate((bucket, t))) is not None]
 
     def explore_period(self, key: tuple[int, int]) -> int:
         """Steps between two forwards of the slower path: `explore_every`, times the slowdown (rounded
@@ -158,6 +170,7 @@ class PathChooser:
             if avg.samples and seconds * self.doubt_ratio < avg.value:
                 avg.reset()
             avg.add(seconds)
+            self._estimates.pop(key, None)
             self._log_switch(key)
 
     def _log_switch(self, key: tuple[int, int]) -> None:

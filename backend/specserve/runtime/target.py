@@ -110,8 +110,7 @@ class TargetRunner:
         if self.graphs is not None or self.compiled is None:
             return [None] * max_rows
         bucket = self.bucket(batch_size)
-        measured = sorted((t, e) for (b, t) in self.paths.times
-                          if b == bucket and (e := self.paths.estimate((b, t))) is not None)
+        measured = self.paths.estimates(bucket)
         known: list[tuple[int, float]] = []  # (rows, seconds), rows descending
         for t, e in reversed(measured):
             known.append((t, min(e, known[-1][1]) if known else e))
