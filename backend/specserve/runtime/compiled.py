@@ -252,7 +252,11 @@ class CompiledTarget:
         # the program reads its inputs with the strides it was exported with: contiguous, and the cache's own
         inputs = (x.contiguous() for x in (tokens, positions, slots, cache_lens, new_mask))
         outputs = [o[:, :t] for o in (self.step_runner if small else self.runner)(*inputs, prefix_keys(self.cache, s))]
-        write_new_kv(self.cache, slots, cache_lens[:, None] + torch.arange(t, device=tokens.device), outputs[1])
+        if b == 1 and self.cache.data.device.type == "cpu":  # one slice: a quarter of the indexed copy's time at 8 rows
+            start = host_cache_lens[0]
+            self.cache.data[:, :, int(slots[0]), :, start : start + t] = outputs[1][0].permute(1, 2, 3, 0, 4)
+        else:
+            write_new_kv(self.cache, slots, cache_lens[:, None] + torch.arange(t, device=tokens.device), outputs[1])
         aux = outputs[2] if self.aux_layers else None
         if not small:
             return self.model.output(outputs[0], aux, logit_index)
