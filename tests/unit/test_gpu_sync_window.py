@@ -41,6 +41,7 @@ def test_the_window_counts_a_sync_inside_each_verify_step(tiny_target_dir, monke
     modes: list[str] = []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
     monkeypatch.setattr(Verifier, "_masks_lazily", staticmethod(lambda req, device: False))  # the GPU's masks
+    monkeypatch.setattr(Verifier, "_verifies_on_host", staticmethod(lambda reqs, device: False))  # and its read
     verify = Verifier.verify
 
     def verify_reading_the_device(self, reqs, batch, logits, trees=None):

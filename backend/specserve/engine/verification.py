@@ -97,7 +97,7 @@ class Verifier:
 
         Greedy rows and sampled rows go to their own kernel call; results are merged by row.
         """
-        if logits.device.type == "cpu" and trees is None and all(self._plainly_greedy(r) for r in reqs):
+        if trees is None and self._verifies_on_host(reqs, logits.device):
             return self._greedy_on_host(batch, logits)
         b, n = batch.tokens.shape
         forbidden_rows: list[torch.Tensor | None] = [None] * b
@@ -152,16 +152,16 @@ class Verifier:
         return self._emitted(reqs, batch, logits, result)
 
     @staticmethod
-    def _plainly_greedy(req: Request) -> bool:
-        """Whether a row's logits go to argmax untouched: greedy, no grammar, penalty, logprobs or EOS held
-        back by min_tokens."""
-        p = req.params
-        return (p.greedy and req.grammar is None and not p.has_penalties and p.logprobs is None
-                and p.min_tokens <= req.num_output_tokens)
+    def _verifies_on_host(reqs: Sequence[Request], device: torch.device) -> bool:
+        """Whether a step's rows take `_greedy_on_host`: on a CPU, each one's logits going to argmax untouched
+        (greedy, no grammar, penalty, logprobs or EOS held back by min_tokens)."""
+        return device.type == "cpu" and all(
+            r.params.greedy and r.grammar is None and not r.params.has_penalties and r.params.logprobs is None
+            and r.params.min_tokens <= r.num_output_tokens for r in reqs)
 
     @staticmethod
     def _greedy_on_host(batch: TreeBatch, logits: torch.Tensor) -> Verified:
-        """`verify` for CPU rows that are all `_plainly_greedy`: the argmax, the walk and what each row emits on
+        """`verify` for the rows `_verifies_on_host` admits: the argmax, the walk and what each row emits on
         host lists (a step's host work runs right after a forward that streamed every weight through the
         caches, where each tensor op costs several times its warm time), the same values as the general path."""
         drafts = batch.tokens.tolist()
