@@ -335,9 +335,9 @@ class SuffixDrafter(Drafter):
                     ) -> tuple[list[DraftTree], list[float], int]:
         """Every row's ranked tree cut to the size that pays (`tree_size` over costs, one per node count up
         to the largest tree), each cut tree's score (its drafts' shares) and that size."""
-        ranked = [self._ranking(s, len(costs)) for s in seqs]
-        size = self.tree_size([r.shares for r in ranked], costs, gain)
-        return [r.tree(size) for r in ranked], [sum(r.shares[1:size]) for r in ranked], size
+        ranked = [self.propose_ranked(s, len(costs)) for s in seqs]
+        size = self.tree_size([shares for _, shares, _ in ranked], costs, gain)
+        return [tree.prefix(size) for tree, _, _ in ranked], [sum(shares[1:size]) for _, shares, _ in ranked], size
 
     def tree_size(self, shares: Sequence[Sequence[float]], costs: Sequence[float | None],
                   gain: float | None = None) -> int:
@@ -406,43 +406,14 @@ class SuffixDrafter(Drafter):
 
     def propose_ranked(self, seq: SequenceView, num_draft_tokens: int) -> tuple[DraftTree, list[float], float]:
         """`propose_scored`'s tree, its nodes' shares (`ranked_nodes`) and its score."""
-        ranking = self._ranking(seq, num_draft_tokens)
-        return ranking.tree(len(ranking.shares)), ranking.shares, ranking.score
-
-    def _ranking(self, seq: SequenceView, num_draft_tokens: int) -> Ranking:
         spec, (own, salt) = self.spec, self._own_store(seq)
         if not self._native:
             tokens, parents, score, shares = propose(own, self.shared, salt, num_draft_tokens, spec)
-            return Ranking(shares, score, tokens=tokens, parents=parents)
+            return DraftTree.from_parents(tokens, parents), shares, score
         # the same tree, its links and mask laid out in C++ as `DraftTree.from_parents` lays them out
         links, mask, score, shares = self._native.propose(own, self.shared, salt, spec.suffix_max_depth,
                                                           num_draft_tokens, spec.suffix_min_token_prob,
                                                           spec.suffix_max_spec_factor)
-        return Ranking(shares.tolist(), score, links=links, mask=mask)
-
-
-class Ranking:
-    """One request's ranked nodes (`ranked_nodes`): their shares and the tree's score, and `tree(n)`, the tree of
-    the first n, cut where they still are host arrays (a step's host work runs with cold caches: every tensor op
-    saved counts)."""
-
-    def __init__(self, shares: list[float], score: float, tokens: list[int] | None = None,
-                 parents: list[int] | None = None, links: np.ndarray | None = None,
-                 mask: np.ndarray | None = None) -> None:
-        """The Python drafter's tokens and parents, or the C++ one's links (5, N) (tokens, parents, depth,
-        first child, next sibling) and mask (N, N)."""
-        self.shares, self.score = shares, score
-        self._tokens, self._parents, self._links, self._mask = tokens, parents, links, mask
-
-    def tree(self, n: int) -> DraftTree:
-        """The tree of the first n ranked nodes (as `DraftTree.prefix`: links to the nodes left out are -1)."""
-        if self._links is None:
-            return DraftTree.from_parents(self._tokens[:n], self._parents[:n])
-        links, mask = self._links, self._mask
-        if n < links.shape[1]:
-            links = links[:, :n].copy()
-            links[3:][links[3:] >= n] = -1
-            mask = mask[:n, :n]
         tokens, parents, depth, first_child, next_sibling = torch.from_numpy(links).unbind()
-        return DraftTree(tokens=tokens, parents=parents, depth=depth, mask=torch.from_numpy(np.ascontiguousarray(mask)),
-                         first_child=first_child, next_sibling=next_sibling)
+        return DraftTree(tokens=tokens, parents=parents, depth=depth, mask=torch.from_numpy(mask),
+                         first_child=first_child, next_sibling=next_sibling), shares.tolist(), score

@@ -92,9 +92,15 @@ def slot_attend(kv: torch.Tensor, slots: torch.Tensor, cache_lens: torch.Tensor,
     return attend
 
 
-def write_new_kv(cache: KVCache, slots: torch.Tensor, write_pos: torch.Tensor, new_kv: torch.Tensor) -> None:
-    """new_kv (B, T, L, 2, Hkv, D) into each request's slot at write_pos (B, T)."""
-    cache.data[:, :, slots[:, None], :, write_pos] = new_kv
+def write_new_kv(cache: KVCache, slots: torch.Tensor, write_pos: torch.Tensor, new_kv: torch.Tensor,
+                 host_start: int | None = None) -> None:
+    """new_kv (B, T, L, 2, Hkv, D) into each request's slot at write_pos (B, T). host_start: one request's
+    write_pos[0, 0] on the host: on a CPU its entries are then one slice (13 against 52 us at 8 rows)."""
+    if host_start is not None and new_kv.shape[0] == 1 and cache.data.device.type == "cpu":
+        t = new_kv.shape[1]
+        cache.data[:, :, int(slots[0]), :, host_start : host_start + t] = new_kv[0].permute(1, 2, 3, 0, 4)
+    else:
+        cache.data[:, :, slots[:, None], :, write_pos] = new_kv
 
 
 def prefix_keys(cache: KVCache, s: int) -> torch.Tensor:
@@ -252,11 +258,8 @@ class CompiledTarget:
         # the program reads its inputs with the strides it was exported with: contiguous, and the cache's own
         inputs = (x.contiguous() for x in (tokens, positions, slots, cache_lens, new_mask))
         outputs = [o[:, :t] for o in (self.step_runner if small else self.runner)(*inputs, prefix_keys(self.cache, s))]
-        if b == 1 and self.cache.data.device.type == "cpu":  # one slice: a quarter of the indexed copy's time at 8 rows
-            start = host_cache_lens[0]
-            self.cache.data[:, :, int(slots[0]), :, start : start + t] = outputs[1][0].permute(1, 2, 3, 0, 4)
-        else:
-            write_new_kv(self.cache, slots, cache_lens[:, None] + torch.arange(t, device=tokens.device), outputs[1])
+        write_new_kv(self.cache, slots, cache_lens[:, None] + torch.arange(t, device=tokens.device), outputs[1],
+                     host_cache_lens[0])
         aux = outputs[2] if self.aux_layers else None
         if not small:
             return self.model.output(outputs[0], aux, logit_index)
