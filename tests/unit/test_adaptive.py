@@ -219,6 +219,21 @@ def test_an_explored_draft_that_did_not_run_is_tried_at_the_next_step():
     assert [i for i, shape in enumerate(picks) if shape != plain] == [3, 4, 5, 7, 11, 15, 19, 23, 27, 31]
 
 
+def test_an_explored_draft_its_drafter_declined_by_cost_is_not_tried_again():
+    """A drafter that sizes its trees by the step's costs and found none worth it answered the
+    exploration: retrying at every step would pay its lookup every step for the same answer."""
+    c = ShapeChooser(shape_menu(3, 1, 4), batch_buckets=(1,), explore_every=4, min_samples=1, drafts_catch_up=False)
+    for shape in c.menu:
+        c.observe(1, shape, 0.010 * shape.num_draft_tokens, [1.8])
+    plain = c.menu[0]
+    picks = []
+    for i in range(12):
+        picks.append(c.choose(1))
+        ran = picks[-1] if i != 3 else plain  # the first exploration's drafter declined
+        c.observe(1, ran, 0.010 * ran.num_draft_tokens, [1.8] if ran.drafts else [1], declined=i == 3)
+    assert [i for i, shape in enumerate(picks) if shape != plain] == [3, 7, 11]
+
+
 def test_a_draft_must_beat_plain_decoding_by_the_margin():
     c = ShapeChooser(shape_menu(1, 1, 2), batch_buckets=(1,), margin=0.05, min_samples=1)
     c.observe(1, c.menu[0], 0.010, [1])  # 100 tokens/s

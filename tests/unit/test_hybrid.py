@@ -103,6 +103,34 @@ def test_no_head_forward_when_the_measured_costs_say_suffix_alone_is_faster():
     assert d.plan([0.5, 3.0]) == [True, False]
 
 
+def test_the_head_drafts_one_row_until_its_cost_is_measured():
+    """The head's first draft catches up on each of its rows' whole text: one row measures what it costs
+    before the head is weighed for a whole batch."""
+    d, head = hybrid()
+    seqs = [Seq(f"r{i}", [60 + i, 61, 62]) for i in range(4)]
+    trees = d.propose(seqs)
+    assert head.drafted == ["r0"] and [t.num_draft_tokens for t in trees] == [3, 1, 1, 1]
+    accept(d, seqs, [3, 1, 1, 1])  # both its drafts accepted
+    assert d.head_seconds.samples == 1
+    d.rest_seconds.add(0.01)
+    d.head_seconds.reset()
+    d.head_seconds.add(0.0001)  # measured cheap: every row that expects more from it takes it
+    assert d.plan([0.0] * 4) == [True] * 4
+
+
+def test_a_step_where_neither_drafter_pays_is_declined():
+    d, head = hybrid()
+    d.step_cost = lambda batch_size, n: [0.01 * (1 + i) for i in range(n)]  # every node costs a step
+    d.rest_seconds.add(0.01)
+    d.head_seconds.add(1.0)  # a head that never pays
+    assert d.propose([Seq("a", [60, 61, 62])])[0].num_draft_tokens == 1 and head.drafted == []
+    assert d.declined  # the head was expected to win a token, at a cost that did not pay
+    d.head_seconds.reset()
+    d.head_seconds.add(0.0001)  # a head that costs nothing drafts the row
+    d.step_cost = lambda batch_size, n: [0.01] * n
+    assert d.propose([Seq("a", [60, 61, 62])])[0].num_draft_tokens == 3 and not d.declined
+
+
 def test_suffix_scores_are_scaled_by_how_they_turned_out():
     d, _ = hybrid()
     assert d.suffix_gain() == 1.0

@@ -214,6 +214,18 @@ def test_trees_are_sized_by_their_shares_against_the_step_cost():
     assert d.tree_size([[1.0, 0.1, 0.05]], [None] * 8) == 3  # none at all: the largest
 
 
+def test_a_step_whose_drafts_do_not_pay_is_declined_not_empty():
+    """`declined` tells the chooser a draft was weighed and lost, not missing: set where a row had drafts
+    and the costs cut them all, clear where no row had any."""
+    d = drafter(suffix_min_token_prob=0.0)
+    serve(d, "old", [1, 2, 3, 4, 5, 6])
+    d.step_cost = lambda batch_size, n: [0.01 * (1 + i) for i in range(n)]  # every node costs a step
+    assert d.propose([Seq("a", [50, 2, 3])])[0].num_draft_tokens == 1 and d.declined
+    d.step_cost = lambda batch_size, n: [0.01] * n  # free nodes
+    assert d.propose([Seq("a", [50, 2, 3])])[0].num_draft_tokens > 1 and not d.declined
+    assert d.propose([Seq("b", [70, 71, 72])])[0].num_draft_tokens == 1 and not d.declined  # nothing matched
+
+
 def test_sized_trees_are_prefixes_and_the_gain_follows_what_was_accepted():
     d = drafter(suffix_min_token_prob=0.0, suffix_max_spec_factor=4.0)
     for i in range(6):  # one continuation seen over and over: every share 1

@@ -104,6 +104,9 @@ class Drafter:
     # nodes per request, None where it has no estimate; a drafter that knows how likely each node is
     # sizes its trees by it
     step_cost: Callable[[int, int], list[float | None]] | None = None
+    # whether the last `propose` had drafts and cut them all as not paying at `step_cost`'s costs: the
+    # step's shape was weighed and found wanting, not left unmeasured for lack of a draft
+    declined: bool = False
 
     @classmethod
     def build(cls, spec: SpecConfig, ctx: DraftContext) -> Drafter:

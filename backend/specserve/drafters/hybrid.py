@@ -98,12 +98,18 @@ class HybridDrafter(Drafter):
     def plan(self, scores: Sequence[float], step_seconds: tuple[float, float] | None = None) -> list[bool]:
         """Per row, whether the head drafts it (all False: no head forward this step). step_seconds: the
         step's expected seconds after the draft with suffix decoding's trees alone and with the head's too
-        (the engine's `step_cost` at their sizes); None: the measured mean of either."""
+        (the engine's `step_cost` at their sizes); None: the measured mean of either. Until the head's cost
+        is measured, only the first row that expects more from it takes it."""
         h = self.head_accepted.value
         use_head = [bool(h > s) for s in scores]
         if step_seconds is None and self.rest_seconds.samples:
             step_seconds = (self.rest_seconds.value, self.rest_seconds.value)
-        if not any(use_head) or step_seconds is None or not self.head_seconds.samples:
+        if any(use_head) and not self.head_seconds.samples:
+            # the head's cost unmeasured: one row measures it (its first draft catches up on each row's whole
+            # text, and at batch 8 on chat that cost two dozen plain steps for about one token a row)
+            first = use_head.index(True)
+            return [i == first for i in range(len(use_head))]
+        if not any(use_head) or step_seconds is None:
             return use_head  # costs not measured yet: the better expectation per row
         (rest, rest_with_head), head = step_seconds, self.head_seconds.value
         alone = sum(1 + s for s in scores) / rest
@@ -119,6 +125,7 @@ class HybridDrafter(Drafter):
         largest = self.suffix.draft_plan.shape.num_draft_tokens
         costs = self.step_cost(len(seqs), largest) if self.step_cost is not None else [None] * largest
         if all(c is None for c in costs):
+            self.suffix.declined = False
             return [self.suffix.propose_scored(s, shape.num_draft_tokens) for s in seqs], None
         trees, scores, size = self.suffix.sized_trees(seqs, costs, self.suffix_gain())
         alone, with_head = costs[size - 1], costs[min(max(size, shape.num_draft_tokens), largest) - 1]
@@ -129,9 +136,13 @@ class HybridDrafter(Drafter):
         shape = shape or self.suffix.draft_plan.shape
         scored, step_seconds = self.suffix_trees(seqs, shape)
         gain = self.suffix_gain()
-        use_head = self.plan([score * gain for _, score in scored], step_seconds)
+        expected = [score * gain for _, score in scored]
+        use_head = self.plan(expected, step_seconds)
         trees = [tree for tree, _ in scored]
         rows = [i for i, u in enumerate(use_head) if u]
+        # nothing drafted, though suffix decoding's trees or the head (expected to win more) were there
+        self.declined = not rows and all(t.num_draft_tokens == 1 for t in trees) and (
+            self.suffix.declined or any(self.head_accepted.value > s for s in expected))
         if rows:
             start = time.perf_counter()
             proposal = self.head.propose([seqs[i] for i in rows], shape)

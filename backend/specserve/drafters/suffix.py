@@ -323,6 +323,7 @@ class SuffixDrafter(Drafter):
         shape = shape or self.draft_plan.shape
         largest = self.draft_plan.shape.num_draft_tokens
         costs = self.step_cost(len(seqs), largest) if self.step_cost is not None else [None] * largest
+        self.declined = False
         if all(c is None for c in costs):  # nothing to weigh: the chooser's budget
             return [self.propose_ranked(s, shape.num_draft_tokens)[0] for s in seqs]
         trees, scores, _ = self.sized_trees(seqs, costs)
@@ -334,9 +335,11 @@ class SuffixDrafter(Drafter):
     def sized_trees(self, seqs: Sequence[SequenceView], costs: Sequence[float | None], gain: float | None = None
                     ) -> tuple[list[DraftTree], list[float], int]:
         """Every row's ranked tree cut to the size that pays (`tree_size` over costs, one per node count up
-        to the largest tree), each cut tree's score (its drafts' shares) and that size."""
+        to the largest tree), each cut tree's score (its drafts' shares) and that size. Sets `declined` where
+        some row had drafts and none paid."""
         ranked = [self.propose_ranked(s, len(costs)) for s in seqs]
         size = self.tree_size([shares for _, shares, _ in ranked], costs, gain)
+        self.declined = size == 1 and any(len(shares) > 1 for _, shares, _ in ranked)
         return [tree.prefix(size) for tree, _, _ in ranked], [sum(shares[1:size]) for _, shares, _ in ranked], size
 
     def tree_size(self, shares: Sequence[Sequence[float]], costs: Sequence[float | None],

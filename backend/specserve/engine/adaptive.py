@@ -50,10 +50,12 @@ class ShapeChooser:
     the second one's time stands for the shape; other shapes estimated below `explore_within` of
     the best are not tried). An explored draft that did not run (its step decoded plainly: the
     drafter found nothing to draft, or a grammar's forced text took the step) is tried again at the
-    next step, so an exploration always measures the shape. For a drafter that catches up, each
-    exploration from plain decoding also pays a catch-up over every token skipped since the last one
-    (about a hundredth of a step per token on a 2-core CPU), so while explorations keep leaving plain
-    decoding best, the period doubles, up to `max_backoff` times; it is back to 4 x `explore_every`
+    next step, so an exploration always measures the shape; not where a drafter that sizes its trees
+    by the step's costs had drafts and found none worth it (at batch 8 on chat suffix decoding's
+    matches rarely pay, and a retry at every step cost a lookup of every row each time). For a drafter
+    that catches up, each exploration from plain decoding also pays a catch-up over every token skipped
+    since the last one (about a hundredth of a step per token on a 2-core CPU), so while explorations
+    keep leaving plain decoding best, the period doubles, up to `max_backoff` times; it is back to 4 x `explore_every`
     once a draft is best. The smallest drafting shape, when no step has sampled its acceptance for
     `stale_after` of plain decoding's longest exploration periods, is explored whatever its estimate: a
     few unlucky first samples (a grammar's text, a stretch of chat) must not keep a drafter idle for good.
@@ -230,7 +232,8 @@ class ShapeChooser:
         return picks
 
     def observe(self, batch_size: int, shape: DraftShape, seconds: float | None, accept_lengths: Sequence[int],
-                accepted_nodes: Sequence[Sequence[int]] | None = None, warm_up: bool = False) -> None:
+                accepted_nodes: Sequence[Sequence[int]] | None = None, warm_up: bool = False,
+                declined: bool = False) -> None:
         """One step's wall time and per-request accept lengths; shapes off the menu are ignored.
         Each request's accept length is a sample of the shape's acceptance (a step at batch 4
         measures it four times); warm_up: a start-up timing, which seeds the estimate until the
@@ -243,9 +246,13 @@ class ShapeChooser:
         accepted_nodes: per request, the accepted node indices (root first), given when the
         drafter's trees are nested (a smaller tree is a prefix of this one): a request would
         then have accepted, with num_draft_tokens n, the root and its accepted nodes below n, so every
-        smaller drafting shape's acceptance is measured on this step too."""
+        smaller drafting shape's acceptance is measured on this step too.
+
+        declined: the step decoded plainly because its drafter, which sizes its own trees by the step's
+        costs, had drafts and found none worth its cost (`Drafter.declined`): the explored draft is
+        answered for now, not tried again at the next step."""
         exploring, self._exploring = self._exploring, None
-        if exploring is not None and not shape.drafts and not warm_up:  # the explored draft did not run
+        if exploring is not None and not shape.drafts and not warm_up and not declined:  # the draft did not run
             self._again = exploring
         if shape not in self.accept:
             return

@@ -340,7 +340,7 @@ class Engine:
         clock = partial(step_clock, p, self.device, self.config.profile)  # host time of the profile's phases
         start = t0 = clock()
         shape = self._shape_for(len(reqs))
-        forced = None
+        forced, drafter_declined = None, False
         if self.config.structured_output_jump_forward and any(r.grammar is not None for r in reqs):
             forced_start = time.perf_counter()
             rows = self.runner.few_rows(len(reqs), FORCED_ROWS_SHARE)  # forced text costs rows like drafts
@@ -362,8 +362,8 @@ class Engine:
             p.draft_model += self.drafter.forward_seconds - model_seconds
             nothing = isinstance(proposal, list) and all(t.num_draft_tokens == 1 for t in proposal)
             batch = None if nothing else self._fit_trees(proposal, rooms)
-            if batch is None or batch.is_root_only:  # the drafter found nothing to draft: a plain step
-                shape = DraftShape(1, 0, 1)
+            if batch is None or batch.is_root_only:  # the drafter found nothing (worth) drafting: a plain step
+                shape, drafter_declined = DraftShape(1, 0, 1), self.drafter.declined
         if not shape.drafts:  # plain decoding; a drafter catches up on what it missed when it drafts again
             batch = TreeBatch.root_only(to_device([r.token_ids[-1] for r in reqs], self.device))
         shaped, drafted_rows = None, batch.tokens.shape[1]
@@ -419,7 +419,7 @@ class Engine:
             nested = None
             if shape.drafts and self.drafter.nested_trees and len(self.chooser.menu) > 1:
                 nested = accepted
-            self.chooser.observe(len(reqs), shape, seconds, lengths, nested, warm_up=self._mode.warm_up)
+            self.chooser.observe(len(reqs), shape, seconds, lengths, nested, self._mode.warm_up, drafter_declined)
 
     def _as_drafted(self, seconds: float, batch_size: int, drafted: int, verified: int) -> float | None:
         """A step's time as if it had verified the drafter's rows per request, not the `verified` ones a grammar
