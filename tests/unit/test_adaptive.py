@@ -203,35 +203,34 @@ def test_a_step_whose_drafter_finds_nothing_counts_as_plain_decoding(tiny_target
     assert eng.chooser.accept[draft].count == 0
 
 
-def test_an_explored_draft_that_did_not_run_is_tried_at_the_next_step():
-    """An exploration whose step decoded plainly (nothing to draft, or a grammar's forced text took
-    the step) is tried again until it drafts: otherwise a drafter that drafts only now and then would
-    almost never be measured."""
+def _drafting_steps(steps: int, plain_at: dict[int, bool]) -> list[int]:
+    """The steps that drafted under a chooser whose drafts pay (explored every 4th step while plain
+    decoding is best): at step i in `plain_at` the chosen draft did not run, its drafter having declined
+    it by cost where the value is True, found nothing to draft where False."""
     c = ShapeChooser(shape_menu(3, 1, 4), batch_buckets=(1,), explore_every=4, min_samples=1, drafts_catch_up=False)
     for shape in c.menu:
         c.observe(1, shape, 0.010 * shape.num_draft_tokens, [1.8])
     plain = c.menu[0]
     picks = []
-    for i in range(33):
+    for i in range(steps):
         picks.append(c.choose(1))
-        ran = picks[-1] if i not in (3, 4) else plain  # the first exploration's first two steps drafted nothing
-        c.observe(1, ran, 0.010 * ran.num_draft_tokens, [1.8] if ran.drafts else [1])
-    assert [i for i, shape in enumerate(picks) if shape != plain] == [3, 4, 5, 7, 11, 15, 19, 23, 27, 31]
+        ran = plain if i in plain_at else picks[-1]
+        c.observe(1, ran, 0.010 * ran.num_draft_tokens, [1.8] if ran.drafts else [1], declined=plain_at.get(i, False))
+    return [i for i, shape in enumerate(picks) if shape != plain]
+
+
+def test_an_explored_draft_that_did_not_run_is_tried_at_the_next_step():
+    """An exploration whose step decoded plainly (nothing to draft, or a grammar's forced text took
+    the step) is tried again until it drafts: otherwise a drafter that drafts only now and then would
+    almost never be measured."""
+    # the first exploration's first two steps drafted nothing
+    assert _drafting_steps(33, {3: False, 4: False}) == [3, 4, 5, 7, 11, 15, 19, 23, 27, 31]
 
 
 def test_an_explored_draft_its_drafter_declined_by_cost_is_not_tried_again():
     """A drafter that sizes its trees by the step's costs and found none worth it answered the
     exploration: retrying at every step would pay its lookup every step for the same answer."""
-    c = ShapeChooser(shape_menu(3, 1, 4), batch_buckets=(1,), explore_every=4, min_samples=1, drafts_catch_up=False)
-    for shape in c.menu:
-        c.observe(1, shape, 0.010 * shape.num_draft_tokens, [1.8])
-    plain = c.menu[0]
-    picks = []
-    for i in range(12):
-        picks.append(c.choose(1))
-        ran = picks[-1] if i != 3 else plain  # the first exploration's drafter declined
-        c.observe(1, ran, 0.010 * ran.num_draft_tokens, [1.8] if ran.drafts else [1], declined=i == 3)
-    assert [i for i, shape in enumerate(picks) if shape != plain] == [3, 7, 11]
+    assert _drafting_steps(12, {3: True}) == [3, 7, 11]
 
 
 def test_a_draft_must_beat_plain_decoding_by_the_margin():
