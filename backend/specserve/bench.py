@@ -2,8 +2,8 @@
 
 One run measures HF transformers `generate()` (batch 1, greedy), our engine with algorithm=none
 (the baseline every speed-up is a ratio of) and each speculative algorithm asked for (`runs`, one
-row each), interleaved chunk by chunk of prompts — checking that each algorithm's greedy output
-equals `none`'s token for token (`lossless`).
+row each) on the same chunks of prompts, the engines step by step in turn — checking that each
+algorithm's greedy output equals `none`'s token for token (`lossless`).
 It also estimates the memory-bandwidth limit for batch 1 (weight bytes per token ÷ copy bandwidth).
 """
 
@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.engine.engine import Engine
+from specserve.engine.outputs import RequestOutput, merge_outputs
 from specserve.engine.profile import StepProfile
 from specserve.grammar import GrammarSpec
 from specserve.hardware import describe
@@ -101,14 +102,36 @@ class EngineRun:
 
     def run(self, prompts: list[list[int]], first: int = 0) -> None:
         """Time prompts (numbered from `first`) through the engine together (continuous batching)."""
+        self.start(prompts, first)
+        while self.advance():
+            pass
+        self.finish()
+
+    def start(self, prompts: list[list[int]], first: int = 0) -> None:
+        """Queue prompts (numbered from `first`) for `advance` to run; the clock does not run yet."""
         params = self.params(first, len(prompts))
         if self.grammars:  # compiled before the clock starts, as a server compiles before queueing
             for p in params:
                 self.engine.grammar_match(p)
+        self._chunk = (first, [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)], 0.0)
+        self._merged: dict[str, RequestOutput] = {}
+
+    def advance(self) -> bool:
+        """One timed engine step of the queued prompts; False once all of them have finished."""
         start = time.perf_counter()
-        outs = self.engine.generate(prompts, params)
+        outs = self.engine.step()
         seconds = time.perf_counter() - start
+        first, ids, chunk_seconds = self._chunk
+        self._chunk = (first, ids, chunk_seconds + seconds)
         self.seconds += seconds
+        for out in outs:
+            self._merged[out.request_id] = merge_outputs(self._merged.get(out.request_id), out)
+        return self.engine.has_work()
+
+    def finish(self) -> None:
+        """Record the queued prompts' outputs, in prompt order, and their chunk's tokens and seconds."""
+        first, ids, seconds = self._chunk
+        outs = [self._merged[i] for i in ids]
         self.chunks.append((first, sum(len(o.token_ids) for o in outs), seconds))
         self.outputs += [o.token_ids for o in outs]
         self.texts += [o.text for o in outs]
@@ -185,6 +208,20 @@ def structured_counts(run: EngineRun, schemas: list[dict]) -> dict[str, int]:
     return counts
 
 
+def run_in_lockstep(runs: list[EngineRun], prompts: list[list[int]], first: int) -> None:
+    """The same prompts through every engine, one step of each in turn until all have finished, the turn
+    rotating each round: a slow spell of a shared machine, seconds or a few steps long, falls on every
+    engine alike (timed one after the other, chunk by chunk, their ratios spread by several per cent)."""
+    for r in runs:
+        r.start(prompts, first)
+    busy = list(runs)
+    while busy:
+        busy = [r for r in busy if r.advance()]
+        busy = busy[1:] + busy[:1]
+    for r in runs:
+        r.finish()
+
+
 def run_engine(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
     """One engine alone over all prompts at once (continuous batching), after a warm-up:
     tokens_per_s, accept_length and the outputs (for scripts that compare runs themselves)."""
@@ -232,9 +269,10 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
     `none` under the schema without forced-text drafting, `none+forced` runs beside it with it,
     and every run counts its outputs that validate (`structured_counts`); no HF baseline.
 
-    The runs are interleaved: each chunk of `batch_size` prompts goes through HF, `none` and every
-    algorithm in turn, so a slow spell of a shared machine weighs on all of them alike; the turn
-    rotates from one chunk to the next, so no run always follows the same other one."""
+    The runs are interleaved: each chunk of `batch_size` prompts goes through HF, then through `none`
+    and every algorithm together, one engine step of each in turn (`run_in_lockstep`), so a slow spell
+    of a shared machine weighs on all of them alike; the turn rotates from one chunk (and round of
+    steps) to the next, so no run always follows the same other one."""
     specs = [s for s in (specs or [config.spec]) if s.method.drafts]
     questions = load_questions(dataset, num_prompts)
     schemas = load_schemas(dataset, num_prompts) if structured else []
@@ -258,6 +296,7 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         "hardware": describe(),
         "interleaved": True,
         "rotated": True,  # each chunk starts with the next run
+        "lockstep": True,  # within a chunk the engines take their steps in turn (`run_in_lockstep`)
         "cpu_compile": base_engine.runner.compiled is not None,  # the target's AOTInductor-compiled forward
         # the step program's matmuls: the AVX2 few-row kernel or inductor's autotuned ones
         "step_matmul": getattr(base_engine.runner.compiled, "step_matmul", None),
@@ -291,8 +330,12 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
     for n, i in enumerate(tqdm(range(0, len(prompts), batch_size), desc="chunks of prompts", unit="chunk")):
         # each chunk starts one run later: a run that pays for following another (HF's allocations,
         # cold caches) pays it in turn, not always the same one
-        for r in order[n % len(order):] + order[: n % len(order)]:
-            r.run(prompts[i : i + batch_size], i) if isinstance(r, EngineRun) else r.run(prompts[i : i + batch_size])
+        turn = order[n % len(order):] + order[: n % len(order)]
+        chunk = prompts[i : i + batch_size]
+        for r in turn:
+            if isinstance(r, HFRun):
+                r.run(chunk)
+        run_in_lockstep([r for r in turn if isinstance(r, EngineRun)], chunk, i)
 
     report["baseline_tokens_per_s"] = round(base.tokens_per_s, 2)
     half = (len(prompts) // 2 + batch_size - 1) // batch_size * batch_size  # the first chunk of the last half

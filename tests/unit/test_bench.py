@@ -1,4 +1,4 @@
-"""`specserve bench`'s report on the tiny target: the JSON contract benchmarks read, interleaved runs."""
+"""`specserve bench`'s report on the tiny target: the JSON contract benchmarks read, runs interleaved step by step."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 from collections import Counter
 from types import SimpleNamespace
 
-from specserve.bench import EngineRun, format_profile, output_repetition, run_bench, shape_mix
+from specserve.bench import EngineRun, format_profile, output_repetition, run_bench, run_in_lockstep, shape_mix
 from specserve.config import EngineConfig, SpecConfig
 from specserve.tree import DraftShape
 
@@ -18,7 +18,7 @@ def test_report_has_the_contract_fields_and_the_profile(tmp_path, tiny_target_di
                           max_batch_size=2, max_seq_len=256)
     report = run_bench(config, str(data), num_prompts=3, max_new_tokens=8, batch_size=2, hf_baseline=False,
                        specs=[SpecConfig(algorithm="ngram", num_draft_tokens=4)], profile=True)
-    assert (report["interleaved"] and report["rotated"] and report["num_prompts"] == 3
+    assert (report["interleaved"] and report["rotated"] and report["lockstep"] and report["num_prompts"] == 3
             and report["hardware"]["cores"] >= 1)
     assert report["baseline_tokens_per_s"] > 0 and (report["batch_size"], report["max_batch_size"]) == (2, 2)
     row = report["runs"]["ngram"]
@@ -66,3 +66,30 @@ def test_tokens_per_s_from_a_prompt_on_counts_only_those_chunks():
     run = EngineRun(engine=None, max_new_tokens=8)
     run.chunks = [(0, 100, 10.0), (2, 30, 1.0), (4, 30, 2.0)]
     assert run.tokens_per_s_from(2) == 60 / 3.0 and run.tokens_per_s_from(0) == 160 / 13.0
+
+
+class _CountingRun:
+    """What `run_in_lockstep` calls of an `EngineRun`: `steps` steps of work, each logged by name."""
+
+    def __init__(self, name: str, steps: int, log: list[str]) -> None:
+        self.name, self.left, self.log = name, steps, log
+
+    def start(self, prompts: list[list[int]], first: int) -> None:
+        self.log.append(f"start {self.name}")
+
+    def advance(self) -> bool:
+        self.log.append(self.name)
+        self.left -= 1
+        return self.left > 0
+
+    def finish(self) -> None:
+        self.log.append(f"finish {self.name}")
+
+
+def test_engines_in_lockstep_take_one_step_each_in_a_rotating_turn_until_each_is_done():
+    log: list[str] = []
+    runs = [_CountingRun("a", 3, log), _CountingRun("b", 1, log), _CountingRun("c", 2, log)]
+    run_in_lockstep(runs, [[1, 2]], 0)
+    assert log[:3] == ["start a", "start b", "start c"] and log[-3:] == ["finish a", "finish b", "finish c"]
+    # round 1: a b c (b done); round 2 starts one later: c a (c done); round 3: a
+    assert log[3:-3] == ["a", "b", "c", "c", "a", "a"]
