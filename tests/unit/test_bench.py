@@ -86,10 +86,14 @@ class _CountingRun:
         self.log.append(f"finish {self.name}")
 
 
-def test_engines_in_lockstep_take_one_step_each_in_a_rotating_turn_until_each_is_done():
+def test_engines_in_lockstep_take_their_steps_in_a_rotating_turn_until_each_is_done():
     log: list[str] = []
     runs = [_CountingRun("a", 3, log), _CountingRun("b", 1, log), _CountingRun("c", 2, log)]
-    run_in_lockstep(runs, [[1, 2]], 0)
+    run_in_lockstep(runs, [[1, 2]], 0, steps_per_turn=1)
     assert log[:3] == ["start a", "start b", "start c"] and log[-3:] == ["finish a", "finish b", "finish c"]
     # round 1: a b c (b done); round 2 starts one later: c a (c done); round 3: a
     assert log[3:-3] == ["a", "b", "c", "c", "a", "a"]
+    log.clear()
+    runs = [_CountingRun("a", 5, log), _CountingRun("b", 1, log), _CountingRun("c", 2, log)]
+    run_in_lockstep(runs, [[1, 2]], 0, steps_per_turn=2)  # up to two steps a turn, none after an engine is done
+    assert log[3:-3] == ["a", "a", "b", "c", "c", "a", "a", "a"]
