@@ -212,9 +212,10 @@ def run_in_lockstep(runs: list[EngineRun], prompts: list[list[int]], first: int,
     """The same prompts through every engine, `steps_per_turn` steps of each in turn until all have finished,
     the turn rotating each round: a slow spell of a shared machine, seconds or a few steps long, falls on every
     engine alike (timed one after the other, chunk by chunk, their ratios spread by several per cent). Not one
-    step each: an engine whose compiled program is not the others' (EAGLE-3's returns the features of three
-    layers) would then find none of its weights left in the CPU's last-level cache by its previous step, as
-    its own step before it leaves them when it serves alone, and ran 6 % slower than `none` in such a run."""
+    step each: consecutive steps of one program find part of its weights still in the CPU's last-level cache,
+    as they do when an engine serves alone, and an engine whose program holds its own copy of them (EAGLE-3's,
+    which also returns three layers' features) found less of it there than the engines sharing `none`'s, and
+    ran 6 % slower than `none` at one step a turn (1.5 % at eight)."""
     for r in runs:
         r.start(prompts, first)
     busy = list(runs)
