@@ -2,7 +2,7 @@
 
 One run measures HF transformers `generate()` (batch 1, greedy), our engine with algorithm=none
 (the baseline every speed-up is a ratio of) and each speculative algorithm asked for (`runs`, one
-row each) on the same chunks of prompts, the engines step by step in turn — checking that each
+row each) on the same chunks of prompts, the engines a few steps each in turn — checking that each
 algorithm's greedy output equals `none`'s token for token (`lossless`).
 It also estimates the memory-bandwidth limit for batch 1 (weight bytes per token ÷ copy bandwidth).
 """
@@ -85,6 +85,8 @@ class EngineRun:
         self.seconds = 0.0
         self.steps = self.accepted = 0
         self.chunks: list[tuple[int, int, float]] = []  # (first prompt, tokens, seconds) per `run`
+        self._chunk: tuple[int, list[str], float] = (0, [], 0.0)  # the queued chunk: first prompt, ids, seconds
+        self._merged: dict[str, RequestOutput] = {}  # its outputs so far, by request id
 
     def params(self, first: int, count: int) -> list[SamplingParams]:
         """The requests' parameters for prompts first .. first + count - 1."""
@@ -114,7 +116,7 @@ class EngineRun:
             for p in params:
                 self.engine.grammar_match(p)
         self._chunk = (first, [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)], 0.0)
-        self._merged: dict[str, RequestOutput] = {}
+        self._merged = {}
 
     def advance(self) -> bool:
         """One timed engine step of the queued prompts; False once all of them have finished."""
@@ -274,9 +276,9 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
     and every run counts its outputs that validate (`structured_counts`); no HF baseline.
 
     The runs are interleaved: each chunk of `batch_size` prompts goes through HF, then through `none`
-    and every algorithm together, one engine step of each in turn (`run_in_lockstep`), so a slow spell
-    of a shared machine weighs on all of them alike; the turn rotates from one chunk (and round of
-    steps) to the next, so no run always follows the same other one."""
+    and every algorithm together, a few engine steps of each in turn (`run_in_lockstep`), so a slow
+    spell of a shared machine weighs on all of them alike; the turn rotates from one chunk (and round
+    of steps) to the next, so no run always follows the same other one."""
     specs = [s for s in (specs or [config.spec]) if s.method.drafts]
     questions = load_questions(dataset, num_prompts)
     schemas = load_schemas(dataset, num_prompts) if structured else []
