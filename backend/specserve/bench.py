@@ -33,6 +33,8 @@ from specserve_kernels.gguf_gemm import GGUFLinear
 
 log = logging.getLogger(__name__)
 
+STEPS_PER_TURN = 8  # an engine's steps a turn when the engines of a run take turns (`run_in_lockstep`)
+
 
 def copy_bandwidth_gbs(nbytes: int = 256 * 2**20, repeats: int = 10) -> float:
     """Measured read bandwidth: a large tensor copy moves each byte in and out once."""
@@ -210,7 +212,8 @@ def structured_counts(run: EngineRun, schemas: list[dict]) -> dict[str, int]:
     return counts
 
 
-def run_in_lockstep(runs: list[EngineRun], prompts: list[list[int]], first: int, steps_per_turn: int = 8) -> None:
+def run_in_lockstep(runs: list[EngineRun], prompts: list[list[int]], first: int,
+                    steps_per_turn: int = STEPS_PER_TURN) -> None:
     """The same prompts through every engine, `steps_per_turn` steps of each in turn until all have finished,
     the turn rotating each round: a slow spell of a shared machine, seconds or a few steps long, falls on every
     engine alike (timed one after the other, chunk by chunk, their ratios spread by several per cent). Not one
@@ -303,6 +306,7 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         "interleaved": True,
         "rotated": True,  # each chunk starts with the next run
         "lockstep": True,  # within a chunk the engines take their steps in turn (`run_in_lockstep`)
+        "steps_per_turn": STEPS_PER_TURN,
         "cpu_compile": base_engine.runner.compiled is not None,  # the target's AOTInductor-compiled forward
         # the step program's matmuls: the AVX2 few-row kernel or inductor's autotuned ones
         "step_matmul": getattr(base_engine.runner.compiled, "step_matmul", None),
