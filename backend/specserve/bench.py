@@ -87,8 +87,9 @@ class EngineRun:
         self.seconds = 0.0
         self.steps = self.accepted = 0
         self.chunks: list[tuple[int, int, float]] = []  # (first prompt, tokens, seconds) per `run`
-        self._chunk: tuple[int, list[str], float] = (0, [], 0.0)  # the queued chunk: first prompt, ids, seconds
-        self._merged: dict[str, RequestOutput] = {}  # its outputs so far, by request id
+        # the queued chunk (`start`): its first prompt, its request ids, its steps' seconds, its outputs so far
+        self._first, self._ids, self._chunk_seconds = 0, [], 0.0
+        self._merged: dict[str, RequestOutput] = {}
 
     def params(self, first: int, count: int) -> list[SamplingParams]:
         """The requests' parameters for prompts first .. first + count - 1."""
@@ -117,16 +118,15 @@ class EngineRun:
         if self.grammars:  # compiled before the clock starts, as a server compiles before queueing
             for p in params:
                 self.engine.grammar_match(p)
-        self._chunk = (first, [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)], 0.0)
-        self._merged = {}
+        self._first, self._ids = first, [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        self._chunk_seconds, self._merged = 0.0, {}
 
     def advance(self) -> bool:
         """One timed engine step of the queued prompts; False once all of them have finished."""
         start = time.perf_counter()
         outs = self.engine.step()
         seconds = time.perf_counter() - start
-        first, ids, chunk_seconds = self._chunk
-        self._chunk = (first, ids, chunk_seconds + seconds)
+        self._chunk_seconds += seconds
         self.seconds += seconds
         for out in outs:
             self._merged[out.request_id] = merge_outputs(self._merged.get(out.request_id), out)
@@ -134,9 +134,8 @@ class EngineRun:
 
     def finish(self) -> None:
         """Record the queued prompts' outputs, in prompt order, and their chunk's tokens and seconds."""
-        first, ids, seconds = self._chunk
-        outs = [self._merged[i] for i in ids]
-        self.chunks.append((first, sum(len(o.token_ids) for o in outs), seconds))
+        outs = [self._merged[i] for i in self._ids]
+        self.chunks.append((self._first, sum(len(o.token_ids) for o in outs), self._chunk_seconds))
         self.outputs += [o.token_ids for o in outs]
         self.texts += [o.text for o in outs]
         self.finish_reasons += [o.finish_reason for o in outs]
