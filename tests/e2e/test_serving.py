@@ -25,6 +25,7 @@ from serving_helpers import (
 )
 
 from specserve.config import SamplingParams
+from specserve.engine.outputs import FINISH_REASONS
 from specserve_client.stream import (
     OUTPUTS,
     GenerateError,
@@ -257,7 +258,7 @@ def test_decoupled_model_errors_end_with_final(server):
 def test_cancellation_frees_the_slots(server, e2e):
     """stop_stream(cancel_requests=True) on requests to the decoupled model aborts them at the next
     engine step: a request queued behind them starts at once."""
-    aborted_before = finished(server, "abort")
+    before = {reason: finished(server, reason) for reason in FINISH_REASONS}
     streams = [start_long_stream(server.grpc_url, "llm_none", f"Count from {i} to 1000.", 256)
                for i in range(e2e.slots)]
     try:
@@ -276,8 +277,10 @@ def test_cancellation_frees_the_slots(server, e2e):
     assert len(g.token_ids) >= 1
     # had the slots stayed busy, this request would have queued behind ~250 decode steps (> 10 s)
     assert waited < 8.0, f"the next request waited {waited:.1f}s: cancelled requests still hold slots"
-    assert wait_for(lambda: finished(server, "abort") - aborted_before >= e2e.slots, 10)
-    assert finished(server, "abort") - aborted_before == e2e.slots
+    aborted = wait_for(lambda: finished(server, "abort") - before["abort"] >= e2e.slots, 10)
+    # how each of the cancelled requests and the one after them ended, should one not have been aborted
+    ended = {reason: finished(server, reason) - before[reason] for reason in FINISH_REASONS}
+    assert aborted and ended["abort"] == e2e.slots, f"finish reasons since the cancellations: {ended}"
 
 
 def test_a_full_queue_answers_unavailable_and_the_server_keeps_serving(server, e2e):

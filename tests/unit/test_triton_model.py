@@ -406,6 +406,23 @@ def test_cancellation_is_polled_on_the_triton_thread_and_aborts_the_request(trit
     assert flags == FINAL and response.error.code == FakeError.CANCELLED
 
 
+def test_a_sender_that_cannot_say_whether_it_is_cancelled_has_its_request_aborted(triton_model):
+    """Nobody can receive the tokens of a request whose sender fails: it must not hold its slot."""
+    aborted: list[str] = []
+    thread = triton_model._TritonThread(abort=aborted.append, set_load=print, poll_interval_s=0.01)
+    s, sender = stream_for(triton_model, stream=True)
+
+    def broken() -> bool:
+        raise RuntimeError("the stub lost its parent")
+
+    sender.is_cancelled = broken
+    thread.open("r1", s)
+    assert _wait_for(lambda: aborted == ["r1"])
+    threading.Event().wait(0.05)
+    thread.close()
+    assert aborted == ["r1"]  # once, then no longer polled
+
+
 def test_a_request_is_never_polled_after_its_last_output(triton_model):
     aborted: list[str] = []
     thread = triton_model._TritonThread(abort=aborted.append, set_load=print, poll_interval_s=0.01)

@@ -271,8 +271,10 @@ class _TritonThread:
                 continue
             try:
                 cancelled = stream.sender.is_cancelled()
-            except Exception:  # noqa: BLE001 - a closed sender: its request ends on its own
-                cancelled = False
+            except Exception:  # noqa: BLE001 - nobody can receive its tokens: end it as cancelled
+                log.warning("request %s: asking whether it is cancelled failed; aborting it:\n%s",
+                            request_id, traceback.format_exc())
+                cancelled = True
             if cancelled:
                 del self._open[request_id]
                 self._abort(request_id)
