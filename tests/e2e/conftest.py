@@ -34,6 +34,12 @@ class E2EConfig:
     max_queue_size: int = QUEUE
     variants: tuple[str, ...] = ()
 
+    @property
+    def long_request_tokens(self) -> int:
+        """max_tokens of the requests a test holds its slots with: as many as the context allows (about 4 s
+        at 4 slots, twice what 256 gave), so that none ends on its own while the test still counts on it."""
+        return self.max_seq_len - 64
+
 
 @pytest.fixture(scope="session")
 def e2e() -> E2EConfig:
