@@ -49,6 +49,26 @@ def start_long_stream(url: str, model: str, prompt: str, max_tokens: int, trtllm
     return client, results
 
 
+def slot_filling_streams(server, e2e) -> list:
+    """One long request to `llm_none` a KV slot (see `start_long_stream`)."""
+    return [start_long_stream(server.grpc_url, "llm_none", f"Count from {i} to 1000.", e2e.long_request_tokens)
+            for i in range(e2e.slots)]
+
+
+def decode_pace(queues: list[queue.SimpleQueue], pace_s: float = 0.5) -> tuple[float, int]:
+    """Streams of `llm_none` (one response a step), each past its first response: after `pace_s`, the
+    slowest one's steps a second, and the most steps any of them has taken."""
+    time.sleep(pace_s)
+    counts = []
+    for results in queues:
+        n = 1  # the first response, taken
+        while not results.empty():
+            results.get()
+            n += 1
+        counts.append(n)
+    return (min(counts) - 1) / pace_s, max(counts)
+
+
 def finished(server, reason: str) -> float:
     return metric(server, "specserve:request_finished_total", model="llm_none", finish_reason=reason)
 

@@ -16,10 +16,12 @@ import pytest
 import tritonclient.grpc as grpcclient
 from serving_helpers import (
     TIMEOUT_S,
+    decode_pace,
     finished,
     metric,
     quick_request_works,
     reference,
+    slot_filling_streams,
     start_long_stream,
     wait_for,
 )
@@ -255,56 +257,36 @@ def test_decoupled_model_errors_end_with_final(server):
 # ---- cancellation, metrics, concurrency -----------------------------------------------------
 
 
-PACE_S = 0.5
-
-
-def drain(results: queue.SimpleQueue) -> list:
-    """What a stream's queue holds now (its responses so far)."""
-    taken = []
-    while not results.empty():
-        taken.append(results.get())
-    return taken
-
-
 def test_cancellation_frees_the_slots(server, e2e):
     """stop_stream(cancel_requests=True) on requests to the decoupled model aborts them at the next
     engine step: a request queued behind them starts at once."""
     before = {reason: finished(server, reason) for reason in FINISH_REASONS}
-    streams = [start_long_stream(server.grpc_url, "llm_none", f"Count from {i} to 1000.",
-                                 e2e.long_request_tokens)
-               for i in range(e2e.slots)]
+    streams = slot_filling_streams(server, e2e)
     try:
         for _, results in streams:  # every slot is busy decoding a long request
-            _, error = results.get(timeout=TIMEOUT_S)
-            assert error is None
-        time.sleep(PACE_S)  # how fast they decode: one response a step each (`llm_none`)
-        paced = [drain(results) for _, results in streams]
+            assert results.get(timeout=TIMEOUT_S)[1] is None
+        steps_per_s, most_steps = decode_pace([results for _, results in streams])
         assert metric(server, "specserve:num_requests_running", model="llm_none") == e2e.slots
         assert metric(server, "specserve:kv_slots_used", model="llm_none") == e2e.slots
     finally:
         for client, _ in streams:
             client.stop_stream(cancel_requests=True)
             client.close()
-    steps_per_s = min(len(responses) for responses in paced) / PACE_S
-    # had the slots stayed busy, the next request would have waited for the first of them to end
-    busy_s = (e2e.long_request_tokens - 1 - max(len(responses) for responses in paced)) / steps_per_s
+    busy_s = (e2e.long_request_tokens - most_steps) / steps_per_s  # till the first of them would have ended
     start = time.perf_counter()
     g = collect(grpc_stream(server.grpc_url, "llm_none", "Hi", max_tokens=4, timeout_s=TIMEOUT_S))
     waited = time.perf_counter() - start
     assert len(g.token_ids) >= 1
     assert waited < busy_s / 2, f"the next request waited {waited:.1f}s of {busy_s:.1f}s: cancelled requests hold slots"
     aborted = wait_for(lambda: finished(server, "abort") - before["abort"] >= e2e.slots, 10)
-    # how each of the cancelled requests and the one after them ended, should one not have been aborted
     ended = {reason: finished(server, reason) - before[reason] for reason in FINISH_REASONS}
-    assert aborted and ended["abort"] == e2e.slots, f"finish reasons since the cancellations: {ended}"
+    assert aborted and ended["abort"] == e2e.slots, f"how the requests since the cancellations ended: {ended}"
 
 
 def test_a_full_queue_answers_unavailable_and_the_server_keeps_serving(server, e2e):
     """Every slot busy and max_queue_size requests waiting: the next request gets UNAVAILABLE at
     once, naming the limit; once they are cancelled, requests run again and the gauges read 0."""
-    streams = [start_long_stream(server.grpc_url, "llm_none", f"Count from {i} to 1000.",
-                                 e2e.long_request_tokens)
-               for i in range(e2e.slots)]
+    streams = slot_filling_streams(server, e2e)
     try:
         for _, results in streams:
             assert results.get(timeout=TIMEOUT_S)[1] is None  # decoding
