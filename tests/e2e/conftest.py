@@ -36,8 +36,8 @@ class E2EConfig:
 
     @property
     def long_request_tokens(self) -> int:
-        """max_tokens of the requests a test holds its slots with: as many as the context allows (about 4 s
-        at 4 slots, twice what 256 gave), so that none ends on its own while the test still counts on it."""
+        """max_tokens of the requests a test holds its slots with: as many as the context leaves after their
+        prompts, so that none ends on its own while the test still counts on it being busy."""
         return self.max_seq_len - 64
 
 

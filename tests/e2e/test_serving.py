@@ -258,8 +258,7 @@ def test_decoupled_model_errors_end_with_final(server):
 
 
 def test_cancellation_frees_the_slots(server, e2e):
-    """stop_stream(cancel_requests=True) on requests to the decoupled model aborts them at the next
-    engine step: a request queued behind them starts at once."""
+    """stop_stream(cancel_requests=True) aborts the decoupled model's requests at its next step: their slots free."""
     before = {reason: finished(server, reason) for reason in FINISH_REASONS}
     streams = slot_filling_streams(server, e2e)
     try:
@@ -308,9 +307,10 @@ def test_a_full_queue_answers_unavailable_and_the_server_keeps_serving(server, e
     quick_request_works(server)
 
 
-def test_closing_an_http_stream_cancels_it(server):
+def test_closing_an_http_stream_cancels_it(server, e2e):
     aborted_before = finished(server, "abort")
-    deltas = http_generate_stream(server.http_url, "llm_none", "Count to 1000.", max_tokens=200, ignore_eos=True)
+    deltas = http_generate_stream(server.http_url, "llm_none", "Count to 1000.", max_tokens=e2e.long_request_tokens,
+                                  ignore_eos=True)
     next(deltas)
     deltas.close()  # closes the connection
     assert wait_for(lambda: finished(server, "abort") > aborted_before, 15), "closing the SSE stream did not abort"
