@@ -66,6 +66,7 @@ def decode_pace(queues: list[queue.SimpleQueue], pace_s: float = 0.5) -> tuple[f
             results.get()
             n += 1
         counts.append(n)
+    assert min(counts) > 1, f"a stream got no response in {pace_s} s: {counts}"
     return (min(counts) - 1) / pace_s, max(counts)
 
 
