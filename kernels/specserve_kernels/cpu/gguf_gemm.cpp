@@ -32,10 +32,11 @@
 // The integer layout loses what the digits do not represent and rounds each block's term once more. The caller may
 // keep fewer digits (`digits`, D): D = 1 is llama.cpp's int8 rounding of the activations (s = max |x| / 127, within
 // s / 2 of each x, about 2^-8 of the block's largest), D = 2 within s / 2 / 254 (about 2^-16); each digit kept is
-// the same as with three, and the combination uses the kept sums only. A pass then multiplies up to 8 rows with one
-// digit on the 32-register kernels (a third of the integer work per row frees the registers), else up to 4.
+// the same as with three, and the combination uses the kept sums only. A pass then multiplies up to 12 rows with
+// one digit on the 32-register kernels (a third of the integer work per row frees the registers: 12 sums and 12
+// accumulators), else up to 4.
 //
-// Both layouts: a pass multiplies a panel by up to 4 rows (8 in the integer layout with one digit); more rows take
+// Both layouts: a pass multiplies a panel by up to 4 rows (12 in the integer layout with one digit); more rows take
 // further passes over the panel, which is then in L1 / L2. The float layout dequantizes a panel in registers for up
 // to 4 rows; from 5 rows it dequantizes the panel once into a float32 scratch panel (the same values) and multiplies
 // it by up to 3 rows a pass, all 16 columns at once, so a verification or a prompt pays the dequantization once
@@ -427,7 +428,7 @@ inline void int_tile(const int8_t* digits, const BlockTerms* terms, int64_t bloc
   constexpr bool kSplit = MR == 1 && kQuads == 2;
   const int64_t row_digits = blocks * digit_bytes(D);
   F acc[MR][G];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 2
     for (int g = 0; g < G; ++g) acc[m][g] = V::zero();
@@ -437,7 +438,7 @@ inline void int_tile(const int8_t* digits, const BlockTerms* terms, int64_t bloc
     if constexpr (H0 == 0) prefetch_record(rec + kIntPrefetchBlocks * R, R);
     const int8_t* a = digits + b * digit_bytes(D);
     I sum[D][MR][G];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 3
       for (int j = 0; j < D; ++j)
@@ -451,7 +452,7 @@ inline void int_tile(const int8_t* digits, const BlockTerms* terms, int64_t bloc
 #pragma GCC unroll 2
         for (int g = 0; g < G; ++g) odd[j][g] = V::splat_int(0);
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int c = 0; c < kChunks; ++c) {
       I w[G][kQuads];
 #pragma GCC unroll 2
@@ -466,7 +467,7 @@ inline void int_tile(const int8_t* digits, const BlockTerms* terms, int64_t bloc
       }
 #pragma GCC unroll 2
       for (int h = 0; h < kQuads; ++h)
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 3
           for (int j = 0; j < D; ++j) {
@@ -491,7 +492,7 @@ inline void int_tile(const int8_t* digits, const BlockTerms* terms, int64_t bloc
     for (int g = 0; g < G; ++g) {
       const F d = V::halves(rec + 2 * V::kCols * (H0 + g));
       const F mq = Q == kQ4_1 ? V::halves(rec + 32 + 2 * V::kCols * (H0 + g)) : d;
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
         const BlockTerms& t = terms[m * blocks + b];
         F v = V::to_float(sum[D - 1][m][g]);
@@ -502,7 +503,7 @@ inline void int_tile(const int8_t* digits, const BlockTerms* terms, int64_t bloc
       }
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 2
     for (int g = 0; g < G; ++g) V::store(out + m * ldo + V::kCols * g, acc[m][g]);
@@ -622,9 +623,9 @@ int int_isa() {
   return isa;
 }
 
-// Rows a pass of the integer kernel multiplies: with one digit, 8 on the 32-register kernels (8 sums and 8
-// accumulators), else 4.
-constexpr int64_t kMaxIntRowsPerPass = 8;
+// Rows a pass of the integer kernel multiplies: with one digit, 12 on the 32-register kernels (12 sums and 12
+// accumulators; a tree of 9-12 rows in one pass over the weights, not two), else 4.
+constexpr int64_t kMaxIntRowsPerPass = 12;
 inline int64_t int_rows_per_pass(int isa, int D) { return D == 1 && isa >= 2 ? kMaxIntRowsPerPass : kMaxRowsPerPass; }
 
 template <int D, int Q, template <int, int, int> class E, size_t... R>
