@@ -1,9 +1,8 @@
 """Two versions of the GGUF-block kernel (`cpu/gguf_gemm.cpp`) in one process, timed alternately on SmolLM2's
 121 matrices (float layout, or `--layout int`), their outputs compared bit for bit.
 
-On a 2-core VM the speed of one process differs from the next by 20-50 %, so two builds timed in their own
-processes say little; here each version is built under its own op namespace (`specserve_a`, `specserve_b`)
-and both run in one process, best of `--repeats` alternated rounds per row count.
+Both versions run in one process (`kernel_versions`: each built under its own op namespace), best of
+`--repeats` alternated rounds per row count.
 
     .venv/bin/python bench/gguf_kernel_ab.py --before HEAD~1 [--after WORKTREE] [--tokens 1 4 8 16 45]
 
@@ -15,40 +14,17 @@ one line per row count; exits 1 if the two versions' outputs differ in any bit.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from kernel_versions import build, source_text
 
-from specserve_kernels import cpp_build, gguf_gemm
+from specserve_kernels import gguf_gemm
 
 SOURCE = "kernels/specserve_kernels/cpu/gguf_gemm.cpp"
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def source_text(rev: str) -> str:
-    if rev == "WORKTREE":
-        return (ROOT / SOURCE).read_text()
-    if rev.endswith(".cpp"):  # a variant kept outside the tree
-        return Path(rev).read_text()
-    return subprocess.run(["git", "show", f"{rev}:{SOURCE}"], cwd=ROOT, check=True, capture_output=True,
-                          text=True).stdout
-
-
-def build(tag: str, text: str, directory: Path) -> object:
-    """Builds `text` as the product builds its kernels (`cpp_build.build`, the kernel's own flags) with its ops
-    registered under `specserve_<tag>`; returns that op namespace."""
-    text = text.replace("TORCH_LIBRARY_FRAGMENT(specserve, m)", f"TORCH_LIBRARY(specserve_{tag}, m)")
-    text = text.replace("TORCH_LIBRARY_IMPL(specserve, CPU, m)", f"TORCH_LIBRARY_IMPL(specserve_{tag}, CPU, m)")
-    path = directory / f"gguf_gemm_{tag}.cpp"
-    path.write_text(text)
-    library = gguf_gemm._LIBRARY
-    cpp_build.build(f"gguf_gemm_{tag}", path, directory, extra_cflags=["-O3", *library.cflags, "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], is_python_module=False)
-    return getattr(torch.ops, f"specserve_{tag}")
 
 
 def main() -> int:
@@ -68,7 +44,7 @@ def main() -> int:
     args = parser.parse_args()
     layout = INT_LAYOUT if args.layout == "int" else FLOAT_LAYOUT
     with tempfile.TemporaryDirectory() as tmp:
-        ops = {name: build(name[0], source_text(rev), Path(tmp))
+        ops = {name: build(gguf_gemm._LIBRARY, "gguf_gemm", name[0], source_text(SOURCE, rev), Path(tmp))
                for name, rev in (("a_before", args.before), ("b_after", args.after))}
         model = load_llama_gguf(prepare(), layout=layout)
         linears = [m for m in model.modules() if isinstance(m, GGUFLinear)]
