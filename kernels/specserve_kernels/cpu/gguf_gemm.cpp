@@ -417,7 +417,8 @@ void split_digits(const float* x, int64_t M, int64_t K, int32_t offset, int8_t* 
 // One tile of the integer layout, written once for every vector width V: x's digits (MR rows) times G groups of
 // V::kCols columns of a panel, from group H0 on -> out (MR, G * V::kCols), leading dimension ldo. V's members
 // carry no target of their own use: the entry points below, compiled for their instruction set, inline all of
-// it (flatten), so AVX-512 instructions exist only in functions that run where the CPU has them.
+// it (flatten), so AVX-512 instructions exist only in functions that run where the CPU has them. Every loop over
+// the rows unrolls whole (16 >= kMaxIntRowsPerPass): a row loop left rolled keeps acc and sum on the stack.
 template <class V, int D, int MR, int Q, int G, int H0>
 inline void int_tile(const int8_t* digits, const BlockTerms* terms, int64_t blocks, const uint8_t* panel, float* out,
                      int64_t ldo) {
