@@ -12,7 +12,8 @@ visibility mask: no copy, no (B, 1, T, S + T) mask.
 
 Token t of request b sees entries [0, cache_lens[b]) of slot slots[b] and new token j where
 new_mask[b, t, j]; softmax in float32 with scale D^-1/2; a token that sees nothing gets zeros.
-q and the new K/V are float32, the cache float32 or bfloat16. Each token's result is computed the
+q and the new K/V are float32, the cache float32, bfloat16 or float16 (a caller with a 16-bit cache
+rounds the new K/V to it, as `runtime.compiled.slot_attend` does). Each token's result is computed the
 same way bit for bit whatever else is in the call (`cpu/slot_attention.cpp` says how), so a tree
 verification's tokens come out as their decodes would (at one vector width: `isa`).
 
@@ -33,7 +34,7 @@ import torch
 from specserve_kernels import cpp_build
 
 SOURCE = Path(__file__).with_name("cpu") / "slot_attention.cpp"
-REQUIRED_FLAGS = frozenset({"avx2", "fma"})
+REQUIRED_FLAGS = frozenset({"avx2", "fma", "f16c"})
 
 
 def _register_fake() -> None:
@@ -44,7 +45,7 @@ def _register_fake() -> None:
         return q.new_empty(b, t, hq * d)
 
 
-_LIBRARY = cpp_build.OpLibrary("specserve_slot_attention", SOURCE, REQUIRED_FLAGS, ["-mavx2", "-mfma"],
+_LIBRARY = cpp_build.OpLibrary("specserve_slot_attention", SOURCE, REQUIRED_FLAGS, ["-mavx2", "-mfma", "-mf16c"],
                                "SDPA", _register_fake)
 
 

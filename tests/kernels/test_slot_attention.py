@@ -1,5 +1,5 @@
 """The CPU attention that reads each request's prefix in place (`specserve_kernels.slot_attention`):
-against its plain-torch reference over random shapes, strides and masks (float32 and bfloat16 caches),
+against its plain-torch reference over random shapes, strides and masks (float32, bfloat16 and float16 caches),
 a tree verification's tokens bit for bit as their decodes, a request's result whatever else is in the
 call or however many threads share it, refusals with a message, the op inside an AOTInductor program, and
 both vector widths. Skipped where it cannot run."""
@@ -35,11 +35,13 @@ def case(b: int, t: int, hkv: int, group: int, d: int, max_len: int, lens: list[
 
 @settings(max_examples=40, deadline=None)
 @given(b=st.integers(1, 3), t=st.integers(1, 9), hkv=st.integers(1, 3), group=st.integers(1, 4),
-       d=st.sampled_from([8, 64, 72, 128]), data=st.data(), bf16=st.booleans())
-def test_matches_the_reference(b: int, t: int, hkv: int, group: int, d: int, data: st.DataObject, bf16: bool) -> None:
+       d=st.sampled_from([8, 64, 72, 128]), data=st.data(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_matches_the_reference(b: int, t: int, hkv: int, group: int, d: int, data: st.DataObject,
+                               dtype: torch.dtype) -> None:
     max_len = 70
     lens = data.draw(st.lists(st.integers(0, max_len), min_size=b, max_size=b))
-    inputs = case(b, t, hkv, group, d, max_len, lens, torch.bfloat16 if bf16 else torch.float32, seed=b * t + d)
+    inputs = case(b, t, hkv, group, d, max_len, lens, dtype, seed=b * t + d)
     out = SA.slot_attention(*inputs)
     assert out.shape == (b, t, hkv * group * d) and out.dtype == torch.float32
     torch.testing.assert_close(out, SA.reference(*inputs), atol=2e-6, rtol=2e-5)
@@ -54,12 +56,15 @@ def test_a_token_that_sees_nothing_gets_zeros() -> None:
     torch.testing.assert_close(out, SA.reference(q, k_new, v_new, kc, vc, slots, lens, mask), atol=2e-6, rtol=2e-5)
 
 
-def test_a_tree_verification_computes_each_token_as_its_decode() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_tree_verification_computes_each_token_as_its_decode(dtype: torch.dtype) -> None:
     """A tree of 7 nodes after a 37-entry prefix: each node's output equals, bit for bit, a decode of that
-    node alone once its ancestors sit in the cache after the prefix (where acceptance puts them)."""
+    node alone once its ancestors sit in the cache after the prefix (where acceptance puts them). With a
+    16-bit cache the new K/V come rounded to it, as the step program hands them over."""
     parents = [-1, 0, 0, 1, 1, 2, 4]  # node 0 the root, then two levels and a third
     t, hkv, group, d, prefix = len(parents), 2, 3, 64, 37
-    q, k_new, v_new, kc, vc, _, _, _ = case(1, t, hkv, group, d, 64, [prefix], torch.float32, seed=3)
+    q, k_new, v_new, kc, vc, _, _, _ = case(1, t, hkv, group, d, 64, [prefix], dtype, seed=3)
+    k_new, v_new = k_new.to(dtype).float(), v_new.to(dtype).float()
     slots, lens = torch.tensor([0]), torch.tensor([prefix])
     mask = torch.zeros(1, t, t, dtype=torch.bool)
     for node in range(t):
@@ -108,7 +113,10 @@ def test_a_token_is_computed_alike_on_any_number_of_threads(b: int, t: int) -> N
     (dict(cache_lens=torch.tensor([65])), "cache length 65 out of range"),
     (dict(new_mask=torch.ones(1, 2, 2, dtype=torch.int64)), "new_mask must be bool"),
     (dict(q=torch.zeros(1, 2, 6, 64, dtype=torch.bfloat16)), "must be float32"),
-    (dict(k_cache=torch.zeros(2, 2, 64, 64, dtype=torch.float16)), "must both be float32 or both bfloat16"),
+    (dict(k_cache=torch.zeros(2, 2, 64, 64, dtype=torch.float16)), "must both be float32, both bfloat16 or both"),
+    (dict(k_cache=torch.zeros(2, 2, 64, 64, dtype=torch.float64), v_cache=torch.zeros(2, 2, 64, 64,
+                                                                                      dtype=torch.float64)),
+     "must both be float32, both bfloat16 or both float16"),
 ])
 def test_refuses_inputs_it_cannot_serve(bad: dict, message: str) -> None:
     q, k_new, v_new, kc, vc, _, _, mask = case(1, 2, 2, 3, 64, 64, [3], torch.float32, seed=7)
@@ -149,10 +157,12 @@ torch.save({"isa": SA.isa(), "out": SA.slot_attention(*inputs)}, sys.argv[2])
 """
 
 
-def test_both_vector_widths_match_the_reference(tmp_path) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_both_vector_widths_match_the_reference(tmp_path, dtype: torch.dtype) -> None:
     """The 256-bit (AVX2) and, where this CPU has AVX-512, the 512-bit kernel (each in a process of its own:
-    the choice is made once) agree with the reference and with each other to float32 rounding."""
-    inputs = case(2, 5, 3, 3, 64, 90, [90, 41], torch.bfloat16, seed=13)
+    the choice is made once) agree with the reference and with each other to float32 rounding, on both
+    16-bit caches (each widened by its own instructions)."""
+    inputs = case(2, 5, 3, 3, 64, 90, [90, 41], dtype, seed=13)
     torch.save(inputs, tmp_path / "in.pt")
     results = {}
     for cap in ["avx2", ""]:

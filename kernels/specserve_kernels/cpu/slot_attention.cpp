@@ -2,7 +2,7 @@
 // slot of the KV cache, followed by the new tokens' own keys and values. Decode and tree verification on a CPU.
 //
 //   q      (B, T, Hq, D) float32, roped           k_new, v_new  (B, T, Hkv, D) float32, roped k
-//   k_cache, v_cache (slots, Hkv, S, D) float32 or bfloat16, entries [0, cache_lens[b]) of slot slots[b] read
+//   k_cache, v_cache (slots, Hkv, S, D) float32, bfloat16 or float16, entries [0, cache_lens[b]) of slot slots[b] read
 //   new_mask (B, T, T) bool: new token t sees new token j where new_mask[b, t, j]
 //
 // Query head h reads K/V head h / (Hq / Hkv) (grouped-query attention without repeating K/V). Softmax in
@@ -14,7 +14,9 @@
 // product with a fixed reduction tree; the softmax's sum accumulates element i into lane i mod 8 and adds the
 // lanes with a fixed tree; the output adds p_i v_i in list order. In a tree verification a token's visible new
 // tokens are its ancestors, at the positions they take once accepted, so its list is the one a decode of the same
-// token meets after they were accepted: verifying a tree computes each token as the decode would.
+// token meets after they were accepted: verifying a tree computes each token as the decode would. The new tokens'
+// K/V come as float32: where the cache is bfloat16 or float16 the caller rounds them to it first, so they are the
+// numbers a later decode reads back from the cache.
 //
 // Work is split over ATen's threads per request, K/V head and a few of that head's (query head, token) pairs (up to
 // three with 512-bit vectors, whose 32 registers hold three pairs' sums): each key and value row of the prefix is
@@ -43,6 +45,8 @@ inline __m256 widen8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+inline __m256 widen8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 // Lane j of the result: the sum of a[j]'s 8 lanes, by the same tree for every j.
 inline __m256 sum_lanes8(const __m256* a) {
   __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -68,6 +72,7 @@ struct Avx2 {
   static F splat(float v) { return _mm256_set1_ps(v); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static F load(const at::BFloat16* p) { return widen8(p); }
+  static F load(const at::Half* p) { return widen8(p); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
@@ -401,6 +406,7 @@ struct Avx512 {
     __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
+  static F load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
@@ -457,9 +463,10 @@ at::Tensor slot_attention(const at::Tensor& q_in, const at::Tensor& k_new_in, co
   const int64_t hkv = k_new.size(2);
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_new.scalar_type() == at::kFloat && v_new.scalar_type() == at::kFloat,
               "slot_attention: q, k_new and v_new must be float32");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
-              "slot_attention: the caches must both be float32 or both bfloat16");
+  const at::ScalarType cache_type = k_cache.scalar_type();
+  TORCH_CHECK(cache_type == v_cache.scalar_type() &&
+                  (cache_type == at::kFloat || cache_type == at::kBFloat16 || cache_type == at::kHalf),
+              "slot_attention: the caches must both be float32, both bfloat16 or both float16");
   TORCH_CHECK(d % 8 == 0 && hkv > 0 && hq % hkv == 0, "slot_attention: head_dim ", d,
               " must be a multiple of 8 and Hq ", hq, " a multiple of Hkv ", hkv);
   TORCH_CHECK(k_new.sizes() == v_new.sizes() && k_new.size(0) == b && k_new.size(1) == t_len && k_new.size(3) == d,
@@ -486,14 +493,17 @@ at::Tensor slot_attention(const at::Tensor& q_in, const at::Tensor& k_new_in, co
         {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)},
         {new_mask.stride(0), new_mask.stride(1), new_mask.stride(2)}, {out.stride(0), out.stride(1)},
         hq, hq / hkv, t_len, d, 1, 1};
-  const bool bf16 = k_cache.scalar_type() == at::kBFloat16, wide = use_avx512() && d % 16 == 0;
+  const bool wide = use_avx512() && d % 16 == 0;
   j.pairs = pairs_per_task(wide ? Avx512::kPairs : Avx2::kPairs, b * hkv, j.group * t_len, at::get_num_threads());
   j.chunks = (j.group * t_len + j.pairs - 1) / j.pairs;
   at::parallel_for(0, b * hkv * j.chunks, 1, [&](int64_t begin, int64_t end) {
-    if (wide) {
-      bf16 ? avx512_tasks<at::BFloat16>(j, begin, end) : avx512_tasks<float>(j, begin, end);
-    } else {
-      bf16 ? avx2_tasks<Avx2, at::BFloat16>(j, begin, end) : avx2_tasks<Avx2, float>(j, begin, end);
+    switch (cache_type) {
+      case at::kBFloat16:
+        return wide ? avx512_tasks<at::BFloat16>(j, begin, end) : avx2_tasks<Avx2, at::BFloat16>(j, begin, end);
+      case at::kHalf:
+        return wide ? avx512_tasks<at::Half>(j, begin, end) : avx2_tasks<Avx2, at::Half>(j, begin, end);
+      default:
+        return wide ? avx512_tasks<float>(j, begin, end) : avx2_tasks<Avx2, float>(j, begin, end);
     }
   });
   return out;
