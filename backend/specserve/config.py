@@ -366,6 +366,11 @@ class EngineConfig:
     gguf_activations: str = knob("auto", choices=("auto", "q8", "q16", "float32"), help="load_format gguf: each "
                                  "block of 32 activations rounded to 8 or 16 bits of its largest (q8: llama.cpp's) or "
                                  "kept at float32's precision; auto = q8 where the compiled CPU programs run")
+    kv_cache_dtype: str = knob("auto", choices=(*DTYPES, "auto"),
+                               help="the numbers the KV cache keeps (vLLM's name): auto = dtype; on a CPU float16 or "
+                                    "bfloat16 halve what a decode reads of a float32 model's cache (llama.cpp's cache "
+                                    "is float16), a new token's K/V rounded to it before any token attends to them; "
+                                    "on CUDA only dtype")
     spec: SpecConfig = field(default_factory=SpecConfig)
     num_threads: int | None = knob(None, help="torch intra-op threads (empty = torch's default)")
     attention_backend: str = knob("auto", choices=ATTENTION_BACKENDS,
@@ -445,6 +450,11 @@ class EngineConfig:
         if self.dtype == "auto":
             object.__setattr__(self, "dtype", auto_dtype(self.device))
         check_choices(self)
+        if self.kv_cache_dtype == "auto":
+            object.__setattr__(self, "kv_cache_dtype", self.dtype)
+        if self.device != "cpu" and self.kv_cache_dtype != self.dtype:
+            raise ValueError(f"kv_cache_dtype: on {self.device} the cache keeps dtype's numbers ({self.dtype}), "
+                             f"not {self.kv_cache_dtype}")
         for name in ("max_batch_size", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
@@ -474,6 +484,12 @@ class EngineConfig:
         import torch
 
         return getattr(torch, self.dtype)
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.kv_cache_dtype)
 
     @property
     def compile_cache_path(self) -> Path:

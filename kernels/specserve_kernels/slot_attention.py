@@ -12,8 +12,8 @@ visibility mask: no copy, no (B, 1, T, S + T) mask.
 
 Token t of request b sees entries [0, cache_lens[b]) of slot slots[b] and new token j where
 new_mask[b, t, j]; softmax in float32 with scale D^-1/2; a token that sees nothing gets zeros.
-q and the new K/V are float32, the cache float32, bfloat16 or float16 (a caller with a 16-bit cache
-rounds the new K/V to it, as `runtime.compiled.slot_attend` does). Each token's result is computed the
+q and the new K/V are float32, the cache float32, bfloat16 or float16 (the new K/V are then first rounded
+to it, as the cache will keep them). Each token's result is computed the
 same way bit for bit whatever else is in the call (`cpu/slot_attention.cpp` says how), so a tree
 verification's tokens come out as their decodes would (at one vector width: `isa`).
 
@@ -83,6 +83,7 @@ def reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache
               v_cache: torch.Tensor, slots: torch.Tensor, cache_lens: torch.Tensor,
               new_mask: torch.Tensor) -> torch.Tensor:
     """`slot_attention` in plain torch, float32, one request at a time (no bit-for-bit promise)."""
+    k_new, v_new = k_new.to(k_cache.dtype), v_new.to(v_cache.dtype)  # as the cache will keep them
     b, t, hq, d = q.shape
     group = hq // k_new.shape[2]
     out = q.new_zeros(b, t, hq, d)

@@ -59,12 +59,11 @@ def test_a_token_that_sees_nothing_gets_zeros() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_tree_verification_computes_each_token_as_its_decode(dtype: torch.dtype) -> None:
     """A tree of 7 nodes after a 37-entry prefix: each node's output equals, bit for bit, a decode of that
-    node alone once its ancestors sit in the cache after the prefix (where acceptance puts them). With a
-    16-bit cache the new K/V come rounded to it, as the step program hands them over."""
+    node alone once its ancestors sit in the cache after the prefix (where acceptance puts them, rounded to
+    a 16-bit cache as the op rounds the tree's new K/V)."""
     parents = [-1, 0, 0, 1, 1, 2, 4]  # node 0 the root, then two levels and a third
     t, hkv, group, d, prefix = len(parents), 2, 3, 64, 37
     q, k_new, v_new, kc, vc, _, _, _ = case(1, t, hkv, group, d, 64, [prefix], dtype, seed=3)
-    k_new, v_new = k_new.to(dtype).float(), v_new.to(dtype).float()
     slots, lens = torch.tensor([0]), torch.tensor([prefix])
     mask = torch.zeros(1, t, t, dtype=torch.bool)
     for node in range(t):

@@ -204,17 +204,21 @@ def test_the_step_attention_is_the_in_place_kernel_where_it_runs(tiny_target_dir
     assert choose_step_attention(_cache(model), tmp_path) == kernel
     assert choose_step_attention(_cache(model), tmp_path, "sdpa") == "sdpa"
     half = KVCache(model.cfg, 2, 32, torch.float16, "cpu")
-    assert choose_step_attention(half, tmp_path) == "sdpa"
+    assert choose_step_attention(half, tmp_path) == kernel
+    wide = KVCache(model.cfg, 2, 32, torch.float64, "cpu")
+    assert choose_step_attention(wide, tmp_path) == "sdpa"
 
 
 @pytest.mark.skipif(not slot_attention.load(), reason="the in-place attention kernel does not run here")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_in_place_attention_computes_the_step_as_sdpa_does(tiny_target_dir, dtype):
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                (torch.float32, torch.float16)])
+def test_in_place_attention_computes_the_step_as_sdpa_does(tiny_target_dir, dtype, cache_dtype):
     """The step program's forward, eagerly, with the in-place kernel and with SDPA over gathered keys: a
     tree of 4 tokens after cached prefixes of different lengths, in slots out of order; bf16 models too
-    (their cache bf16, the kernel's new tokens widened to float32)."""
+    (their cache bf16, the kernel's new tokens widened to float32), and a float32 model on a float16
+    cache (kv_cache_dtype; the kernel rounds the new tokens' K/V to it first, SDPA here does not)."""
     model = load_llama(tiny_target_dir, dtype).eval()
-    cache = KVCache(model.cfg, 3, 128, dtype, "cpu")
+    cache = KVCache(model.cfg, 3, 128, cache_dtype, "cpu")
     model.init_rope(cache.max_len)
     cache.data.normal_(generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(1)
@@ -265,6 +269,31 @@ def test_compiled_engines_are_lossless(tmp_path, tiny_target_dir, compile_dir, a
     assert [eng.generate([p], params)[0].token_ids for p in prompts] == expected
     if algorithm != "none":
         assert eng.drafter is not None and sum(o.num_draft_tokens for o in eng.generate(prompts, params)) > 0
+
+
+def test_a_float16_cache_is_lossless_compiled_and_eager(tiny_target_dir, compile_dir):
+    """kv_cache_dtype float16 under a float32 model: half the cache's bytes; the compiled NGRAM engine's greedy
+    tokens equal the eager `none` engine's on the same cache, batched and alone (a tree's new K/V are rounded
+    as a later decode reads them back)."""
+    def engine(cpu_compile, algorithm):  # noqa: ANN001, ANN202
+        return Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", max_batch_size=4,
+                                   max_seq_len=128, cpu_compile=cpu_compile, compile_cache_dir=str(compile_dir),
+                                   compiled_steps="always", kv_cache_dtype="float16",
+                                   spec=SpecConfig(algorithm=algorithm, num_draft_tokens=6)))
+
+    eng, ref = engine(True, "ngram"), engine(False, "none")
+    assert eng.runner.compiled is not None and eng.cache.data.dtype == ref.cache.data.dtype == torch.float16
+    wide = Engine(EngineConfig(model_dir=str(tiny_target_dir), device="cpu", dtype="float32", max_batch_size=4,
+                               max_seq_len=128, cpu_compile=False))
+    assert wide.cache.nbytes == 2 * ref.cache.nbytes
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (7, 24, 11, 33)]
+    prompts[1] = prompts[1][:8] * 3  # repeats give NGRAM something to draft
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    expected = [o.token_ids for o in ref.generate(prompts, params)]
+    outputs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == expected and sum(o.num_draft_tokens for o in outputs) > 0
+    assert [eng.generate([p], params)[0].token_ids for p in prompts] == expected
 
 
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])

@@ -127,3 +127,14 @@ def test_model_config_reads_hf_fields(tmp_path):
     assert cfg.default_aux_layers() == (2, 2, 1)
     with pytest.raises(FileNotFoundError, match="^model_dir"):
         ModelConfig.from_dir(tmp_path / "nope")
+
+
+def test_the_kv_cache_keeps_the_model_dtype_unless_told_and_on_cuda_only_it():
+    assert EngineConfig(model_dir="m", device="cpu", dtype="float32").kv_cache_dtype == "float32"
+    half = EngineConfig(model_dir="m", device="cpu", dtype="float32", kv_cache_dtype="float16")
+    assert (half.kv_cache_dtype, half.dtype) == ("float16", "float32")
+    assert EngineConfig(model_dir="m", device="cuda", dtype="bfloat16").kv_cache_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="kv_cache_dtype: on cuda the cache keeps dtype's numbers"):
+        EngineConfig(model_dir="m", device="cuda", dtype="bfloat16", kv_cache_dtype="float16")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(model_dir="m", device="cpu", kv_cache_dtype="int8")

@@ -48,11 +48,11 @@ def _other(k: Knob) -> Any:
 
 def _with(base: EngineConfig, k: Knob, value: Any) -> EngineConfig:
     """The dataclass with one field changed, its `auto` fields resolved again: dtype follows the device
-    and load_format, load_format the model directory, device and dtype."""
+    and load_format, load_format the model directory, device and dtype, kv_cache_dtype the dtype."""
     if k.field in SpecConfig.__dataclass_fields__:
         return dataclasses.replace(base, spec=dataclasses.replace(base.spec, **{k.field: value}))
     unresolved = {f.name: getattr(base, f.name) for f in dataclasses.fields(EngineConfig)}
-    unresolved.update({name: "auto" for name in ("device", "dtype", "load_format")})
+    unresolved.update({name: "auto" for name in ("device", "dtype", "load_format", "kv_cache_dtype")})
     return EngineConfig(**{**unresolved, k.field: value})
 
 

@@ -107,7 +107,7 @@ class Engine:
         check_kv_cache_fits(config, self.model_config, num_slots, config.max_seq_len + max_nodes,
                             self.draft_plan.shape.num_draft_tokens, DeviceMemory.of(self.device),
                             compiled_weight_copies(self.plan))
-        self.cache = KVCache(self.model_config, num_slots, config.max_seq_len + max_nodes, config.torch_dtype,
+        self.cache = KVCache(self.model_config, num_slots, config.max_seq_len + max_nodes, config.kv_torch_dtype,
                              config.device)
         self.model.init_rope(self.cache.max_len)
         self.tokenizer = Tokenizer.from_file(f"{config.model_dir}/tokenizer.json")

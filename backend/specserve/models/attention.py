@@ -93,6 +93,7 @@ class TorchAttention:
         else:
             keys = k_cache[a.slots, :, :key_len]  # gather copy: (B, Hkv, S, D)
             values = v_cache[a.slots, :, :key_len]
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # a narrower cache (kv_cache_dtype) widened
         if a.is_causal:  # prefill of fresh sequences
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
         elif q.device.type == "cpu":  # decode / tree verify: the CPU flash kernel takes the mask and GQA as they are

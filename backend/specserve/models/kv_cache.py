@@ -1,6 +1,7 @@
 """A static KV cache: allocated once, `num_slots × max_len` token entries per layer.
 
 A request owns one slot for its lifetime; its tokens sit at positions [0, cache_len) of that slot.
+Its numbers may be narrower than the model's (`kv_cache_dtype`): written entries are rounded to them.
 This module only allocates, hands out and copies slots' entries; the model writes entries,
 verification compacts them, and `engine.prefix_cache` decides which slot a request takes.
 """

@@ -150,8 +150,8 @@ class Attention(nn.Module):
                                 self.num_heads, self.num_kv_heads)
         else:
             q, k, v = self.project(x, a.cos, a.sin)
-            k_cache[a.write_slots, :, a.write_pos] = k  # scattered per (slot, position)
-            v_cache[a.write_slots, :, a.write_pos] = v
+            k_cache[a.write_slots, :, a.write_pos] = k.to(k_cache.dtype)  # scattered per (slot, position)
+            v_cache[a.write_slots, :, a.write_pos] = v.to(v_cache.dtype)
         return self.o_proj(a.backend.attend(q, k_cache, v_cache, a))
 
 

@@ -56,6 +56,11 @@ def choose_step_matmul(module: nn.Module, cache_dir: Path, requested: str = "aut
     return "few_row_gemm"
 
 
+def compute_dtype(model: LlamaModel) -> torch.dtype:
+    """The dtype of the model's activations (its norms' weights are kept in it)."""
+    return model.norm.weight.dtype
+
+
 def readonly_attend(kv: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     new_kv: list[torch.Tensor]) -> Attend:
     """Attention over one layer's cached prefix and the new tokens, leaving the cache as it is.
@@ -68,8 +73,8 @@ def readonly_attend(kv: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, c
         b, t, _ = x.shape
         q, k, v = attn.project(x, cos, sin)  # q (B, Hq, T, D); k, v (B, T, Hkv, D)
         new_kv.append(torch.stack([k, v], dim=2))
-        keys = torch.cat([kv[0][slots], k.transpose(1, 2)], dim=2)  # (B, Hkv, S + T, D)
-        values = torch.cat([kv[1][slots], v.transpose(1, 2)], dim=2)
+        keys = torch.cat([kv[0][slots].to(k.dtype), k.transpose(1, 2)], dim=2)  # (B, Hkv, S + T, D)
+        values = torch.cat([kv[1][slots].to(v.dtype), v.transpose(1, 2)], dim=2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # (B, Hq, T, D)
         return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -86,7 +91,7 @@ def slot_attend(kv: torch.Tensor, slots: torch.Tensor, cache_lens: torch.Tensor,
         q, k, v = attn.project(x, cos, sin)  # q (B, Hq, T, D); k, v (B, T, Hkv, D)
         new_kv.append(torch.stack([k, v], dim=2))
         out = slot_attention.slot_attention(q.transpose(1, 2).float(), k.float(), v.float(), kv[0], kv[1], slots,
-                                            cache_lens, new_mask)  # the op's new tokens are float32
+                                            cache_lens, new_mask)  # float32 new K/V, rounded there to the cache
         return attn.o_proj(out.to(x.dtype))
 
     return attend
@@ -100,7 +105,7 @@ def write_new_kv(cache: KVCache, slots: torch.Tensor, write_pos: torch.Tensor, n
         t = new_kv.shape[1]
         cache.data[:, :, int(slots[0]), :, host_start : host_start + t] = new_kv[0].permute(1, 2, 3, 0, 4)
     else:
-        cache.data[:, :, slots[:, None], :, write_pos] = new_kv
+        cache.data[:, :, slots[:, None], :, write_pos] = new_kv.to(cache.data.dtype)
 
 
 def prefix_keys(cache: KVCache, s: int) -> torch.Tensor:
@@ -164,9 +169,10 @@ class ReadOnlyForward(nn.Module):
 
 def choose_step_attention(cache: KVCache, cache_dir: Path, requested: str = "auto") -> str:
     """The programs' attention: "in_place" (the CPU op reading each slot's prefix where it lies,
-    built into `cache_dir`) where it runs, the cache is float32 or bfloat16 and `requested` is "auto",
-    else "sdpa" (over gathered keys)."""
-    if (requested == "auto" and cache.data.device.type == "cpu" and cache.data.dtype in (torch.float32, torch.bfloat16)
+    built into `cache_dir`) where it runs, the cache is float32, bfloat16 or float16 and `requested` is
+    "auto", else "sdpa" (over gathered keys)."""
+    if (requested == "auto" and cache.data.device.type == "cpu"
+            and cache.data.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and slot_attention.load(cache_dir / "kernels")):
         return "in_place"
     return "sdpa"
@@ -193,10 +199,15 @@ class CompiledTarget:
                  max_tokens: int, cache_dir: Path, step_matmul: str = "auto", step_attention: str = "auto") -> None:
         self.model, self.cache, self.aux_layers = model, cache, tuple(aux_layers)
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
-        key = program_key(model.state_dict().items(), "target", tuple(cache.data.shape), self.aux_layers,
-                          max_batch_size, max_tokens, gguf_gemm.activation_digits(model))
+        key = program_key(model.state_dict().items(), "target", tuple(cache.data.shape), cache.data.dtype,
+                          self.aux_layers, max_batch_size, max_tokens, gguf_gemm.activation_digits(model))
         self.step_matmul = choose_step_matmul(model, cache_dir, step_matmul)
         self.step_attention = choose_step_attention(cache, cache_dir, step_attention)
+        if self.step_attention != "in_place" and cache.data.dtype.itemsize < compute_dtype(model).itemsize:
+            # SDPA in a program would attend to the new K/V unrounded (inductor drops a round trip through
+            # float16), so a tree's tokens would not see what their decodes read back from the cache
+            raise ValueError(f"a {cache.data.dtype} cache under a {compute_dtype(model)} model needs the in-place "
+                             "attention kernel in its programs")
         self.step_rows = TEMPLATE_STEP_ROWS if self.step_matmul == "inductor" else STEP_ROWS
         if self.step_attention == "in_place":  # both programs call the op
             key += f"-attn{slot_attention.source_digest()[:8]}"
@@ -216,9 +227,9 @@ class CompiledTarget:
             return self._export(max_tokens, True)
 
     def _export(self, max_tokens: int, with_logits: bool) -> torch.export.ExportedProgram:
-        """The prefill program (chunks of many tokens), or the step program (with_logits). On a float32 cache
+        """The prefill program (chunks of many tokens), or the step program (with_logits). In a float32 model
         both attend in place where the step program does, so that a token comes out of either bit for bit the
-        same however its prompt was chunked (as fast for prompts); a bf16 cache's prefill keeps SDPA."""
+        same however its prompt was chunked (as fast for prompts); a bf16 model's prefill keeps SDPA."""
         Dim = torch.export.Dim
         batch = Dim("batch", min=1, max=max(2, self.max_batch_size))  # a Dim spans two sizes at least
         tokens = Dim("tokens", min=1, max=max_tokens)
@@ -230,7 +241,7 @@ class CompiledTarget:
         example = (torch.zeros(b, t, **i64), torch.arange(t, **i64).expand(b, t).contiguous(), torch.zeros(b, **i64),
                    torch.zeros(b, **i64), torch.ones(b, t, t, dtype=torch.bool).tril(),
                    prefix_keys(self.cache, KEY_ALIGN))
-        in_place = self.step_attention == "in_place" and (with_logits or self.cache.data.dtype == torch.float32)
+        in_place = self.step_attention == "in_place" and (with_logits or compute_dtype(self.model) == torch.float32)
         return torch.export.export(ReadOnlyForward(self.model, self.aux_layers, with_logits, in_place).eval(), example,
                                    dynamic_shapes=dynamic, strict=False)
 

@@ -153,7 +153,7 @@ def check_kv_cache_fits(config: EngineConfig, target: ModelConfig, num_slots: in
     message says how many slots would. `memory` None: nothing to check."""
     if memory is None:
         return
-    per_slot = max_len * (kv_bytes_per_token(target, target.num_layers, config.torch_dtype)
+    per_slot = max_len * (kv_bytes_per_token(target, target.num_layers, config.kv_torch_dtype)
                           + draft_kv_bytes_per_token(config, target))
     weights = weight_copies * weight_bytes(target, config.torch_dtype)
     fixed = step_workspace_bytes(config, target, tree_tokens) + weights

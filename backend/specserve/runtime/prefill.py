@@ -122,6 +122,7 @@ class PackedAttention:
             queries = F.pad(queries, (0, 0, 0, rows - t))  # padded queries: zeros, dropped below
             # views (1, Hkv, end, D)
             keys, values = k_cache[slot : slot + 1, :, :end], v_cache[slot : slot + 1, :, :end]
+            keys, values = keys.to(q.dtype), values.to(q.dtype)  # a narrower cache (kv_cache_dtype) widened
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=mask is None,
                                                  enable_gqa=True)
             outs.append(out[:, :, :t])

@@ -14,9 +14,9 @@
 // product with a fixed reduction tree; the softmax's sum accumulates element i into lane i mod 8 and adds the
 // lanes with a fixed tree; the output adds p_i v_i in list order. In a tree verification a token's visible new
 // tokens are its ancestors, at the positions they take once accepted, so its list is the one a decode of the same
-// token meets after they were accepted: verifying a tree computes each token as the decode would. The new tokens'
-// K/V come as float32: where the cache is bfloat16 or float16 the caller rounds them to it first, so they are the
-// numbers a later decode reads back from the cache.
+// token meets after they were accepted: verifying a tree computes each token as the decode would. Where the cache
+// is bfloat16 or float16 the new tokens' K/V are first rounded to it (to nearest, ties to even, as torch writes
+// them there), so they are the numbers a later decode reads back from the cache.
 //
 // Work is split over ATen's threads per request, K/V head and a few of that head's (query head, token) pairs (up to
 // three with 512-bit vectors, whose 32 registers hold three pairs' sums): each key and value row of the prefix is
@@ -446,6 +446,35 @@ bool use_avx512() {
 
 std::string slot_attention_isa() { return use_avx512() ? "avx512" : "avx2"; }
 
+// x (float32) as a cache of `cache_type` keeps it, in float32: x itself for a float32 cache, else a rounded copy
+// (to nearest, ties to even, as torch's conversions round; NaN stays NaN).
+at::Tensor as_cached(const at::Tensor& x, at::ScalarType cache_type) {
+  if (cache_type == at::kFloat) return x;
+  const at::Tensor src = x.contiguous();
+  at::Tensor out = at::empty(src.sizes(), src.options());
+  const float* s = src.data_ptr<float>();
+  float* d = out.data_ptr<float>();
+  const int64_t n = src.numel();
+  int64_t i = 0;
+  if (cache_type == at::kHalf) {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT)));
+    for (; i < n; ++i) d[i] = static_cast<float>(static_cast<at::Half>(s[i]));
+  } else {
+    const __m256i round = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(s + i);
+      const __m256i u = _mm256_castps_si256(v);
+      const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+      const __m256 r = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(round, odd)), high));
+      _mm256_storeu_ps(d + i, _mm256_blendv_ps(r, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    }
+    for (; i < n; ++i) d[i] = static_cast<float>(static_cast<at::BFloat16>(s[i]));
+  }
+  return out;
+}
+
 // x itself where its last dimension is contiguous, else a contiguous copy.
 at::Tensor rows_of(const at::Tensor& x, const char* name, int64_t dims) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == dims, "slot_attention: ", name, " must be a CPU tensor of ", dims,
@@ -456,9 +485,9 @@ at::Tensor rows_of(const at::Tensor& x, const char* name, int64_t dims) {
 at::Tensor slot_attention(const at::Tensor& q_in, const at::Tensor& k_new_in, const at::Tensor& v_new_in,
                           const at::Tensor& k_cache_in, const at::Tensor& v_cache_in, const at::Tensor& slots,
                           const at::Tensor& cache_lens, const at::Tensor& new_mask) {
-  const at::Tensor q = rows_of(q_in, "q", 4), k_new = rows_of(k_new_in, "k_new", 4);
-  const at::Tensor v_new = rows_of(v_new_in, "v_new", 4);
-  const at::Tensor k_cache = rows_of(k_cache_in, "k_cache", 4), v_cache = rows_of(v_cache_in, "v_cache", 4);
+  const at::Tensor q = rows_of(q_in, "q", 4), k_cache = rows_of(k_cache_in, "k_cache", 4);
+  const at::Tensor v_cache = rows_of(v_cache_in, "v_cache", 4);
+  at::Tensor k_new = rows_of(k_new_in, "k_new", 4), v_new = rows_of(v_new_in, "v_new", 4);
   const int64_t b = q.size(0), t_len = q.size(1), hq = q.size(2), d = q.size(3);
   const int64_t hkv = k_new.size(2);
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_new.scalar_type() == at::kFloat && v_new.scalar_type() == at::kFloat,
@@ -467,6 +496,7 @@ at::Tensor slot_attention(const at::Tensor& q_in, const at::Tensor& k_new_in, co
   TORCH_CHECK(cache_type == v_cache.scalar_type() &&
                   (cache_type == at::kFloat || cache_type == at::kBFloat16 || cache_type == at::kHalf),
               "slot_attention: the caches must both be float32, both bfloat16 or both float16");
+  k_new = as_cached(k_new, cache_type), v_new = as_cached(v_new, cache_type);
   TORCH_CHECK(d % 8 == 0 && hkv > 0 && hq % hkv == 0, "slot_attention: head_dim ", d,
               " must be a multiple of 8 and Hq ", hq, " a multiple of Hkv ", hkv);
   TORCH_CHECK(k_new.sizes() == v_new.sizes() && k_new.size(0) == b && k_new.size(1) == t_len && k_new.size(3) == d,
