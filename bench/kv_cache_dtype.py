@@ -6,7 +6,8 @@ last one to answer: 700-900 tokens read every step); and the eager target's qual
 each, over the text of bench/grounded.jsonl and bench/chat_heldout.jsonl: perplexity, and how often its
 top token agrees with the float32 cache's along that cache's own greedy answers to the chat prompts.
 
-    .venv/bin/python bench/kv_cache_dtype.py [--num-prompts 12] [--max-new-tokens 128] [--json results/kv.json]
+    .venv/bin/python bench/kv_cache_dtype.py [--num-prompts 12] [--max-new-tokens 128] [--digits 1]
+                                             [--skip-speed] [--skip-quality] [--json results/kv.json]
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ def speed(model_dir: str, workloads: dict[str, list[str]], max_new_tokens: int) 
 
 
 @torch.inference_mode()
-def quality(model_dir, answer_tokens: int) -> dict[str, float]:  # noqa: ANN001
-    model = load_llama_gguf(model_dir, digits=1).eval()  # the served 8-bit activations
+def quality(model_dir, answer_tokens: int, digits: int) -> dict[str, float]:  # noqa: ANN001
+    model = load_llama_gguf(model_dir, digits=digits).eval()
     model.init_rope(2048)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     texts = [json.loads(line)["prompt"] for f in (GROUNDED, "bench/chat_heldout.jsonl") for line in open(f)]
@@ -110,6 +111,10 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--answer-tokens", type=int, default=64)
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--digits", type=int, default=1, choices=(1, 2, 3),
+                        help="the quality model's activation digits (1: the served 8-bit activations, whose rounding "
+                             "makes a token sensitive to the last bits of its input; 3: float32's precision)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     assert gguf_gemm.load(), "needs the GGUF kernel (x86-64 with AVX2, FMA and F16C)"
@@ -117,9 +122,11 @@ def main() -> None:
     print(describe())
     workloads = {"mtbench": load_questions("mtbench", args.num_prompts),
                  "long": long_prompts(args.num_prompts)}
-    result = {"machine": describe(), "speed": speed(str(model_dir), workloads, args.max_new_tokens)}
+    result = {"machine": describe()}
+    if not args.skip_speed:
+        result["speed"] = speed(str(model_dir), workloads, args.max_new_tokens)
     if not args.skip_quality:
-        result["quality"] = quality(model_dir, args.answer_tokens)
+        result["quality"] = quality(model_dir, args.answer_tokens, args.digits) | {"digits": args.digits}
     if args.json:
         json.dump(result, open(args.json, "w"), indent=1)
 
