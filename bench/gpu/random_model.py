@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import SHAPES  # noqa: E402 - bench/gpu's shapes
 
-from specserve.config import ModelConfig  # noqa: E402
+from specserve.model_config import ModelConfig  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-from specserve.config import EngineConfig, ModelConfig, SpecConfig
+from specserve.config import EngineConfig, SpecConfig
 from specserve.methods import method
+from specserve.model_config import ModelConfig
 from specserve.models.attention import make_attention_backend, resolve_attention
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel

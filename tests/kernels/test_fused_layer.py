@@ -35,7 +35,7 @@ def test_add_rms_norm(kernel_device, dtype, shape):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("hq", "hkv", "d", "b", "t"), [(4, 2, 16, 1, 1), (9, 3, 64, 3, 5), (2, 2, 24, 2, 4)])
 def test_rope_kv_write(kernel_device, dtype, hq, hkv, d, b, t):
-    from specserve.config import ModelConfig
+    from specserve.model_config import ModelConfig
 
     g = torch.Generator().manual_seed(hq * d + t)
     cfg = ModelConfig(vocab_size=10, hidden_size=hq * d, intermediate_size=8, num_layers=1, num_heads=hq,

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from specserve.config import ModelConfig
+from specserve.model_config import ModelConfig
 from specserve.models.attention import (
     TORCH_ATTENTION,
     TRITON_ATTENTION,

@@ -129,12 +129,13 @@ def test_a_second_build_loads_the_stored_package(tiny_target_dir, compile_dir):
     # one process loads a package once: the programs (each the model's size) are shared
     assert again.runner is first.runner and again.step_runner is first.step_runner
 
-    def key(slots=3, aux=AUX):
-        return program_key(model.state_dict().items(), "target", tuple(_cache(model, slots).data.shape), aux, 3, 64,
-                           gguf_gemm.activation_digits(model))
+    def key(slots=3, aux=AUX, dtype=torch.float32):
+        return program_key(model.state_dict().items(), "target", tuple(_cache(model, slots).data.shape), dtype, aux,
+                           3, 64, gguf_gemm.activation_digits(model))
 
     assert key() in first.path.name
     assert key(slots=5) != key()  # the cache's strides are baked in
+    assert key(dtype=torch.float16) != key()  # and its numbers
     assert key(aux=()) != key()
     before = key()
     model.layers[0].mlp.down_proj.weight.data[0, 0] += 1  # other weights, another program

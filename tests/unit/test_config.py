@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from specserve.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
+from specserve.config import EngineConfig, SamplingParams, SpecConfig
+from specserve.model_config import ModelConfig
 from specserve_kernels import MAX_NODES
 
 

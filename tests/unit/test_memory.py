@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import specserve.runtime.memory as memory
-from specserve.config import EngineConfig, ModelConfig, SpecConfig
+from specserve.config import EngineConfig, SpecConfig
 from specserve.engine.engine import Engine
+from specserve.model_config import ModelConfig
 from specserve.runtime.memory import (
     DeviceMemory,
     check_kv_cache_fits,

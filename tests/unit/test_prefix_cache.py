@@ -8,8 +8,9 @@ import pytest
 import torch
 from test_triton_model import FakeFamily, triton_model  # noqa: F401 - the fake Triton backend's fixture
 
-from specserve.config import EngineConfig, ModelConfig
+from specserve.config import EngineConfig
 from specserve.engine.prefix_cache import PrefixCache, RunningRows, common_prefix
+from specserve.model_config import ModelConfig
 from specserve.models.kv_cache import KVCache
 from specserve.runtime.prefill import PackedPrompts, PromptChunk, split_packs
 

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import specserve_kernels as K
-from specserve.config import ATTENTION_BACKENDS, ModelConfig
+from specserve.config import ATTENTION_BACKENDS
+from specserve.model_config import ModelConfig
 from specserve.models.cpu_linear import EXACT_ROWS, padded_rows
 
 log = logging.getLogger(__name__)

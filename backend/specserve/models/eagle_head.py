@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from specserve.config import ModelConfig
+from specserve.model_config import ModelConfig
 from specserve.models.cpu_linear import (
     PackedLinear,
     apply_few_rows,

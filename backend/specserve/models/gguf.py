@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specserve.config import ModelConfig
+from specserve.model_config import ModelConfig
 from specserve.models.llama import LlamaModel
 from specserve.models.weights import empty_modules
 from specserve.prepare import GGUF_NAME

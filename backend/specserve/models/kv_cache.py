@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from specserve.config import ModelConfig
+from specserve.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

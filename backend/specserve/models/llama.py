@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import specserve_kernels as K
-from specserve.config import ModelConfig
+from specserve.model_config import ModelConfig
 from specserve.models.attention import TORCH_ATTENTION, AttentionBackend, AttentionInputs
 from specserve.models.kv_cache import KVCache
 from specserve.staging import to_device

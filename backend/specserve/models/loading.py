@@ -9,7 +9,8 @@ import json
 import logging
 from pathlib import Path
 
-from specserve.config import EngineConfig, ModelConfig
+from specserve.config import EngineConfig
+from specserve.model_config import ModelConfig
 from specserve.models.gguf import load_llama_gguf
 from specserve.models.llama import LlamaModel
 from specserve.models.weights import load_llama

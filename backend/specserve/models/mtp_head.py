@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from specserve.config import ModelConfig
+from specserve.model_config import ModelConfig
 from specserve.models.cpu_linear import apply_few_rows, fastest_logits_layer
 from specserve.models.eagle_head import SharedLmHead
 from specserve.models.llama import Attend, DecoderLayer, LlamaModel, RMSNorm

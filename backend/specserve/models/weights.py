@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from specserve.config import ModelConfig
+from specserve.model_config import ModelConfig
 
 
 def read_safetensors(model_dir: str | Path) -> dict[str, torch.Tensor]:

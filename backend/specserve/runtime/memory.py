@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.config import EngineConfig, ModelConfig
+from specserve.config import EngineConfig
+from specserve.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from specserve.runtime.plan import RuntimePlan
