@@ -309,9 +309,9 @@ class EngineConfig:
                                  "kept at float32's precision; auto = q8 where the compiled CPU programs run")
     kv_cache_dtype: str = knob("auto", choices=(*DTYPES, "auto"),
                                help="the numbers the KV cache keeps (vLLM's name): auto = float16 for load_format "
-                                    "gguf (llama.cpp's cache: half the bytes a decode reads, the same top tokens), "
-                                    "else dtype; on a CPU float16 or bfloat16 under a float32 model round a new "
-                                    "token's K/V before any token attends to them; on CUDA only dtype")
+                                    "gguf with the compiled CPU programs (llama.cpp's cache: half the bytes a decode "
+                                    "reads, the same top tokens), else dtype; a narrower cache than the model's runs "
+                                    "every forward on the compiled programs where they run; on CUDA only dtype")
     spec: SpecConfig = field(default_factory=SpecConfig)
     num_threads: int | None = knob(None, help="torch intra-op threads (empty = torch's default)")
     attention_backend: str = knob("auto", choices=ATTENTION_BACKENDS,
@@ -392,7 +392,8 @@ class EngineConfig:
             object.__setattr__(self, "dtype", auto_dtype(self.device))
         check_choices(self)
         if self.kv_cache_dtype == "auto":
-            object.__setattr__(self, "kv_cache_dtype", "float16" if self.load_format == "gguf" else self.dtype)
+            narrow = self.load_format == "gguf" and self.cpu_compile  # the compiled programs' attention rounds
+            object.__setattr__(self, "kv_cache_dtype", "float16" if narrow else self.dtype)
         if self.device != "cpu" and self.kv_cache_dtype != self.dtype:
             raise ValueError(f"kv_cache_dtype: on {self.device} the cache keeps dtype's numbers ({self.dtype}), "
                              f"not {self.kv_cache_dtype}")

@@ -8,6 +8,7 @@ bf16 match rate as `lossless`.)
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specserve.config import SamplingParams
 
@@ -141,7 +142,7 @@ def test_adaptive_shapes_are_lossless(engine_factory, mtbench_prompts, reference
 def compiled_reference(engine_factory, mtbench_prompts) -> list[list[int]]:
     """`none` on the compiled target forward (as served on CPU)."""
     engine = engine_factory(cpu_compile=True, **SERVED_E2E)
-    assert engine.runner.compiled is not None
+    assert engine.runner.compiled is not None and engine.cache.data.dtype == torch.float16  # the served cache
     return [o.token_ids for o in engine.generate(mtbench_prompts, SamplingParams(max_tokens=MAX_TOKENS))]
 
 

@@ -130,10 +130,11 @@ def test_model_config_reads_hf_fields(tmp_path):
         ModelConfig.from_dir(tmp_path / "nope")
 
 
-def test_the_kv_cache_keeps_the_model_dtype_but_gguf_float16_and_on_cuda_only_dtype():
+def test_the_kv_cache_keeps_the_model_dtype_but_compiled_gguf_float16_and_on_cuda_only_dtype():
     assert EngineConfig(model_dir="m", device="cpu", dtype="float32").kv_cache_dtype == "float32"
     gguf = EngineConfig(model_dir="m", device="cpu", load_format="gguf")
     assert (gguf.kv_cache_dtype, gguf.dtype) == ("float16", "float32")  # llama.cpp's cache
+    assert EngineConfig(model_dir="m", device="cpu", load_format="gguf", cpu_compile=False).kv_cache_dtype == "float32"
     half = EngineConfig(model_dir="m", device="cpu", dtype="float32", kv_cache_dtype="float16")
     assert (half.kv_cache_dtype, half.dtype) == ("float16", "float32")
     assert EngineConfig(model_dir="m", device="cuda", dtype="bfloat16").kv_cache_dtype == "bfloat16"

@@ -27,7 +27,7 @@ from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, LlamaModel
 from specserve.runtime.compile_cache import compiled_or_none
-from specserve.runtime.compiled import CompiledTarget
+from specserve.runtime.compiled import CompiledTarget, compute_dtype
 from specserve.runtime.cuda_graph import GraphRunner, default_batch_sizes
 from specserve.runtime.paths import PathChooser
 from specserve.runtime.plan import RuntimePlan
@@ -79,7 +79,12 @@ class TargetRunner:
         digits turn the last-bit differences between the eager and the compiled forward into different tokens,
         so a verified token would not be the one a decode computes. The compiled programs compute each token
         the same bit for bit whatever else is in the call or how its prompt was chunked. Without them the
-        layers keep every digit (float32's precision), whose last-bit differences change no greedy token."""
+        layers keep every digit (float32's precision), whose last-bit differences change no greedy token.
+        A KV cache narrower than the model's numbers (`kv_cache_dtype`) needs them too where they run: its
+        rounding moves logits enough that the eager attention's last-bit differences between batch shapes
+        flip near-ties."""
+        if self.compiled is not None and self.cache.data.dtype.itemsize < compute_dtype(self.model).itemsize:
+            return True
         if all(d == gguf_gemm.EXACT_DIGITS for d in gguf_gemm.activation_digits(self.model)):
             return False
         if self.compiled is None:
