@@ -300,6 +300,7 @@ def run_bench(config: EngineConfig, dataset: str, num_prompts: int, max_new_toke
         "batch_size": batch_size,
         "max_batch_size": config.max_batch_size,  # KV-cache slots: at least batch_size; more keep more prefixes
         "dtype": config.dtype,
+        "kv_cache_dtype": str(base_engine.cache.data.dtype).removeprefix("torch."),  # the cache's numbers as built
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
         "hardware": describe(),
         "interleaved": True,

@@ -28,6 +28,7 @@ def test_report_has_the_contract_fields_and_the_profile(tmp_path, tiny_target_di
                        specs=[SpecConfig(algorithm="ngram", num_draft_tokens=4)], profile=True)
     assert report["interleaved"] and report["rotated"] and report["lockstep"] and report["num_prompts"] == 3
     assert report["steps_per_turn"] == STEPS_PER_TURN and report["hardware"]["cores"] >= 1
+    assert report["kv_cache_dtype"] == "float32"  # a safetensors target's cache keeps its dtype
     assert report["baseline_tokens_per_s"] > 0 and (report["batch_size"], report["max_batch_size"]) == (2, 2)
     row = report["runs"]["ngram"]
     for key in ("tokens_per_s", "accept_length", "speedup", "lossless", "same_output_fraction"):
