@@ -11,7 +11,10 @@ and with `--step-costs` (a `bench/cpu_step.py` JSON) the decode steps' projected
 decoding (prefill left out; `--overhead-ms` adds a step's host time to every step). `sized` lets the drafter
 size each tree as it does in the engine (`SuffixDrafter.tree_size` on those costs, its calibration updated
 as steps are verified); `best` picks at every step the budget with the most accepted tokens per unit of
-cost, knowing the answer: what a perfect size chooser would reach.
+cost, knowing the answer: what a perfect size chooser would reach. `oracle` bounds every drafter that draws
+on these stores: at every step, of the continuations after the longest match (its own text's and the shared
+store's, as the drafter weighs them), the one that agrees longest with the target's tokens, drafted alone as
+a chain of exactly the tokens it gets accepted (at most the largest budget's depth).
 
     .venv/bin/python bench/suffix_replay.py --dataset bench/repetitive.jsonl --num-prompts 120 \\
         --step-costs results/cpu_step.json --set suffix_max_spec_factor=1,2,4
@@ -32,7 +35,7 @@ from ngram_replay import StepCosts, accept_length
 
 from specserve.config import EngineConfig, SamplingParams, SpecConfig
 from specserve.draft_plan import DraftPlan
-from specserve.drafters.suffix import SuffixDrafter
+from specserve.drafters.suffix import SuffixDrafter, TokenStore
 from specserve.engine.engine import Engine
 from specserve.prepare import default_model_dir
 from specserve.prompts import load_questions, render_chat
@@ -67,7 +70,8 @@ def replay(examples: list[tuple[list[int], list[int]]], spec: SpecConfig, budget
     """Per budget (with costs also `sized` and `best`): tokens, steps, drafting steps and cost (ms) over the
     stream, each step `overhead_ms` more than its forward."""
     policies = [str(n) for n in budgets] + (["sized", "best"] if costs else [])
-    totals = {p: {"tokens": 0, "steps": 0, "drafting": 0, "ms": 0.0} for p in policies}
+    totals = {p: {"tokens": 0, "steps": 0, "drafting": 0, "ms": 0.0} for p in policies + ["oracle"]}
+    oracle(examples, spec, max(budgets), costs, overhead_ms, totals["oracle"])
     for policy in policies:
         drafter = SuffixDrafter(DraftPlan.of(replace(spec, num_draft_tokens=max(budgets))))
         if costs:  # what the engine gives the drafter: each node count's step time
@@ -98,6 +102,35 @@ def replay(examples: list[tuple[list[int], list[int]]], spec: SpecConfig, budget
             drafter.on_accept([_Sequence(rid, prompt + output)], None, [])  # its last tokens, as a finished request's
             drafter.release(rid)
     return totals
+
+
+def oracle(examples: list[tuple[list[int], list[int]]], spec: SpecConfig, budget: int, costs: StepCosts | None,
+           overhead_ms: float, total: dict[str, float]) -> None:
+    """The `oracle` policy's tokens, steps, drafting steps and cost, added to `total`: each step drafts the
+    one continuation after the longest match that agrees longest with what the target wrote."""
+    k, depth = spec.suffix_min_match, min(spec.suffix_max_depth, budget - 1)
+    shared = TokenStore(spec.suffix_cache_tokens, k, ring=True)
+    for prompt, output in examples:
+        own = TokenStore(max(2, 2 * (len(prompt) + len(output))), k, ring=False)
+        own.append(prompt + output[:1])
+        j = 1
+        while j < len(output):
+            context, truth, agreed = own.buf[: own.high], output[j:], 0
+            for store in (own, shared):
+                length, at = store.match(context, spec.suffix_max_depth)
+                if length and depth:
+                    for row in store.continuations(at, depth).tolist():
+                        agreed = max(agreed, next((i for i, (a, b) in enumerate(zip(row, truth)) if a != b),
+                                                  min(len(row), len(truth))))
+            accepted = min(1 + agreed, len(output) - j)
+            total["tokens"] += accepted
+            total["steps"] += 1
+            total["drafting"] += agreed > 0
+            total["ms"] += (costs(accepted) if costs else 1.0) + overhead_ms
+            own.append(output[j: j + accepted])
+            j += accepted
+        shared.append(prompt + output)
+        shared.close()
 
 
 def main() -> None:

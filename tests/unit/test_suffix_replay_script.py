@@ -54,3 +54,16 @@ def test_the_drafters_own_sizes_draft_the_repeat_and_pay(replay_module):
     assert plain["ms"] == pytest.approx(1.5 * outputs)  # every step pays the overhead beside its forward
     assert sized["tokens"] == outputs and 0 < sized["drafting"] < sized["steps"] < outputs
     assert sized["tokens"] / sized["ms"] > 1.2 * plain["tokens"] / plain["ms"]
+
+
+def test_the_oracle_drafts_the_repeat_in_fewer_steps_than_any_tree(replay_module):
+    first, other = _example(1), _example(2)
+    stream = [first, other, first]
+    outputs = sum(len(o) - 1 for _, o in stream)
+    totals = replay_module.replay(stream, SpecConfig(algorithm="suffix"), [1, 8], costs=None)
+    oracle = totals["oracle"]
+    assert oracle["tokens"] == outputs and 0 < oracle["drafting"] < oracle["steps"]
+    assert oracle["steps"] <= totals["8"]["steps"]
+    # alone, nothing repeats: the oracle has nothing to draft either
+    alone = replay_module.replay([first], SpecConfig(algorithm="suffix"), [8], costs=None)["oracle"]
+    assert alone["steps"] == len(first[1]) - 1 and alone["drafting"] == 0
