@@ -61,6 +61,11 @@ def compute_dtype(model: LlamaModel) -> torch.dtype:
     return model.norm.weight.dtype
 
 
+def cache_is_narrower(cache: KVCache, model: LlamaModel) -> bool:
+    """Whether the KV cache keeps fewer bits a number than the model's activations (`kv_cache_dtype`)."""
+    return cache.data.dtype.itemsize < compute_dtype(model).itemsize
+
+
 def readonly_attend(kv: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     new_kv: list[torch.Tensor]) -> Attend:
     """Attention over one layer's cached prefix and the new tokens, leaving the cache as it is.
@@ -203,7 +208,7 @@ class CompiledTarget:
                           self.aux_layers, max_batch_size, max_tokens, gguf_gemm.activation_digits(model))
         self.step_matmul = choose_step_matmul(model, cache_dir, step_matmul)
         self.step_attention = choose_step_attention(cache, cache_dir, step_attention)
-        if self.step_attention != "in_place" and cache.data.dtype.itemsize < compute_dtype(model).itemsize:
+        if self.step_attention != "in_place" and cache_is_narrower(cache, model):
             # SDPA in a program would attend to the new K/V unrounded (inductor drops a round trip through
             # float16), so a tree's tokens would not see what their decodes read back from the cache
             raise ValueError(f"a {cache.data.dtype} cache under a {compute_dtype(model)} model needs the in-place "

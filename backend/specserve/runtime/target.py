@@ -27,7 +27,7 @@ from specserve.models.cpu_linear import pack_for_inference
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import ForwardOutput, LlamaModel
 from specserve.runtime.compile_cache import compiled_or_none
-from specserve.runtime.compiled import CompiledTarget, compute_dtype
+from specserve.runtime.compiled import CompiledTarget, cache_is_narrower
 from specserve.runtime.cuda_graph import GraphRunner, default_batch_sizes
 from specserve.runtime.paths import PathChooser
 from specserve.runtime.plan import RuntimePlan
@@ -83,7 +83,7 @@ class TargetRunner:
         A KV cache narrower than the model's numbers (`kv_cache_dtype`) needs them too where they run: its
         rounding moves logits enough that the eager attention's last-bit differences between batch shapes
         flip near-ties."""
-        if self.compiled is not None and self.cache.data.dtype.itemsize < compute_dtype(self.model).itemsize:
+        if self.compiled is not None and cache_is_narrower(self.cache, self.model):
             return True
         if all(d == gguf_gemm.EXACT_DIGITS for d in gguf_gemm.activation_digits(self.model)):
             return False
