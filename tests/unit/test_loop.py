@@ -4,9 +4,11 @@ one it replaced finishes its own, also under constant load."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -106,6 +108,33 @@ def test_an_upgrade_is_built_when_ready_and_takes_new_requests():
         assert _run(loop, [3]).finish_reason == FINISH_LENGTH and loop.engine.built_on == "specserve-engine"
     finally:
         loop.shutdown()
+
+
+def test_the_replaced_engine_is_freed_when_it_is_retired():
+    """An engine's parts refer to each other: the replaced one goes with its cycles at its retirement, not
+    at the collector's next full pass (its KV cache and weights resident beside the new engine's)."""
+
+    class CyclicEngine(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.parts = {"engine": self}  # as an engine's runner, drafter and callbacks refer back to it
+
+    collecting = gc.isenabled()
+    gc.disable()  # only an explicit collection frees a cycle now
+    loop = EngineLoop(CyclicEngine)
+    try:
+        first = weakref.ref(loop.engine)
+        assert _run(loop, [1]).finish_reason == FINISH_LENGTH  # the loop has stepped it
+        loop.upgrade_when_ready(lambda: True, CyclicEngine)
+        assert loop.upgraded.wait(5)
+        deadline = time.monotonic() + 5
+        while first() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert first() is None
+    finally:
+        loop.shutdown()
+        if collecting:
+            gc.enable()
 
 
 class SlowEngine(FakeEngine):

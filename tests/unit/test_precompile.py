@@ -7,6 +7,8 @@ import json
 import time
 from types import SimpleNamespace
 
+import torch
+
 from specserve.config import EngineConfig, SpecConfig
 from specserve.engine import precompile
 from specserve.engine.engine import Engine
@@ -21,6 +23,17 @@ def test_the_eager_and_program_configs_differ_from_the_served_one_only_where_the
     assert programs.cpu_compile and programs.compiled_steps == "always" and not programs.spec.adaptive
     assert not precompile.wanted(EngineConfig(model_dir="m", device="cpu", serve_while_compiling=False))
     assert not precompile.wanted(EngineConfig(model_dir="m", device="cpu", cpu_compile=False))
+
+
+def test_the_eager_engine_keeps_the_models_numbers_in_its_kv_cache():
+    """The served GGUF engine's float16 cache (kv_cache_dtype auto) needs the compiled programs' attention: the
+    engine serving while they build keeps float32, whether the cache was chosen by auto or by name."""
+    for kv in ("auto", "float16"):
+        served = EngineConfig(model_dir="m", device="cpu", load_format="gguf", kv_cache_dtype=kv)
+        assert served.kv_cache_dtype == "float16"
+        eager = precompile.eager_config(served)
+        assert (eager.kv_cache_dtype, eager.dtype) == ("float32", "float32")
+        assert eager.kv_torch_dtype == torch.float32
 
 
 def test_the_process_fills_the_cache_the_served_engine_loads(fresh_compile_cache, tiny_target_dir):

@@ -33,6 +33,7 @@ about Triton.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import threading
@@ -89,6 +90,7 @@ class EngineLoop:
         self._upgrade: tuple[Callable[[], bool | None], Callable[[], Engine]] | None = None
         self._ready_since: float | None = None  # when `ready()` first said True while the engine was busy
         self._next_poll = 0.0
+        self._failures = 0  # engine steps failed in a row
         self._replaced: Engine | None = None  # the engine an upgrade replaced, finishing its requests
         self._retired = EngineLoad(0, 0, 0)  # the prompt counters of engines dropped after an upgrade
         self.upgraded = threading.Event()  # set once new requests go to the upgraded engine
@@ -182,10 +184,9 @@ class EngineLoop:
             return [self.engine] if self._replaced is None else [self.engine, self._replaced]
 
     def _run(self) -> None:
-        failures = 0
-        while True:
-            engines = [e for e in self._engines() if e.has_work()]
-            if not engines:
+        self._failures = 0
+        while True:  # no engine in a local here: a retired engine must have no reference left
+            if not any(e.has_work() for e in self._engines()):
                 self._retire_replaced()
                 self._report_load()  # back to idle: the gauges read zero
                 if self._stop.is_set():
@@ -197,23 +198,27 @@ class EngineLoop:
                 continue
             if self._build_upgrade(idle=False):
                 continue
-            for engine in engines:
-                try:
-                    outputs = engine.step()
-                    failures = 0
-                except Exception as e:  # noqa: BLE001 - one bad step must not stop the server
-                    failures += 1
-                    log.error("engine step failed (%d in a row):\n%s", failures, traceback.format_exc())
-                    outputs = engine.fail_running(f"engine error: {type(e).__name__}: {e}")
-                    if failures >= self.max_failed_steps:
-                        self._deliver(outputs)
-                        raise RuntimeError(
-                            f"{failures} engine steps failed in a row; last: {type(e).__name__}: {e}"
-                        ) from e
-                # the load first: a client that has a response then reads gauges that count its request
-                self._report_load()
-                self._deliver(outputs)
+            self._step_engines()
             self._retire_replaced()
+
+    def _step_engines(self) -> None:
+        """One step of each engine holding work, its outputs delivered."""
+        for engine in [e for e in self._engines() if e.has_work()]:
+            try:
+                outputs = engine.step()
+                self._failures = 0
+            except Exception as e:  # noqa: BLE001 - one bad step must not stop the server
+                self._failures += 1
+                log.error("engine step failed (%d in a row):\n%s", self._failures, traceback.format_exc())
+                outputs = engine.fail_running(f"engine error: {type(e).__name__}: {e}")
+                if self._failures >= self.max_failed_steps:
+                    self._deliver(outputs)
+                    raise RuntimeError(
+                        f"{self._failures} engine steps failed in a row; last: {type(e).__name__}: {e}"
+                    ) from e
+            # the load first: a client that has a response then reads gauges that count its request
+            self._report_load()
+            self._deliver(outputs)
 
     def _build_upgrade(self, idle: bool) -> bool:
         """Build the upgraded engine if it is due (see the module's docstring) and send new requests
@@ -249,7 +254,10 @@ class EngineLoop:
         return True
 
     def _retire_replaced(self) -> None:
-        """Drop the replaced engine once it holds no request (its prompt counters live on in the load)."""
+        """Drop the replaced engine once it holds no request (its prompt counters live on in the load),
+        and collect it at once: an engine's parts refer to each other, so without a collection its KV
+        cache and weights stayed resident beside the new engine's until the collector's next full pass
+        (seconds to minutes in a served process)."""
         old = self._replaced
         if old is None or old.has_work():
             return
@@ -261,6 +269,8 @@ class EngineLoop:
             )
         with self._lock:
             self._replaced = None
+        del old
+        gc.collect()
 
     def _report_load(self) -> None:
         """`on_step` with the engine's load, only when it changed (the gauges are an IPC each)."""

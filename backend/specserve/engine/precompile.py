@@ -44,8 +44,10 @@ def wanted(config: EngineConfig) -> bool:
 
 
 def eager_config(config: EngineConfig) -> EngineConfig:
-    """The engine that serves while the programs compile: eager forwards, the configured tree."""
-    return replace(config, cpu_compile=False, spec=replace(config.spec, adaptive=False))
+    """The engine that serves while the programs compile: eager forwards, the configured tree, and a KV cache
+    of the model's own numbers: the eager attention agrees across batch shapes to the last bits only, which a
+    narrower cache's rounding turns into different near-tie tokens (a tree's against its decodes')."""
+    return replace(config, cpu_compile=False, kv_cache_dtype=config.dtype, spec=replace(config.spec, adaptive=False))
 
 
 def program_config(config: EngineConfig) -> EngineConfig:
