@@ -253,7 +253,7 @@ def switching_server(tmp_path_factory, engine_params) -> Iterator[TritonProcess]
     """llm_none serving eagerly at once while its compiled programs build in a process of their own."""
     root = tmp_path_factory.mktemp("triton-switch")
     # no request timeout: while a cold cache compiles beside it, a long stream may take minutes; one torch
-    # thread, so the compiling process (at the lowest priority) gets a core while the streams keep it busy
+    # thread, so the compiling process (at a low priority) gets a core while the streams keep it busy
     params = engine_params | {"serve_while_compiling": "true", "request_timeout_s": "0", "num_threads": "1"}
     repo = copy_repository(default_repository(), root / "model_repository",
                            {"llm_none": params, "preprocessing": {"max_seq_len": params["max_seq_len"]}})
