@@ -184,7 +184,6 @@ class EngineLoop:
             return [self.engine] if self._replaced is None else [self.engine, self._replaced]
 
     def _run(self) -> None:
-        self._failures = 0
         while True:  # no engine in a local here: a retired engine must have no reference left
             if not any(e.has_work() for e in self._engines()):
                 self._retire_replaced()
