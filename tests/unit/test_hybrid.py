@@ -158,3 +158,12 @@ def test_the_method_row_names_the_drafters_it_combines():
     m = METHODS["hybrid"]
     assert m.combines == ("eagle3", "suffix") and m.runs_head and not m.is_head
     assert dict(m.served)["drafter_path"].endswith("llm_eagle3/drafter")
+
+
+def test_a_successor_hybrid_takes_the_suffix_store_over():
+    old, _ = hybrid()
+    old.suffix.on_accept([Seq("a", [1, 2, 3, 4, 5, 6])], None, None)
+    old.release("a")
+    new, _ = hybrid()
+    new.inherit(old)
+    assert new.suffix.shared is old.suffix.shared and (new.cached_tokens, old.cached_tokens) == (7, 0)

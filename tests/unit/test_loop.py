@@ -1,6 +1,6 @@
 """EngineLoop with a fake engine: built on its own thread, startup errors re-raised, deltas routed,
-a failing step ends only that step's requests, an upgraded engine takes new requests while the
-one it replaced finishes its own, also under constant load."""
+a failing step ends only that step's requests, an upgraded engine takes new requests (and its drafter
+what the old one's learned) while the one it replaced finishes its own, also under constant load."""
 
 from __future__ import annotations
 
@@ -18,12 +18,22 @@ from specserve.engine.loop import EngineLoop, EngineStopped
 from specserve.engine.outputs import FINISH_ERROR, FINISH_LENGTH, EngineLoad, RequestOutput
 
 
+class FakeDrafter:
+    """Records the drafter it took over from (`Drafter.inherit`)."""
+
+    inherited_from: FakeDrafter | None = None
+
+    def inherit(self, previous: FakeDrafter) -> None:
+        self.inherited_from = previous
+
+
 class FakeEngine:
     """Ends each request in one step with its prompt's first token as output; names a request it is
     given no id for from a count of its own, as `Engine` does."""
 
     def __init__(self, fail_on: int | None = None) -> None:
         self.built_on = threading.current_thread().name
+        self.drafter = FakeDrafter()
         self.pending: list[str] = []
         self.prompts: dict[str, int] = {}
         self.fail_on = fail_on  # a step holding this prompt raises
@@ -105,6 +115,7 @@ def test_an_upgrade_is_built_when_ready_and_takes_new_requests():
         release.set()
         assert done.wait(5) and loop.upgraded.wait(5)  # the old engine served it, the new one takes over
         assert loop.engine is not first and first.pending == []
+        assert loop.engine.drafter.inherited_from is first.drafter  # what it learned across requests
         assert _run(loop, [3]).finish_reason == FINISH_LENGTH and loop.engine.built_on == "specserve-engine"
     finally:
         loop.shutdown()

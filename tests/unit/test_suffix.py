@@ -191,6 +191,28 @@ def test_memory_stays_within_the_knob():
     assert not d._own  # released requests leave nothing behind
 
 
+def test_a_successor_takes_the_store_over_and_alone_reports_it():
+    """An engine replaced by a better-built one: its drafter's store passes to the new drafter, which
+    drafts from what the old one learned; the old one's requests still finishing add to the same store,
+    and only the new drafter reports it (the served gauge sums both engines)."""
+    old, new = drafter(), drafter()
+    serve(old, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    old.propose([Seq("still-open", [20, 21, 22, 23, 24, 25])])
+    new.inherit(old)
+    assert new.shared is old.shared and old.cached_tokens == 0 and new.cached_tokens == 10  # a separator each
+    assert new.propose([Seq("b", [40, 2, 3, 4, 5])])[0].tokens.tolist() == [5, 6, 7, 8, 9]
+    serve(old, "still-open", [20, 21, 22, 23, 24, 25])  # the old engine finishes its request
+    assert new.propose([Seq("c", [7, 21, 22, 23])])[0].tokens.tolist() == [23, 24, 25]
+    assert old.cached_tokens == 0 and new.cached_tokens == 17
+
+
+def test_a_store_of_another_size_is_not_taken_over():
+    old, new = drafter(suffix_cache_tokens=500), drafter()
+    serve(old, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    new.inherit(old)
+    assert new.shared is not old.shared and new.cached_tokens == 0 and old.cached_tokens == 10
+
+
 def test_knobs_are_checked():
     with pytest.raises(ValueError, match="suffix_min_match"):
         SpecConfig(algorithm="suffix", suffix_min_match=30, suffix_max_depth=24)

@@ -174,6 +174,11 @@ class Drafter:
         """Drop what earlier requests taught it (the suffix drafter's shared store; the others
         keep nothing across requests but a slot's state for prefix caching)."""
 
+    def inherit(self, previous: Drafter) -> None:
+        """Take over what `previous`, the drafter of the engine this one's replaces, learned across
+        requests (the suffix drafter's shared store: one store for both while the old engine finishes
+        its requests, reported by this drafter alone). The others keep nothing to take over."""
+
 
 class NoDrafter(Drafter):
     """algorithm=none: every tree is the root alone, so verify is plain decoding."""

@@ -195,3 +195,8 @@ class HybridDrafter(Drafter):
     def forget(self) -> None:
         self.head.forget()
         self.suffix.forget()
+
+    def inherit(self, previous: Drafter) -> None:
+        if isinstance(previous, HybridDrafter):
+            self.head.inherit(previous.head)
+            self.suffix.inherit(previous.suffix)

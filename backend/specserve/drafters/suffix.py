@@ -309,6 +309,7 @@ class SuffixDrafter(Drafter):
             raise RuntimeError("suffix drafter: the native token store is not built")
         self._store = self._native.TokenStore if self._native else TokenStore
         self.shared = self._store(spec.suffix_cache_tokens, spec.suffix_min_match, ring=True)
+        self._reports_shared = True  # False once a successor took the shared store over (`inherit`)
         self._own: dict[str, tuple[TokenStore, Hashable]] = {}  # request id -> (its tokens, its cache salt)
         self.accepted = RunningAverage(HORIZON)  # accepted drafts per row drafted ...
         self.scored = RunningAverage(HORIZON)  # ... and the shares of its verified nodes
@@ -384,11 +385,22 @@ class SuffixDrafter(Drafter):
 
     @property
     def cached_tokens(self) -> int:
-        return self.shared.num_tokens
+        return self.shared.num_tokens if self._reports_shared else 0
 
     def forget(self) -> None:
         """Drop the shared store (what earlier requests taught it)."""
         self.shared = self._store(self.spec.suffix_cache_tokens, self.spec.suffix_min_match, ring=True)
+        self._reports_shared = True
+
+    def inherit(self, previous: Drafter) -> None:
+        """Share `previous`'s store (its requests still to finish add to it) where it is of the same kind
+        and size; else keep this one's own, empty."""
+        if not isinstance(previous, SuffixDrafter) or type(previous.shared) is not type(self.shared):
+            return
+        if (previous.shared.capacity, previous.spec.suffix_min_match) != (self.shared.capacity,
+                                                                         self.spec.suffix_min_match):
+            return
+        self.shared, previous._reports_shared = previous.shared, False
 
     def _own_store(self, seq: SequenceView) -> tuple[TokenStore, Hashable]:
         """(its own store, brought up to its tokens; its cache salt)."""

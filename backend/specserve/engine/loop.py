@@ -16,7 +16,8 @@ starts on an eager engine while its compiled programs build elsewhere). Once `re
 the loop thread builds `factory()`'s engine at the next idle moment, or between two steps when no
 idle moment came within `UPGRADE_WAIT_S` (a model under constant load; its streams pause for the
 build). New requests go to the new engine at once; the old one finishes the requests it holds,
-stepped beside the new one, and is dropped when it has none left.
+stepped beside the new one, and is dropped when it has none left. The new engine's drafter takes
+over what the old one learned across requests (`Drafter.inherit`: the suffix drafter's store).
 
 Request ids. The loop names every request it submits (`req-<n>`, one count for the loop, whichever
 engine takes the request), so the engines an upgrade puts side by side never hold the same id; a
@@ -241,6 +242,7 @@ class EngineLoop:
             return True
         try:
             engine = factory()
+            engine.drafter.inherit(self.engine.drafter)  # what the old one learned across requests
         except Exception:  # noqa: BLE001 - the running engine keeps serving
             log.error("engine upgrade failed; the running engine keeps serving:\n%s", traceback.format_exc())
             return True
