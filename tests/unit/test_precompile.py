@@ -26,6 +26,15 @@ def test_the_eager_and_program_configs_differ_from_the_served_one_only_where_the
     assert not precompile.wanted(EngineConfig(model_dir="m", device="cpu", cpu_compile=False))
 
 
+def test_the_eager_engine_leaves_a_core_to_the_compiling_process_and_the_served_one_takes_it_back(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    served = precompile.with_threads(EngineConfig(model_dir="m", device="cpu"))
+    assert served.num_threads == 2 and precompile.eager_config(served).num_threads == 1
+    for threads, eager in ((1, 1), (16, 15)):  # never none
+        config = EngineConfig(model_dir="m", device="cpu", num_threads=threads)
+        assert precompile.with_threads(config) == config and precompile.eager_config(config).num_threads == eager
+
+
 def test_the_eager_engine_keeps_the_models_numbers_in_its_kv_cache():
     """The served GGUF engine's float16 cache (kv_cache_dtype auto) needs the compiled programs' attention: the
     engine serving while they build keeps float32, whether the cache was chosen by auto or by name."""

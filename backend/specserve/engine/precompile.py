@@ -5,7 +5,8 @@ at once with an eager engine meanwhile (`EngineConfig.serve_while_compiling`).
 builds the engine `config` describes with its step programs pinned and its tree fixed, so no
 start-up timing runs: building it compiles each program into the compile cache, or finds it
 there, and the process exits. An engine the server builds afterwards from the same
-config loads every program from the cache. `eager_config` is the engine that serves meanwhile.
+config loads every program from the cache. `eager_config` is the engine that serves meanwhile, on a
+core fewer (`with_threads` names the served engine's threads, which it takes back).
 A stored program that does not load is set aside and compiled again by this process
 (`runtime.compile_cache.load_or_compile`, once); where the target's programs still did not build, the
 process fails, and the server keeps its eager engine rather than compiling them on its own
@@ -43,11 +44,24 @@ def wanted(config: EngineConfig) -> bool:
         can_compile(torch.device(config.device))
 
 
+def with_threads(config: EngineConfig) -> EngineConfig:
+    """`config` with its torch threads named (torch's default where it names none): the served engine, built
+    after the eager one, takes them back."""
+    import torch
+
+    return replace(config, num_threads=config.num_threads or torch.get_num_threads())
+
+
 def eager_config(config: EngineConfig) -> EngineConfig:
     """The engine that serves while the programs compile: eager forwards, the configured tree, and a KV cache
     of the model's own numbers: the eager attention agrees across batch shapes to the last bits only, which a
-    narrower cache's rounding turns into different near-tie tokens (a tree's against its decodes')."""
-    return replace(config, cpu_compile=False, kv_cache_dtype=config.dtype, spec=replace(config.spec, adaptive=False))
+    narrower cache's rounding turns into different near-tie tokens (a tree's against its decodes'). It runs on
+    one torch thread fewer than `with_threads(config)`, leaving a core to the compiling process: beside a model
+    keeping every core busy, that process at its niceness got about a tenth of one and did not finish in 10
+    minutes (on 2 cores)."""
+    threads = max(1, with_threads(config).num_threads - 1)
+    return replace(config, cpu_compile=False, kv_cache_dtype=config.dtype, spec=replace(config.spec, adaptive=False),
+                   num_threads=threads)
 
 
 def program_config(config: EngineConfig) -> EngineConfig:

@@ -341,12 +341,15 @@ class TritonPythonModel:
                                            set_load=self.metrics.set_load)
         # on CPU: serve at once eagerly; the compiled programs build in a process of their own
         background = precompile.wanted(engine_config)
+        if background:  # the eager engine leaves a core to the compiling process; the served one takes it back
+            engine_config = precompile.with_threads(engine_config)
         first = precompile.eager_config(engine_config) if background else engine_config
         self.loop = EngineLoop(lambda: build_engine(first), on_step=self.triton_thread.load, on_stopped=self._unload)
         pb_utils.Logger.log_info(
             f"{args['model_name']}: {engine_config.spec.algorithm} on {engine_config.device}, "
             f"{engine_config.max_batch_size} slots x {engine_config.max_seq_len} tokens, "
-            f"{engine_config.dtype}, {torch.get_num_threads()} torch threads"
+            f"{engine_config.dtype}, {engine_config.num_threads or torch.get_num_threads()} torch threads"
+            + (f" ({first.num_threads} while compiling)" if background else "")
             + (": serving eagerly while its compiled programs build in the background" if background else "")
         )
         self.compiling = precompile.start(engine_config) if background else None
