@@ -8,6 +8,7 @@ import os
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from specserve.config import EngineConfig, SpecConfig
@@ -33,6 +34,25 @@ def test_the_eager_engine_leaves_a_core_to_the_compiling_process_and_the_served_
     for threads, eager in ((1, 1), (16, 15)):  # never none
         config = EngineConfig(model_dir="m", device="cpu", num_threads=threads)
         assert precompile.with_threads(config) == config and precompile.eager_config(config).num_threads == eager
+
+
+def test_where_the_programs_do_not_come_the_eager_engine_takes_its_thread_back(monkeypatch):
+    """A compiling process that failed, or a served engine that did not build: the eager engine keeps serving,
+    on every thread again; while the process runs, nothing changes."""
+    threads: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    served = EngineConfig(model_dir="m", device="cpu", num_threads=2)
+    running, failed = SimpleNamespace(poll=lambda: None), SimpleNamespace(poll=lambda: 1)
+    assert precompile.ready(running, served) is None and threads == []
+    assert precompile.ready(failed, served) is False and threads == [2]
+
+    def broken(config: EngineConfig) -> Engine:
+        raise RuntimeError("no programs")
+
+    with pytest.raises(RuntimeError, match="no programs"):
+        precompile.build_served(broken, served)
+    assert threads == [2, 2]
+    assert precompile.build_served(lambda config: "engine", served) == "engine" and threads == [2, 2]
 
 
 def test_the_eager_engine_keeps_the_models_numbers_in_its_kv_cache():

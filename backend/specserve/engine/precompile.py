@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from specserve.config import EngineConfig, engine_config
@@ -92,6 +93,31 @@ def start(config: EngineConfig) -> subprocess.Popen:
     # never below this process's own niceness (lowering it needs a privilege)
     os.setpriority(os.PRIO_PROCESS, proc.pid, max(NICENESS, os.getpriority(os.PRIO_PROCESS, 0)))
     return proc
+
+
+def ready(proc: subprocess.Popen, served: EngineConfig) -> bool | None:
+    """`finished(proc)`, asked on the engine thread: where the process failed, the eager engine keeps serving and
+    takes back the thread it left (`with_threads(served)`'s)."""
+    state = finished(proc)
+    if state is False:
+        _every_thread_again(served)
+    return state
+
+
+def build_served(build: Callable[[EngineConfig], Engine], served: EngineConfig) -> Engine:
+    """`build(served)` on the engine thread (its engine sets its own threads); where it fails, the eager engine
+    keeps serving and takes back the thread it left."""
+    try:
+        return build(served)
+    except Exception:
+        _every_thread_again(served)
+        raise
+
+
+def _every_thread_again(served: EngineConfig) -> None:
+    import torch
+
+    torch.set_num_threads(served.num_threads or torch.get_num_threads())
 
 
 def finished(proc: subprocess.Popen) -> bool | None:

@@ -357,12 +357,12 @@ class TritonPythonModel:
             started = time.monotonic()
 
             def upgraded() -> Engine:
-                engine = build_engine(engine_config)
+                engine = precompile.build_served(build_engine, engine_config)
                 pb_utils.Logger.log_info(f"{self.model_name}: switched to its compiled programs "
                                          f"{time.monotonic() - started:.0f} s after it began serving")
                 return engine
 
-            self.loop.upgrade_when_ready(lambda: precompile.finished(self.compiling), upgraded)
+            self.loop.upgrade_when_ready(lambda: precompile.ready(self.compiling, engine_config), upgraded)
         self.drain_watch = DrainWatch.from_environment(self.model_name, self._drain, self.closing)
 
     def _drain(self, timeout_s: float) -> None:
