@@ -115,9 +115,10 @@ def build_served(build: Callable[[EngineConfig], Engine], served: EngineConfig) 
 
 
 def _every_thread_again(served: EngineConfig) -> None:
+    """served: as `with_threads` names it (the eager engine's count is one fewer)."""
     import torch
 
-    torch.set_num_threads(served.num_threads or torch.get_num_threads())
+    torch.set_num_threads(served.num_threads)
 
 
 def finished(proc: subprocess.Popen) -> bool | None:
